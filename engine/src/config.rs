@@ -1,0 +1,229 @@
+//! Volley's settings: the `volley.*` namespace of DataFusion's configuration.
+//!
+//! Registered as a DataFusion config extension, so `SET volley.gpu.mode = force` works in the
+//! shell, in the library and in `.slt` files, and `SHOW ALL` lists every setting with its
+//! description. Each setting is documented in `docs/configuration.md`.
+
+use std::any::Any;
+use std::fmt;
+use std::str::FromStr;
+
+use datafusion::common::config::{ConfigEntry, ConfigExtension, ExtensionOptions};
+use datafusion::common::utils::datafusion_strsim::levenshtein;
+use datafusion::error::{DataFusionError, Result};
+use volley_kernels::DeviceSelection;
+
+/// Where operators that can run on a GPU are placed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuMode {
+    /// Never use a GPU.
+    Off,
+    /// Use a GPU where the operator is supported and the input is large enough to pay for
+    /// the trip over PCIe (`volley.gpu.min_rows`).
+    #[default]
+    Auto,
+    /// Use a GPU wherever the operator is supported, whatever the size (what tests use).
+    Force,
+}
+
+impl FromStr for GpuMode {
+    type Err = DataFusionError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "off" | "false" => Ok(Self::Off),
+            "auto" => Ok(Self::Auto),
+            "force" | "on" | "true" => Ok(Self::Force),
+            other => Err(DataFusionError::Configuration(format!(
+                "invalid value '{other}' for volley.gpu.mode (expected off, auto or force)"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for GpuMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Off => "off",
+            Self::Auto => "auto",
+            Self::Force => "force",
+        })
+    }
+}
+
+/// Volley's settings, kept in DataFusion's `ConfigOptions` under the prefix `volley`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VolleyConfig {
+    /// `volley.devices`: which devices the session may use.
+    pub devices: DeviceSelection,
+    /// `volley.gpu.mode`: off, auto or force.
+    pub gpu_mode: GpuMode,
+    /// `volley.gpu.min_rows`: in `auto` mode, inputs estimated below this many rows stay on
+    /// the CPU, where the GPU's fixed costs would dominate.
+    pub gpu_min_rows: usize,
+}
+
+impl Default for VolleyConfig {
+    fn default() -> Self {
+        Self {
+            devices: DeviceSelection::Auto,
+            gpu_mode: GpuMode::Auto,
+            gpu_min_rows: 100_000,
+        }
+    }
+}
+
+/// One setting: its key below the `volley.` prefix and its description for `SHOW ALL`.
+struct Setting {
+    key: &'static str,
+    description: &'static str,
+}
+
+const SETTINGS: &[Setting] = &[
+    Setting {
+        key: "devices",
+        description: "Devices this session may use: auto (every CUDA device), none, \
+                      cuda:0,1 (those CUDA devices) or emulated:N (N emulated devices). \
+                      Defaults to the VOLLEY_DEVICES environment variable, else auto.",
+    },
+    Setting {
+        key: "gpu.mode",
+        description: "Where operators that can run on a GPU run: off, auto (on a GPU when \
+                      supported and large enough to pay) or force (on a GPU whenever \
+                      supported).",
+    },
+    Setting {
+        key: "gpu.min_rows",
+        description: "In auto mode, inputs estimated to have fewer rows than this stay on \
+                      the CPU.",
+    },
+];
+
+impl VolleyConfig {
+    /// The defaults, with `volley.devices` taken from `VOLLEY_DEVICES` when it is set.
+    pub fn from_env() -> Result<Self> {
+        let mut config = Self::default();
+        if let Ok(devices) = std::env::var("VOLLEY_DEVICES") {
+            config
+                .set("devices", &devices)
+                .map_err(|e| DataFusionError::Configuration(format!("VOLLEY_DEVICES: {e}")))?;
+        }
+        Ok(config)
+    }
+
+    fn value_of(&self, key: &str) -> String {
+        match key {
+            "devices" => self.devices.to_string(),
+            "gpu.mode" => self.gpu_mode.to_string(),
+            "gpu.min_rows" => self.gpu_min_rows.to_string(),
+            _ => String::new(),
+        }
+    }
+
+    fn unknown_key(key: &str) -> DataFusionError {
+        let closest = SETTINGS
+            .iter()
+            .map(|s| (levenshtein(key, s.key), s.key))
+            .min()
+            .filter(|(distance, _)| *distance <= 3)
+            .map(|(_, k)| format!(" (did you mean 'volley.{k}'?)"))
+            .unwrap_or_default();
+        DataFusionError::Configuration(format!("unknown setting 'volley.{key}'{closest}"))
+    }
+}
+
+impl ExtensionOptions for VolleyConfig {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+
+    fn cloned(&self) -> Box<dyn ExtensionOptions> {
+        Box::new(self.clone())
+    }
+
+    fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        match key {
+            "devices" => {
+                self.devices = value
+                    .parse()
+                    .map_err(|e| DataFusionError::Configuration(format!("volley.devices: {e}")))?
+            }
+            "gpu.mode" => self.gpu_mode = value.parse()?,
+            "gpu.min_rows" => {
+                self.gpu_min_rows = value.trim().parse().map_err(|_| {
+                    DataFusionError::Configuration(format!(
+                        "invalid value '{value}' for volley.gpu.min_rows (expected a whole \
+                         number of rows)"
+                    ))
+                })?
+            }
+            other => return Err(Self::unknown_key(other)),
+        }
+        Ok(())
+    }
+
+    fn entries(&self) -> Vec<ConfigEntry> {
+        SETTINGS
+            .iter()
+            .map(|s| ConfigEntry {
+                key: format!("{}.{}", Self::PREFIX, s.key),
+                value: Some(self.value_of(s.key)),
+                description: s.description,
+            })
+            .collect()
+    }
+}
+
+impl ConfigExtension for VolleyConfig {
+    const PREFIX: &'static str = "volley";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_setting_can_be_set_and_is_listed() {
+        let mut c = VolleyConfig::default();
+        c.set("devices", "emulated:2").unwrap();
+        c.set("gpu.mode", "FORCE").unwrap();
+        c.set("gpu.min_rows", "10").unwrap();
+        assert_eq!(c.devices, DeviceSelection::Emulated(2));
+        assert_eq!(c.gpu_mode, GpuMode::Force);
+        assert_eq!(c.gpu_min_rows, 10);
+        let entries: Vec<_> = c
+            .entries()
+            .into_iter()
+            .map(|e| (e.key, e.value.unwrap()))
+            .collect();
+        assert_eq!(
+            entries,
+            vec![
+                ("volley.devices".to_string(), "emulated:2".to_string()),
+                ("volley.gpu.mode".to_string(), "force".to_string()),
+                ("volley.gpu.min_rows".to_string(), "10".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_values_and_keys_are_clear_errors() {
+        let mut c = VolleyConfig::default();
+        let e = c.set("gpu.mode", "fast").unwrap_err().to_string();
+        assert!(
+            e.contains("'fast'") && e.contains("off, auto or force"),
+            "{e}"
+        );
+        let e = c.set("gpu.min_rows", "-1").unwrap_err().to_string();
+        assert!(e.contains("volley.gpu.min_rows"), "{e}");
+        let e = c.set("gpu.mdoe", "off").unwrap_err().to_string();
+        assert!(e.contains("did you mean 'volley.gpu.mode'"), "{e}");
+        let e = c.set("devices", "tpu:0").unwrap_err().to_string();
+        assert!(e.contains("tpu"), "{e}");
+        assert_eq!(c, VolleyConfig::default(), "failed sets change nothing");
+    }
+}

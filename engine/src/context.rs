@@ -1,0 +1,478 @@
+//! [`VolleyContext`]: the session a program or the shell talks to.
+//!
+//! It wraps a DataFusion `SessionContext` built with Volley's settings (`volley.*`), an
+//! object-store registry that reaches `s3://`, `gs://`, `az://` and `http(s)://` locations,
+//! `information_schema` (so `SHOW ALL` and `SHOW TABLES` work) and URL tables (so
+//! `SELECT * FROM 'data/t.parquet'` works without registering anything).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use datafusion::dataframe::DataFrame;
+use datafusion::datasource::file_format::options::ArrowReadOptions;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::SessionStateBuilder;
+use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+use datafusion::logical_expr::{DdlStatement, LogicalPlan};
+use datafusion::prelude::{
+    CsvReadOptions, JsonReadOptions, ParquetReadOptions, SessionConfig, SessionContext,
+};
+use url::Url;
+
+use crate::object_store::{StoreKind, VolleyObjectStoreRegistry, build_store, take_store_options};
+use crate::{EngineError, VolleyConfig, tpch};
+
+/// The file formats Volley registers by path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableFormat {
+    /// Apache Parquet (`.parquet`).
+    Parquet,
+    /// Comma-separated values with a header row (`.csv`).
+    Csv,
+    /// Tab-separated values with a header row (`.tsv`).
+    Tsv,
+    /// Newline-delimited JSON (`.json`, `.ndjson`, `.jsonl`).
+    Json,
+    /// Arrow IPC files (`.arrow`, `.ipc`, `.feather`).
+    Arrow,
+}
+
+impl TableFormat {
+    /// The format a file name's extension announces, if any.
+    pub fn from_file_name(name: &str) -> Option<(Self, &'static str)> {
+        let lower = name.to_ascii_lowercase();
+        [
+            (".parquet", Self::Parquet),
+            (".csv", Self::Csv),
+            (".tsv", Self::Tsv),
+            (".ndjson", Self::Json),
+            (".jsonl", Self::Json),
+            (".json", Self::Json),
+            (".arrow", Self::Arrow),
+            (".ipc", Self::Arrow),
+            (".feather", Self::Arrow),
+        ]
+        .into_iter()
+        .find(|(ext, _)| lower.ends_with(ext))
+        .map(|(ext, format)| (format, ext))
+    }
+}
+
+/// A Volley session: DataFusion plans and runs the SQL, with Volley's settings, object
+/// stores and sample data.
+///
+/// ```no_run
+/// # async fn demo() -> datafusion::error::Result<()> {
+/// let ctx = volley_engine::VolleyContext::new()?;
+/// ctx.register_tpch(0.01)?;
+/// let batches = ctx.sql("SELECT count(*) FROM lineitem").await?.collect().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct VolleyContext {
+    ctx: SessionContext,
+}
+
+impl std::fmt::Debug for VolleyContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VolleyContext")
+            .field("session_id", &self.ctx.session_id())
+            .finish()
+    }
+}
+
+impl VolleyContext {
+    /// A session with Volley's defaults, taking `VOLLEY_DEVICES` from the environment.
+    pub fn new() -> Result<Self> {
+        Ok(Self::with_config(VolleyConfig::from_env()?))
+    }
+
+    /// A session with the given Volley settings and DataFusion's defaults otherwise.
+    pub fn with_config(config: VolleyConfig) -> Self {
+        Self::with_session_config(SessionConfig::new(), config)
+    }
+
+    /// A session with the given DataFusion and Volley settings.
+    pub fn with_session_config(session: SessionConfig, config: VolleyConfig) -> Self {
+        let session = session
+            .with_information_schema(true)
+            .with_option_extension(config);
+        let runtime = RuntimeEnvBuilder::new()
+            .with_object_store_registry(Arc::new(VolleyObjectStoreRegistry::new()))
+            .build_arc()
+            // Building a runtime with the default memory pool and disk manager cannot fail
+            // on a machine that can run the process at all; if it does, that is a bug.
+            .expect("the default DataFusion runtime builds");
+        let state = SessionStateBuilder::new()
+            .with_config(session)
+            .with_runtime_env(runtime)
+            .with_default_features()
+            .build();
+        Self {
+            ctx: SessionContext::new_with_state(state).enable_url_table(),
+        }
+    }
+
+    /// The DataFusion session underneath, for anything Volley does not wrap.
+    pub fn session_context(&self) -> &SessionContext {
+        &self.ctx
+    }
+
+    /// The session's current Volley settings (as changed by `SET volley.…`).
+    pub fn volley_config(&self) -> VolleyConfig {
+        self.ctx
+            .state()
+            .config()
+            .options()
+            .extensions
+            .get::<VolleyConfig>()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Plans one SQL statement and returns its result as a lazy DataFrame; DDL and `SET`
+    /// take effect at once. `CREATE EXTERNAL TABLE` on a remote location sets up its object
+    /// store from the environment and the statement's `aws.*` / `gcp.*` / `azure.*` /
+    /// `http.*` options.
+    pub async fn sql(&self, sql: &str) -> Result<DataFrame> {
+        let mut plan = self.ctx.state().create_logical_plan(sql).await?;
+        if let LogicalPlan::Ddl(DdlStatement::CreateExternalTable(cmd)) = &mut plan {
+            let store_options = take_store_options(&mut cmd.options);
+            let mut remote = false;
+            for location in &cmd.locations {
+                if let Ok(url) = Url::parse(location)
+                    && StoreKind::for_scheme(url.scheme()).is_some()
+                {
+                    let store = build_store(&url, &store_options)?;
+                    self.ctx.register_object_store(&url, store);
+                    remote = true;
+                }
+            }
+            if !remote && let Some((key, _)) = store_options.first() {
+                return Err(DataFusionError::Configuration(format!(
+                    "option '{key}' configures an object store, but '{}' is not an s3://, \
+                     gs://, az:// or http(s):// location",
+                    cmd.locations.join(", ")
+                )));
+            }
+        }
+        self.ctx.execute_logical_plan(plan).await
+    }
+
+    /// Registers a file or a folder of files as table `name`, choosing the reader from the
+    /// file extension (`.parquet`, `.csv`, `.tsv`, `.json`/`.ndjson`/`.jsonl`, `.arrow`).
+    /// A folder must hold files of one format. Remote URLs work like local paths.
+    pub async fn register_path(&self, name: &str, path: &str) -> Result<()> {
+        let (format, extension) = detect_format(path)?;
+        self.register_with_format(name, path, format, extension)
+            .await
+    }
+
+    /// Registers `path` (a file or folder) as table `name`, read as `format`.
+    pub async fn register_with_format(
+        &self,
+        name: &str,
+        path: &str,
+        format: TableFormat,
+        extension: &str,
+    ) -> Result<()> {
+        match format {
+            TableFormat::Parquet => {
+                let options = ParquetReadOptions::default().file_extension(extension);
+                self.ctx.register_parquet(name, path, options).await
+            }
+            TableFormat::Csv => {
+                let options = CsvReadOptions::new().file_extension(extension);
+                self.ctx.register_csv(name, path, options).await
+            }
+            TableFormat::Tsv => {
+                let options = CsvReadOptions::new()
+                    .delimiter(b'\t')
+                    .file_extension(extension);
+                self.ctx.register_csv(name, path, options).await
+            }
+            TableFormat::Json => {
+                let options = JsonReadOptions {
+                    file_extension: extension,
+                    newline_delimited: !local_json_is_array(path, extension),
+                    ..Default::default()
+                };
+                self.ctx.register_json(name, path, options).await
+            }
+            TableFormat::Arrow => {
+                let options = ArrowReadOptions {
+                    file_extension: extension,
+                    ..Default::default()
+                };
+                self.ctx.register_arrow(name, path, options).await
+            }
+        }
+    }
+
+    /// Generates the eight TPC-H tables at `scale_factor` in memory and registers them
+    /// (`lineitem`, `orders`, …): Volley's built-in sample data.
+    pub fn register_tpch(&self, scale_factor: f64) -> Result<()> {
+        tpch::register(&self.ctx, scale_factor)
+    }
+
+    /// The names of the tables in the current catalog and schema, sorted.
+    pub fn table_names(&self) -> Vec<String> {
+        let state = self.ctx.state();
+        let options = state.config().options();
+        let catalog = &options.catalog.default_catalog;
+        let schema = &options.catalog.default_schema;
+        let mut names = self
+            .ctx
+            .catalog(catalog)
+            .and_then(|c| c.schema(schema))
+            .map(|s| s.table_names())
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+}
+
+/// Whether a local JSON file (or the first such file in a folder) holds one JSON array
+/// rather than one object per line.
+fn local_json_is_array(path: &str, extension: &str) -> bool {
+    use std::io::Read;
+    let local = Path::new(path);
+    let file = if local.is_dir() {
+        std::fs::read_dir(local).ok().and_then(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| p.is_file() && p.to_string_lossy().ends_with(extension))
+        })
+    } else {
+        Some(local.to_path_buf())
+    };
+    let mut head = [0u8; 512];
+    let Some(n) = file
+        .and_then(|f| std::fs::File::open(f).ok())
+        .and_then(|mut f| f.read(&mut head).ok())
+    else {
+        return false;
+    };
+    head[..n].iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[')
+}
+
+/// Chooses the format of a file, or of the files in a folder, from their extensions.
+fn detect_format(path: &str) -> Result<(TableFormat, &'static str)> {
+    let unknown = |reason: &str| {
+        DataFusionError::from(EngineError::UnknownFormat {
+            path: path.to_string(),
+            reason: reason.to_string(),
+        })
+    };
+    let is_remote = Url::parse(path)
+        .ok()
+        .is_some_and(|u| StoreKind::for_scheme(u.scheme()).is_some());
+    if is_remote {
+        return TableFormat::from_file_name(path.trim_end_matches('/'))
+            .ok_or_else(|| unknown("the URL does not end in a known file extension"));
+    }
+    let local = Path::new(path);
+    if local.is_file() {
+        return TableFormat::from_file_name(path).ok_or_else(|| unknown("unknown file extension"));
+    }
+    if !local.is_dir() {
+        return Err(EngineError::NotFound(path.to_string()).into());
+    }
+    let mut found: Option<(TableFormat, &'static str)> = None;
+    let mut stack = vec![local.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let entries = std::fs::read_dir(&dir).map_err(|e| {
+            DataFusionError::External(format!("cannot read '{}': {e}", dir.display()).into())
+        })?;
+        for entry in entries.flatten() {
+            let p = entry.path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') || name.starts_with('_') {
+                continue; // hidden files and markers such as _SUCCESS
+            }
+            if let Some(this) = TableFormat::from_file_name(&name) {
+                match found {
+                    None => found = Some(this),
+                    Some(seen) if seen == this => {}
+                    Some(seen) => {
+                        return Err(unknown(&format!(
+                            "the folder holds files of two formats ({} and {})",
+                            seen.1, this.1
+                        )));
+                    }
+                }
+            }
+        }
+    }
+    found.ok_or_else(|| unknown("the folder holds no file of a known format"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::array::{Array, Int64Array};
+
+    async fn count(ctx: &VolleyContext, sql: &str) -> i64 {
+        let batches = ctx.sql(sql).await.unwrap().collect().await.unwrap();
+        let column = batches[0].column(0);
+        let counts = column.as_any().downcast_ref::<Int64Array>().unwrap();
+        counts.value(0)
+    }
+
+    #[tokio::test]
+    async fn registers_files_and_folders_of_every_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = VolleyContext::with_config(VolleyConfig::default());
+        ctx.sql("CREATE TABLE src AS VALUES (1, 'a'), (2, 'b'), (3, NULL)")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        for (ext, stored_as) in [
+            ("parquet", "PARQUET"),
+            ("csv", "CSV"),
+            ("json", "JSON"),
+            ("arrow", "ARROW"),
+        ] {
+            let file = dir.path().join(format!("one.{ext}"));
+            let folder = dir.path().join(format!("many_{ext}"));
+            std::fs::create_dir(&folder).unwrap();
+            for target in [
+                file.clone(),
+                folder.join(format!("a.{ext}")),
+                folder.join(format!("b.{ext}")),
+            ] {
+                let sql = format!("COPY src TO '{}' STORED AS {stored_as}", target.display());
+                ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+            }
+            ctx.register_path(&format!("f_{ext}"), file.to_str().unwrap())
+                .await
+                .unwrap();
+            ctx.register_path(&format!("d_{ext}"), folder.to_str().unwrap())
+                .await
+                .unwrap();
+            assert_eq!(
+                count(&ctx, &format!("SELECT count(*) FROM f_{ext}")).await,
+                3,
+                "{ext}"
+            );
+            assert_eq!(
+                count(&ctx, &format!("SELECT count(*) FROM d_{ext}")).await,
+                6,
+                "{ext}"
+            );
+        }
+        let names = ctx.table_names();
+        assert!(names.contains(&"d_parquet".to_string()) && names.contains(&"src".to_string()));
+    }
+
+    #[tokio::test]
+    async fn unknown_paths_and_formats_are_clear_errors() {
+        let ctx = VolleyContext::with_config(VolleyConfig::default());
+        let e = ctx
+            .register_path("t", "/no/such/place")
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("no such file or folder: '/no/such/place'"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("notes.txt"), "hello").unwrap();
+        let e = ctx
+            .register_path("t", dir.path().to_str().unwrap())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no file of a known format"), "{e}");
+        std::fs::write(dir.path().join("a.csv"), "x\n1\n").unwrap();
+        std::fs::write(dir.path().join("b.parquet"), "not really").unwrap();
+        let e = ctx
+            .register_path("t", dir.path().to_str().unwrap())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("two formats"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn store_options_on_local_tables_are_refused() {
+        let ctx = VolleyContext::with_config(VolleyConfig::default());
+        let e = ctx
+            .sql("CREATE EXTERNAL TABLE t STORED AS CSV LOCATION '/tmp/x.csv' OPTIONS ('aws.region' 'x')")
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("'aws.region'") && e.contains("not an s3://"),
+            "{e}"
+        );
+        let e = ctx
+            .sql("CREATE EXTERNAL TABLE t STORED AS PARQUET LOCATION 's3://b/t.parquet' OPTIONS ('aws.regin' 'x')")
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("did you mean 'aws.region'"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn settings_are_set_with_sql_and_listed() {
+        let ctx = VolleyContext::with_config(VolleyConfig::default());
+        ctx.sql("SET volley.gpu.mode = 'force'")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        assert_eq!(ctx.volley_config().gpu_mode, crate::GpuMode::Force);
+        let shown = ctx
+            .sql("SELECT value FROM information_schema.df_settings WHERE name = 'volley.gpu.mode'")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        let text = arrow::util::pretty::pretty_format_batches(&shown)
+            .unwrap()
+            .to_string();
+        assert!(text.contains("force"), "{text}");
+        let e = ctx
+            .sql("SET volley.gpu.mode = 'sideways'")
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("off, auto or force"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn tpch_sample_data_has_the_specified_cardinalities() {
+        let ctx = VolleyContext::with_config(VolleyConfig::default());
+        ctx.register_tpch(0.01).unwrap();
+        // TPC-H §4.2.5: rows per table scale with SF; lineitem's count is dbgen's.
+        for (table, rows) in [
+            ("part", 2_000),
+            ("supplier", 100),
+            ("partsupp", 8_000),
+            ("customer", 1_500),
+            ("orders", 15_000),
+            ("lineitem", 60_175),
+            ("nation", 25),
+            ("region", 5),
+        ] {
+            assert_eq!(
+                count(&ctx, &format!("SELECT count(*) FROM {table}")).await,
+                rows,
+                "{table}"
+            );
+        }
+        assert!(ctx.register_tpch(0.0).is_err());
+        assert!(ctx.register_tpch(f64::NAN).is_err());
+    }
+}

@@ -1,0 +1,38 @@
+//! The engine's error type for failures that are not DataFusion's own.
+//!
+//! Inside the engine, DataFusion's `plan_err!` / `exec_err!` are used where a query is at
+//! fault; [`EngineError`] covers the rest and converts into `DataFusionError::External`.
+
+use datafusion::error::DataFusionError;
+
+/// Errors raised by Volley's engine outside of DataFusion's own checks.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A path given to `register_path` has no format Volley can read.
+    #[error(
+        "cannot tell the format of '{path}': {reason} \
+         (use a .parquet, .csv, .tsv, .json, .ndjson or .arrow file or folder, \
+         or CREATE EXTERNAL TABLE … STORED AS …)"
+    )]
+    UnknownFormat {
+        /// The path as given.
+        path: String,
+        /// Why no format could be chosen.
+        reason: String,
+    },
+    /// A path given to `register_path` does not exist.
+    #[error("no such file or folder: '{0}'")]
+    NotFound(String),
+    /// The TPC-H scale factor is out of range.
+    #[error("TPC-H scale factor must be a number above 0 and at most 1000, got {0}")]
+    InvalidScaleFactor(f64),
+    /// The device layer refused something.
+    #[error(transparent)]
+    Device(#[from] volley_kernels::KernelError),
+}
+
+impl From<EngineError> for DataFusionError {
+    fn from(e: EngineError) -> Self {
+        DataFusionError::External(Box::new(e))
+    }
+}

@@ -1,0 +1,121 @@
+//! Volley's end-to-end test support: a sqllogictest database adapter over `VolleyContext`.
+//!
+//! Results are rendered the way our `.slt` files expect: NULL as `NULL`, an empty string as
+//! `(empty)`, every other value as Arrow displays it. Column types are `I` (integers),
+//! `R` (floats and decimals), `T` (strings) and `?` (anything else), and are checked.
+
+use std::sync::Arc;
+
+use arrow::array::{Array, RecordBatch};
+use arrow::datatypes::DataType;
+use arrow::util::display::{ArrayFormatter, FormatOptions};
+use async_trait::async_trait;
+use datafusion::error::DataFusionError;
+use sqllogictest::{AsyncDB, DBOutput, DefaultColumnType};
+use volley_engine::VolleyContext;
+
+/// What a failing statement reports to the runner.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct SltError(String);
+
+impl From<DataFusionError> for SltError {
+    fn from(e: DataFusionError) -> Self {
+        Self(e.strip_backtrace())
+    }
+}
+
+impl From<arrow::error::ArrowError> for SltError {
+    fn from(e: arrow::error::ArrowError) -> Self {
+        Self(e.to_string())
+    }
+}
+
+/// A sqllogictest database: one Volley session.
+pub struct VolleyDb {
+    ctx: VolleyContext,
+}
+
+impl VolleyDb {
+    /// Wraps a session.
+    pub fn new(ctx: VolleyContext) -> Self {
+        Self { ctx }
+    }
+}
+
+fn column_type(data_type: &DataType) -> DefaultColumnType {
+    use DataType::*;
+    match data_type {
+        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | UInt64 => {
+            DefaultColumnType::Integer
+        }
+        Float16 | Float32 | Float64 | Decimal32(..) | Decimal64(..) | Decimal128(..)
+        | Decimal256(..) => DefaultColumnType::FloatingPoint,
+        Utf8 | LargeUtf8 | Utf8View => DefaultColumnType::Text,
+        Dictionary(_, value) => column_type(value),
+        _ => DefaultColumnType::Any,
+    }
+}
+
+/// Renders result batches as rows of strings.
+pub fn render_rows(batches: &[RecordBatch]) -> Result<Vec<Vec<String>>, SltError> {
+    let options = FormatOptions::default().with_null("NULL");
+    let mut rows = Vec::new();
+    for batch in batches {
+        let formatters = batch
+            .columns()
+            .iter()
+            .map(|c| ArrayFormatter::try_new(c.as_ref(), &options))
+            .collect::<Result<Vec<_>, _>>()?;
+        for row in 0..batch.num_rows() {
+            let values = formatters
+                .iter()
+                .zip(batch.columns())
+                .map(|(f, column)| {
+                    let text = f.value(row).to_string();
+                    if text.is_empty() && column.is_valid(row) {
+                        "(empty)".to_string()
+                    } else {
+                        text
+                    }
+                })
+                .collect();
+            rows.push(values);
+        }
+    }
+    Ok(rows)
+}
+
+#[async_trait]
+impl AsyncDB for VolleyDb {
+    type Error = SltError;
+    type ColumnType = DefaultColumnType;
+
+    async fn run(&mut self, sql: &str) -> Result<DBOutput<Self::ColumnType>, Self::Error> {
+        let frame = self.ctx.sql(sql).await?;
+        let schema = Arc::new(frame.schema().as_arrow().clone());
+        let batches = frame.collect().await?;
+        if schema.fields().is_empty() {
+            return Ok(DBOutput::StatementComplete(0));
+        }
+        let types = schema
+            .fields()
+            .iter()
+            .map(|f| column_type(f.data_type()))
+            .collect();
+        Ok(DBOutput::Rows {
+            types,
+            rows: render_rows(&batches)?,
+        })
+    }
+
+    async fn shutdown(&mut self) {}
+
+    fn engine_name(&self) -> &str {
+        "volley"
+    }
+
+    async fn sleep(dur: std::time::Duration) {
+        tokio::time::sleep(dur).await;
+    }
+}
