@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# NVRTC lets the tests compile every kernel for real GPUs without one.
+nvrtc_lib="$(./scripts/install-nvrtc.sh)"
+export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -1,4 +1,5 @@
-//! The device layer's error type.
+//! The device layer's error type. Running out of device memory and device faults are
+//! ordinary, typed outcomes that callers act on (smaller chunks, or the CPU).
 
 /// Everything that can go wrong in the device layer.
 #[derive(Debug, thiserror::Error)]
@@ -14,8 +15,59 @@ pub enum KernelError {
         /// What is wrong with it.
         reason: String,
     },
-    /// The CUDA driver reported an error.
-    #[error("CUDA driver error: {0}")]
+    /// An allocation would take the device past its memory budget.
+    #[error(
+        "out of device memory on {device}: {requested} bytes requested, {in_use} of {budget} \
+         bytes in use"
+    )]
+    OutOfDeviceMemory {
+        /// The device, e.g. `emulated:0`.
+        device: String,
+        /// Bytes asked for.
+        requested: usize,
+        /// Bytes already allocated.
+        in_use: usize,
+        /// The device's byte budget.
+        budget: usize,
+    },
+    /// A fault injected on purpose (emulated devices only), to test recovery paths.
+    #[error("injected fault on {device}: {what} number {number} fails")]
+    InjectedFault {
+        /// The device.
+        device: String,
+        /// `allocation` or `launch`.
+        what: &'static str,
+        /// Which one (1-based) was made to fail.
+        number: u64,
+    },
+    /// A kernel did not complete (a divergent barrier, a bad launch configuration, …).
+    #[error("kernel {kernel} failed on {device}: {message}")]
+    LaunchFailed {
+        /// The kernel's name.
+        kernel: &'static str,
+        /// The device.
+        device: String,
+        /// What the device reported.
+        message: String,
+    },
+    /// A kernel wrote outside an allocation (found by the emulator's guard zones).
+    #[error("kernel {kernel} wrote out of bounds on {device}: {detail}")]
+    OutOfBounds {
+        /// The kernel's name.
+        kernel: &'static str,
+        /// The device.
+        device: String,
+        /// Which allocation was damaged, and where.
+        detail: String,
+    },
+    /// A data type or operation the device layer does not handle.
+    #[error("not supported on the device: {0}")]
+    Unsupported(String),
+    /// Arrow refused the data that came back from the device (a bug if it happens).
+    #[error("invalid data from the device: {0}")]
+    InvalidData(String),
+    /// The CUDA driver or NVRTC reported an error.
+    #[error("CUDA error: {0}")]
     Driver(String),
 }
 

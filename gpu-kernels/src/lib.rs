@@ -1,13 +1,31 @@
-//! Volley's device layer: which GPUs exist and how a user selects them.
+//! Volley's device layer: GPUs through CUDA, an emulated CUDA device for machines without a
+//! GPU, device memory, Arrow columns on the device, and the columnar kernels.
 //!
-//! This crate knows Arrow and CUDA but never DataFusion, so that kernels can be tested and
-//! benchmarked alone. Today it owns device selection (`VOLLEY_DEVICES` / `volley.devices`)
-//! and a panic-free probe of the CUDA devices on this machine; device memory, the emulated
-//! device and the kernels build on these (see `docs/kernels.md` once they land).
+//! This crate knows Arrow and CUDA but never DataFusion, so kernels can be tested and
+//! benchmarked alone. See `docs/kernels.md` for the device model and how to add a kernel.
+//!
+//! ```text
+//! Device ─┬─ Emulated: kernels compiled by the host C++ compiler (emu/), fibers per thread
+//!         └─ Cuda:     kernels compiled by NVRTC (listing devices and compiling today)
+//! DeviceBuffer ── bytes in a device's memory pool (budgeted)
+//! DeviceColumn / DeviceBatch ── Arrow layout on the device
+//! ops::{scan, compact, gather, hash, hash_table} ── launches of cuda/*.cu kernels
+//! ```
 
+pub mod column;
 pub mod cuda;
+pub mod device;
+mod emu;
 pub mod error;
+pub mod kernels;
+pub mod memory;
+pub mod nvrtc;
+pub mod ops;
 pub mod selection;
 
+pub use column::{DeviceBatch, DeviceColumn};
+pub use device::{Device, DeviceKind, EmulatorOptions, FaultPlan, LaunchConfig, open_devices};
 pub use error::{KernelError, Result};
+pub use kernels::Kernel;
+pub use memory::DeviceBuffer;
 pub use selection::DeviceSelection;

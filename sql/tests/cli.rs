@@ -298,3 +298,23 @@ fn interactive_shell_in_a_terminal() {
     let saved = std::fs::read_to_string(&history).unwrap_or_default();
     assert!(saved.contains("still here"), "history is kept: {saved}");
 }
+
+/// A shell without tables tells a newcomer how to load some.
+#[test]
+fn an_empty_shell_says_how_to_load_data() {
+    let mut cmd = Command::new("sh");
+    cmd.env_remove("VOLLEY_DEVICES")
+        .env("VOLLEY_HISTORY", "/dev/null")
+        .env("TERM", "xterm")
+        .args([
+            "-c",
+            "stty cols 100 rows 40 && exec \"$0\"",
+            env!("CARGO_BIN_EXE_volley"),
+        ]);
+    let mut p = rexpect::session::spawn_command(cmd, Some(60_000)).unwrap();
+    p.exp_string("No tables yet").unwrap();
+    p.exp_string("CREATE EXTERNAL TABLE").unwrap();
+    p.exp_string("volley> ").unwrap();
+    p.send_line("\\q").unwrap();
+    p.exp_eof().unwrap();
+}

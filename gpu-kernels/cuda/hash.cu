@@ -1,0 +1,116 @@
+// Row hashes of one or several columns, NULL-aware.
+//   hash_<kind>(values…, validity, n, hashes, combine)
+//     h = hash of row i's value, or NULL_HASH when the row is NULL;
+//     combine == 0: hashes[i] = h;  combine != 0: hashes[i] = hash_combine(hashes[i], h)
+//   Kinds: fixed_1/2/4/8/16 hash the value's bytes (integers, dates, timestamps, decimals);
+//   f32/f64 first make -0.0 equal to 0.0 and every NaN one NaN, as SQL grouping needs;
+//   string_o32/o64 hash the UTF-8 bytes between offsets[i] and offsets[i + 1].
+// The same functions are written in Rust in src/ops/hash.rs; the two must agree.
+#include "volley.cuh"
+
+#define NULL_HASH 0x5bd1e9955bd1e995ull
+
+__device__ __forceinline__ uint64_t fmix64(uint64_t k) {
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdull;
+    k ^= k >> 33;
+    k *= 0xc4ceb9fe1a85ec53ull;
+    k ^= k >> 33;
+    return k;
+}
+
+__device__ __forceinline__ uint64_t hash_combine(uint64_t seed, uint64_t h) {
+    return seed ^ (h + 0x9e3779b97f4a7c15ull + (seed << 6) + (seed >> 2));
+}
+
+__device__ __forceinline__ void store_hash(uint64_t* hashes, uint64_t i, uint64_t h, uint32_t combine) {
+    hashes[i] = combine ? hash_combine(hashes[i], h) : h;
+}
+
+#define HASH_FIXED(NAME, T, BYTES)                                                                  \
+    VOLLEY_KERNEL NAME(const T* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,      \
+                       uint32_t combine) {                                                          \
+        for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {                                    \
+            uint64_t h = bit_is_set(validity, i) ? fmix64((uint64_t)values[i] ^ (BYTES##ull << 56)) \
+                                                 : NULL_HASH;                                       \
+            store_hash(hashes, i, h, combine);                                                      \
+        }                                                                                           \
+    }
+
+HASH_FIXED(hash_fixed_1, uint8_t, 1)
+HASH_FIXED(hash_fixed_2, uint16_t, 2)
+HASH_FIXED(hash_fixed_4, uint32_t, 4)
+HASH_FIXED(hash_fixed_8, uint64_t, 8)
+
+VOLLEY_KERNEL hash_fixed_16(const Word128* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,
+                            uint32_t combine) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        uint64_t h = NULL_HASH;
+        if (bit_is_set(validity, i)) {
+            Word128 v = values[i];
+            h = hash_combine(fmix64(v.lo ^ (16ull << 56)), fmix64(v.hi));
+        }
+        store_hash(hashes, i, h, combine);
+    }
+}
+
+VOLLEY_KERNEL hash_f32(const uint32_t* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,
+                       uint32_t combine) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        uint64_t h = NULL_HASH;
+        if (bit_is_set(validity, i)) {
+            uint32_t bits = values[i];
+            if ((bits & 0x7fffffffu) == 0) bits = 0;                                     // -0.0
+            if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) bits = 0x7fc00000u;  // NaN
+            h = fmix64((uint64_t)bits ^ (4ull << 56));
+        }
+        store_hash(hashes, i, h, combine);
+    }
+}
+
+VOLLEY_KERNEL hash_f64(const uint64_t* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,
+                       uint32_t combine) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        uint64_t h = NULL_HASH;
+        if (bit_is_set(validity, i)) {
+            uint64_t bits = values[i];
+            if ((bits & 0x7fffffffffffffffull) == 0) bits = 0;
+            if ((bits & 0x7ff0000000000000ull) == 0x7ff0000000000000ull && (bits & 0x000fffffffffffffull))
+                bits = 0x7ff8000000000000ull;
+            h = fmix64(bits ^ (8ull << 56));
+        }
+        store_hash(hashes, i, h, combine);
+    }
+}
+
+#define HASH_STRINGS(SUFFIX, OFF)                                                                  \
+    VOLLEY_KERNEL hash_string_##SUFFIX(const OFF* offsets, const uint8_t* bytes, const uint8_t* validity, \
+                                       uint64_t n, uint64_t* hashes, uint32_t combine) {            \
+        for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {                                   \
+            uint64_t h = NULL_HASH;                                                                \
+            if (bit_is_set(validity, i)) {                                                         \
+                uint64_t fnv = 0xcbf29ce484222325ull;                                              \
+                for (OFF k = offsets[i]; k < offsets[i + 1]; ++k) {                                \
+                    fnv ^= bytes[k];                                                               \
+                    fnv *= 0x100000001b3ull;                                                       \
+                }                                                                                  \
+                h = fmix64(fnv ^ (uint64_t)(offsets[i + 1] - offsets[i]));                         \
+            }                                                                                      \
+            store_hash(hashes, i, h, combine);                                                     \
+        }                                                                                          \
+    }
+
+HASH_STRINGS(o32, int32_t)
+HASH_STRINGS(o64, int64_t)
+
+#if defined(VOLLEY_EMULATOR)
+VOLLEY_EMU_EXPORT(hash_fixed_1)
+VOLLEY_EMU_EXPORT(hash_fixed_2)
+VOLLEY_EMU_EXPORT(hash_fixed_4)
+VOLLEY_EMU_EXPORT(hash_fixed_8)
+VOLLEY_EMU_EXPORT(hash_fixed_16)
+VOLLEY_EMU_EXPORT(hash_f32)
+VOLLEY_EMU_EXPORT(hash_f64)
+VOLLEY_EMU_EXPORT(hash_string_o32)
+VOLLEY_EMU_EXPORT(hash_string_o64)
+#endif

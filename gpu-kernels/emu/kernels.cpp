@@ -1,0 +1,10 @@
+// Every kernel source compiled for the emulated device, in one translation unit.
+#define VOLLEY_EMULATOR 1
+#include "runtime.h"
+
+#include "../cuda/compact.cu"
+#include "../cuda/gather.cu"
+#include "../cuda/hash.cu"
+#include "../cuda/hash_table.cu"
+#include "../cuda/scan.cu"
+#include "../cuda/selftest.cu"

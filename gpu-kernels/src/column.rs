@@ -1,0 +1,329 @@
+//! Arrow data on a device: [`DeviceColumn`] and [`DeviceBatch`] are the device-side twins
+//! of `ArrayRef` and `RecordBatch`, in Arrow's layout:
+//!
+//! ```text
+//! fixed width   values: len × width bytes          (ints, floats, dates, times,
+//!                                                   timestamps, durations, decimal128)
+//! boolean       values: bitmap, LSB first
+//! utf8/binary   offsets: (len + 1) × i32, from 0;  values: the bytes
+//! large…        offsets: (len + 1) × i64, from 0;  values: the bytes
+//! any           validity: bitmap, LSB first, bit 0 = row 0; absent when no row is NULL
+//! ```
+//! Uploads start every buffer at row 0: sliced arrays are rebased, so kernels never see an
+//! Arrow offset. Utf8View, BinaryView and dictionaries are converted on upload (to Utf8 /
+//! Binary, or their large variants past 2 GiB, and to the dictionary's value type).
+
+use std::sync::Arc;
+
+use arrow::array::{Array, ArrayData, ArrayRef, RecordBatch, make_array};
+use arrow::buffer::{BooleanBuffer, NullBuffer};
+use arrow::compute::cast;
+use arrow::datatypes::{DataType, SchemaRef};
+
+use crate::device::Device;
+use crate::memory::DeviceBuffer;
+use crate::{KernelError, Result};
+
+/// How a data type is laid out on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Fixed-width values of this many bytes.
+    Fixed(usize),
+    /// A bitmap of booleans.
+    Bits,
+    /// Offsets of this many bytes (4 or 8) into a byte buffer.
+    Var(usize),
+}
+
+/// The device layout of `data_type`, or `None` when it must be converted first or is not
+/// supported on the device.
+pub fn layout_of(data_type: &DataType) -> Option<Layout> {
+    use DataType::*;
+    Some(match data_type {
+        Int8 | UInt8 => Layout::Fixed(1),
+        Int16 | UInt16 | Float16 => Layout::Fixed(2),
+        Int32 | UInt32 | Float32 | Date32 | Time32(_) => Layout::Fixed(4),
+        Int64 | UInt64 | Float64 | Date64 | Time64(_) | Timestamp(_, _) | Duration(_) => {
+            Layout::Fixed(8)
+        }
+        Decimal128(_, _) => Layout::Fixed(16),
+        Boolean => Layout::Bits,
+        Utf8 | Binary => Layout::Var(4),
+        LargeUtf8 | LargeBinary => Layout::Var(8),
+        _ => return None,
+    })
+}
+
+/// The type a column has on the device: itself, or what it is converted to on upload.
+pub fn device_type(data_type: &DataType, value_bytes: usize) -> Result<DataType> {
+    let large = value_bytes > i32::MAX as usize;
+    let converted = match data_type {
+        DataType::Utf8View => {
+            if large {
+                DataType::LargeUtf8
+            } else {
+                DataType::Utf8
+            }
+        }
+        DataType::BinaryView => {
+            if large {
+                DataType::LargeBinary
+            } else {
+                DataType::Binary
+            }
+        }
+        DataType::Dictionary(_, value) => return device_type(value, value_bytes),
+        other => other.clone(),
+    };
+    if layout_of(&converted).is_none() {
+        return Err(KernelError::Unsupported(format!(
+            "columns of type {data_type}"
+        )));
+    }
+    Ok(converted)
+}
+
+/// One column in device memory.
+#[derive(Debug)]
+pub struct DeviceColumn {
+    data_type: DataType,
+    len: usize,
+    values: DeviceBuffer,
+    offsets: Option<DeviceBuffer>,
+    validity: Option<DeviceBuffer>,
+}
+
+fn bitmap_bytes(len: usize) -> usize {
+    len.div_ceil(8)
+}
+
+impl DeviceColumn {
+    /// Assembles a column from device buffers in the layout above.
+    pub fn from_parts(
+        data_type: DataType,
+        len: usize,
+        values: DeviceBuffer,
+        offsets: Option<DeviceBuffer>,
+        validity: Option<DeviceBuffer>,
+    ) -> Self {
+        Self {
+            data_type,
+            len,
+            values,
+            offsets,
+            validity,
+        }
+    }
+
+    /// Copies an Arrow array to `device`.
+    pub fn upload(device: &Device, array: &dyn Array) -> Result<Self> {
+        let value_bytes = array.get_buffer_memory_size();
+        let target = device_type(array.data_type(), value_bytes)?;
+        let converted;
+        let array: &dyn Array = if &target != array.data_type() {
+            converted =
+                cast(array, &target).map_err(|e| KernelError::Unsupported(e.to_string()))?;
+            converted.as_ref()
+        } else {
+            array
+        };
+        let data = array.to_data();
+        let (len, offset) = (data.len(), data.offset());
+        let validity = match data.nulls() {
+            Some(nulls) if nulls.null_count() > 0 => {
+                let bits = nulls.inner().sliced();
+                Some(device.upload(&bits.as_slice()[..bitmap_bytes(len)])?)
+            }
+            _ => None,
+        };
+        let layout =
+            layout_of(&target).ok_or_else(|| KernelError::Unsupported(format!("{target}")))?;
+        let (values, offsets) = match layout {
+            Layout::Fixed(width) => {
+                let bytes = &data.buffers()[0].as_slice()[offset * width..(offset + len) * width];
+                (device.upload(bytes)?, None)
+            }
+            Layout::Bits => {
+                let bits = BooleanBuffer::new(data.buffers()[0].clone(), offset, len).sliced();
+                (device.upload(&bits.as_slice()[..bitmap_bytes(len)])?, None)
+            }
+            Layout::Var(4) => {
+                let all: &[i32] = data.buffers()[0].typed_data();
+                let window = &all[offset..=offset + len];
+                let first = window[0];
+                let rebased: Vec<u8> = window
+                    .iter()
+                    .flat_map(|o| (o - first).to_le_bytes())
+                    .collect();
+                let bytes = &data.buffers()[1].as_slice()[first as usize..window[len] as usize];
+                (device.upload(bytes)?, Some(device.upload(&rebased)?))
+            }
+            Layout::Var(_) => {
+                let all: &[i64] = data.buffers()[0].typed_data();
+                let window = &all[offset..=offset + len];
+                let first = window[0];
+                let rebased: Vec<u8> = window
+                    .iter()
+                    .flat_map(|o| (o - first).to_le_bytes())
+                    .collect();
+                let bytes = &data.buffers()[1].as_slice()[first as usize..window[len] as usize];
+                (device.upload(bytes)?, Some(device.upload(&rebased)?))
+            }
+        };
+        Ok(Self {
+            data_type: target,
+            len,
+            values,
+            offsets,
+            validity,
+        })
+    }
+
+    /// Copies the column back into an Arrow array.
+    pub fn to_arrow(&self) -> Result<ArrayRef> {
+        let nulls = match &self.validity {
+            Some(v) => {
+                let bits = NullBuffer::new(BooleanBuffer::new(v.to_arrow_buffer()?, 0, self.len));
+                (bits.null_count() > 0).then_some(bits)
+            }
+            None => None,
+        };
+        let mut builder = ArrayData::builder(self.data_type.clone())
+            .len(self.len)
+            .nulls(nulls);
+        if let Some(offsets) = &self.offsets {
+            builder = builder.add_buffer(offsets.to_arrow_buffer()?);
+        }
+        builder = builder.add_buffer(self.values.to_arrow_buffer()?);
+        let data = builder
+            .build()
+            .map_err(|e| KernelError::InvalidData(format!("{} column: {e}", self.data_type)))?;
+        Ok(make_array(data))
+    }
+
+    /// The column's type on the device.
+    pub fn data_type(&self) -> &DataType {
+        &self.data_type
+    }
+
+    /// Rows.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the column has no rows.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The values buffer (fixed-width values, boolean bits, or string bytes).
+    pub fn values(&self) -> &DeviceBuffer {
+        &self.values
+    }
+
+    /// The offsets buffer of a variable-width column.
+    pub fn offsets(&self) -> Option<&DeviceBuffer> {
+        self.offsets.as_ref()
+    }
+
+    /// The validity bitmap, absent when no row is NULL.
+    pub fn validity(&self) -> Option<&DeviceBuffer> {
+        self.validity.as_ref()
+    }
+
+    /// The device layout.
+    pub fn layout(&self) -> Layout {
+        layout_of(&self.data_type).unwrap_or(Layout::Fixed(1))
+    }
+
+    /// Bytes the column occupies on the device (what an upload or download moves).
+    pub fn device_bytes(&self) -> usize {
+        self.values.len()
+            + self.offsets.as_ref().map_or(0, |b| b.len())
+            + self.validity.as_ref().map_or(0, |b| b.len())
+    }
+
+    /// The device holding the column.
+    pub fn device(&self) -> &Device {
+        self.values.device()
+    }
+}
+
+/// A batch of columns on one device.
+#[derive(Debug)]
+pub struct DeviceBatch {
+    schema: SchemaRef,
+    columns: Vec<DeviceColumn>,
+    num_rows: usize,
+}
+
+impl DeviceBatch {
+    /// Copies a record batch to `device`. The schema keeps the original field names and
+    /// nullability, with the device types of converted columns.
+    pub fn upload(device: &Device, batch: &RecordBatch) -> Result<Self> {
+        let columns = batch
+            .columns()
+            .iter()
+            .map(|c| DeviceColumn::upload(device, c.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
+        let fields: Vec<_> = batch
+            .schema()
+            .fields()
+            .iter()
+            .zip(&columns)
+            .map(|(f, c)| f.as_ref().clone().with_data_type(c.data_type().clone()))
+            .collect();
+        Ok(Self {
+            schema: Arc::new(arrow::datatypes::Schema::new_with_metadata(
+                fields,
+                batch.schema().metadata().clone(),
+            )),
+            columns,
+            num_rows: batch.num_rows(),
+        })
+    }
+
+    /// Assembles a batch from columns of `num_rows` rows each.
+    pub fn try_new(schema: SchemaRef, columns: Vec<DeviceColumn>, num_rows: usize) -> Result<Self> {
+        if columns.len() != schema.fields().len() || columns.iter().any(|c| c.len() != num_rows) {
+            return Err(KernelError::InvalidData(
+                "columns do not match the schema or the row count".into(),
+            ));
+        }
+        Ok(Self {
+            schema,
+            columns,
+            num_rows,
+        })
+    }
+
+    /// Copies the batch back to the host.
+    pub fn to_record_batch(&self) -> Result<RecordBatch> {
+        let arrays = self
+            .columns
+            .iter()
+            .map(DeviceColumn::to_arrow)
+            .collect::<Result<Vec<_>>>()?;
+        RecordBatch::try_new_with_options(
+            Arc::clone(&self.schema),
+            arrays,
+            &arrow::array::RecordBatchOptions::new().with_row_count(Some(self.num_rows)),
+        )
+        .map_err(|e| KernelError::InvalidData(e.to_string()))
+    }
+
+    /// The schema (device types).
+    pub fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
+
+    /// The columns.
+    pub fn columns(&self) -> &[DeviceColumn] {
+        &self.columns
+    }
+
+    /// Rows.
+    pub fn num_rows(&self) -> usize {
+        self.num_rows
+    }
+}

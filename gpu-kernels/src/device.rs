@@ -1,0 +1,391 @@
+//! Devices: one GPU each, behind one interface for both backends.
+//!
+//! - **emulated**: the kernel sources compiled for the host (see `emu/`), with its own
+//!   memory, a byte budget, and injectable faults;
+//! - **cuda**: listed through the driver (`cuda.rs`) and compiled for with NVRTC
+//!   (`nvrtc.rs`); opening CUDA devices to run kernels is not implemented yet, and says so.
+
+use std::ffi::c_void;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::emu::{self, EmuLaunchConfig, EmuMemory};
+use crate::kernels::Kernel;
+use crate::memory::{DeviceBuffer, Pool, size_class};
+use crate::selection::DeviceSelection;
+use crate::{KernelError, Result};
+
+/// The two kinds of device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// An NVIDIA GPU through the CUDA driver.
+    Cuda,
+    /// The CUDA execution model on the host CPU.
+    Emulated,
+}
+
+/// How emulated devices are made.
+#[derive(Debug, Clone)]
+pub struct EmulatorOptions {
+    /// Bytes each device may hold at once.
+    pub memory_budget: usize,
+    /// Multiprocessors the device reports. Kept small so that grid-stride kernels launch
+    /// few blocks, which is what makes the emulator fast enough for whole-query tests.
+    pub multiprocessors: u32,
+    /// Seeds the shuffled order of threads between barriers.
+    pub seed: u64,
+    /// OS threads a launch spreads its blocks over (0: one per core).
+    pub workers: u32,
+}
+
+impl Default for EmulatorOptions {
+    fn default() -> Self {
+        Self {
+            memory_budget: 2 << 30,
+            multiprocessors: 2,
+            seed: 0x5EED,
+            workers: 0,
+        }
+    }
+}
+
+/// Faults to inject into an emulated device, counted from the moment the plan is set:
+/// `fail_allocation: Some(1)` fails the next allocation, `Some(3)` the third from now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultPlan {
+    /// Which allocation from now fails.
+    pub fail_allocation: Option<u64>,
+    /// Which launch from now fails.
+    pub fail_launch: Option<u64>,
+}
+
+/// Grid and block size of a launch (one-dimensional: every Volley kernel is).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks in the grid.
+    pub grid: u32,
+    /// Threads per block.
+    pub block: u32,
+    /// Bytes of dynamic shared memory per block.
+    pub shared_bytes: u32,
+}
+
+impl LaunchConfig {
+    /// A grid-stride launch over `items` items with `block` threads per block: enough blocks
+    /// to fill the device a few times over, never more than the items need, at least one.
+    pub fn for_items(device: &Device, items: u64, block: u32) -> Self {
+        let needed = items.div_ceil(block as u64).max(1);
+        let fill = device.multiprocessors() as u64 * 4;
+        Self {
+            grid: needed.min(fill).max(1) as u32,
+            block,
+            shared_bytes: 0,
+        }
+    }
+}
+
+/// One kernel argument. Every argument travels as 8 bytes; a `U32` is read as its low half.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arg {
+    /// A device address (0 for a null pointer).
+    Ptr(u64),
+    /// A 64-bit integer.
+    U64(u64),
+    /// A 32-bit integer.
+    U32(u32),
+}
+
+impl Arg {
+    /// The address of a buffer.
+    pub fn buf(buffer: &DeviceBuffer) -> Self {
+        Self::Ptr(buffer.addr())
+    }
+
+    /// The address of a buffer, or a null pointer.
+    pub fn opt(buffer: Option<&DeviceBuffer>) -> Self {
+        Self::Ptr(buffer.map_or(0, DeviceBuffer::addr))
+    }
+
+    fn bits(self) -> u64 {
+        match self {
+            Self::Ptr(p) | Self::U64(p) => p,
+            Self::U32(v) => v as u64,
+        }
+    }
+}
+
+enum Backend {
+    Emulated(EmuMemory),
+}
+
+struct Inner {
+    kind: DeviceKind,
+    ordinal: usize,
+    name: String,
+    budget: usize,
+    multiprocessors: u32,
+    seed: u64,
+    workers: u32,
+    pool: Pool,
+    backend: Backend,
+    allocations: AtomicU64,
+    launches: AtomicU64,
+    /// Absolute allocation / launch numbers that fail.
+    faults: Mutex<(Option<u64>, Option<u64>)>,
+}
+
+/// A device. Cloning is cheap; clones share the device.
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.inner.kind {
+            DeviceKind::Cuda => "cuda",
+            DeviceKind::Emulated => "emulated",
+        };
+        write!(f, "{kind}:{}", self.inner.ordinal)
+    }
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Device({self}, {})", self.inner.name)
+    }
+}
+
+impl Device {
+    /// A new emulated device.
+    pub fn emulated(ordinal: usize, options: &EmulatorOptions) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                kind: DeviceKind::Emulated,
+                ordinal,
+                name: format!("Volley emulated device {ordinal}"),
+                budget: options.memory_budget,
+                multiprocessors: options.multiprocessors.max(1),
+                seed: options.seed ^ (ordinal as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                workers: options.workers,
+                pool: Pool::default(),
+                backend: Backend::Emulated(EmuMemory::default()),
+                allocations: AtomicU64::new(0),
+                launches: AtomicU64::new(0),
+                faults: Mutex::new((None, None)),
+            }),
+        }
+    }
+
+    /// Which backend runs this device.
+    pub fn kind(&self) -> DeviceKind {
+        self.inner.kind
+    }
+
+    /// The device's ordinal within its kind.
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal
+    }
+
+    /// A human-readable name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Multiprocessors, used to size grids.
+    pub fn multiprocessors(&self) -> u32 {
+        self.inner.multiprocessors
+    }
+
+    /// The byte budget of the device's memory pool.
+    pub fn memory_budget(&self) -> usize {
+        self.inner.budget
+    }
+
+    /// (bytes in use, peak bytes in use) of the device's memory pool.
+    pub fn memory_usage(&self) -> (usize, usize) {
+        self.inner.pool.usage()
+    }
+
+    /// Allocations and launches made so far.
+    pub fn counters(&self) -> (u64, u64) {
+        (
+            self.inner.allocations.load(Ordering::Relaxed),
+            self.inner.launches.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Injects faults (emulated devices only).
+    pub fn inject_faults(&self, plan: FaultPlan) -> Result<()> {
+        if self.inner.kind != DeviceKind::Emulated {
+            return Err(KernelError::Unsupported(
+                "fault injection on a real GPU".into(),
+            ));
+        }
+        let (allocations, launches) = self.counters();
+        let mut faults = self.inner.faults.lock().unwrap_or_else(|p| p.into_inner());
+        *faults = (
+            plan.fail_allocation.map(|n| allocations + n.max(1)),
+            plan.fail_launch.map(|n| launches + n.max(1)),
+        );
+        Ok(())
+    }
+
+    fn injected(&self, what: &'static str, number: u64) -> Result<()> {
+        let faults = self.inner.faults.lock().unwrap_or_else(|p| p.into_inner());
+        let fail_at = if what == "allocation" {
+            faults.0
+        } else {
+            faults.1
+        };
+        if fail_at == Some(number) {
+            return Err(KernelError::InjectedFault {
+                device: self.to_string(),
+                what,
+                number,
+            });
+        }
+        Ok(())
+    }
+
+    /// Allocates `len` bytes of device memory (contents undefined).
+    pub fn alloc(&self, len: usize) -> Result<DeviceBuffer> {
+        let number = self.inner.allocations.fetch_add(1, Ordering::Relaxed) + 1;
+        self.injected("allocation", number)?;
+        let class = size_class(len);
+        let Backend::Emulated(memory) = &self.inner.backend;
+        let addr = self.inner.pool.take(
+            &self.to_string(),
+            class,
+            self.inner.budget,
+            || memory.alloc(class),
+            |addr| {
+                let _ = memory.free(addr);
+            },
+        )?;
+        if let Err(e) = memory.lend(addr, len) {
+            self.release(addr, class);
+            return Err(e);
+        }
+        Ok(DeviceBuffer {
+            device: self.clone(),
+            addr,
+            len,
+            class,
+        })
+    }
+
+    /// Allocates a buffer and copies `bytes` into it.
+    pub fn upload(&self, bytes: &[u8]) -> Result<DeviceBuffer> {
+        let buffer = self.alloc(bytes.len())?;
+        if !bytes.is_empty() {
+            self.write(&buffer, 0, bytes)?;
+        }
+        Ok(buffer)
+    }
+
+    pub(crate) fn write(&self, buffer: &DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<()> {
+        if offset + bytes.len() > buffer.len {
+            return Err(KernelError::Unsupported(format!(
+                "copy of {} bytes at offset {offset} into a buffer of {}",
+                bytes.len(),
+                buffer.len
+            )));
+        }
+        let Backend::Emulated(memory) = &self.inner.backend;
+        memory.write(buffer.addr, offset, bytes)
+    }
+
+    pub(crate) fn read(&self, buffer: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
+        if offset + out.len() > buffer.len {
+            return Err(KernelError::Unsupported(format!(
+                "copy of {} bytes at offset {offset} out of a buffer of {}",
+                out.len(),
+                buffer.len
+            )));
+        }
+        let Backend::Emulated(memory) = &self.inner.backend;
+        memory.read(buffer.addr, offset, out)
+    }
+
+    pub(crate) fn release(&self, addr: u64, class: usize) {
+        self.inner.pool.give_back(class, addr);
+    }
+
+    /// Frees the memory the pool keeps cached for reuse.
+    pub fn trim(&self) {
+        let Backend::Emulated(memory) = &self.inner.backend;
+        self.inner.pool.trim(|addr| {
+            let _ = memory.free(addr);
+        });
+    }
+
+    /// Launches `kernel` and waits for it.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in number, order and type, and every
+    /// pointer must be a live buffer of this device, large enough for what the kernel
+    /// reads and writes at those arguments. Only the typed wrappers in `ops` call this.
+    pub unsafe fn launch(&self, kernel: Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let number = self.inner.launches.fetch_add(1, Ordering::Relaxed) + 1;
+        self.injected("launch", number)?;
+        let Backend::Emulated(memory) = &self.inner.backend;
+        let mut slots: Vec<u64> = args.iter().map(|a| a.bits()).collect();
+        let mut params: Vec<*mut c_void> = slots
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect();
+        let emu_cfg = EmuLaunchConfig {
+            grid: [cfg.grid, 1, 1],
+            block: [cfg.block, 1, 1],
+            shared_bytes: cfg.shared_bytes,
+            workers: self.inner.workers,
+            seed: self.inner.seed.wrapping_add(number),
+        };
+        emu::launch(kernel.emu_entry(), &emu_cfg, &mut params).map_err(|message| {
+            KernelError::LaunchFailed {
+                kernel: kernel.name(),
+                device: self.to_string(),
+                message,
+            }
+        })?;
+        if let Some(detail) = memory.check_guards() {
+            return Err(KernelError::OutOfBounds {
+                kernel: kernel.name(),
+                device: self.to_string(),
+                detail,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Opens the devices a selection names. `none` gives no device; `emulated:N` gives N
+/// emulated devices; `auto` gives no device when the machine has no CUDA device. Running
+/// kernels on CUDA devices is not implemented yet: selecting them is an error that says so.
+pub fn open_devices(
+    selection: &DeviceSelection,
+    emulator: &EmulatorOptions,
+) -> Result<Vec<Device>> {
+    match selection {
+        DeviceSelection::None => Ok(Vec::new()),
+        DeviceSelection::Emulated(n) => {
+            Ok((0..*n).map(|i| Device::emulated(i, emulator)).collect())
+        }
+        DeviceSelection::Auto => {
+            if crate::cuda::list_devices().unwrap_or_default().is_empty() {
+                Ok(Vec::new())
+            } else {
+                Err(KernelError::Unsupported(
+                    "running kernels on CUDA devices (found by `auto`) is not implemented yet; \
+                     use emulated:N or none"
+                        .into(),
+                ))
+            }
+        }
+        DeviceSelection::Cuda(_) => Err(KernelError::Unsupported(
+            "running kernels on CUDA devices is not implemented yet; use emulated:N or none".into(),
+        )),
+    }
+}

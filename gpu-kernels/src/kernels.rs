@@ -1,0 +1,95 @@
+//! The list of kernels: each kernel's name (its `extern "C"` symbol in `cuda/*.cu`), the
+//! source file that defines it, and its entry point in the emulator.
+
+use crate::emu::EmuEntry;
+
+/// The kernel sources, by file name, as compiled by NVRTC (`volley.cuh` is inlined).
+pub const SOURCES: &[(&str, &str)] = &[
+    ("compact.cu", include_str!("../cuda/compact.cu")),
+    ("gather.cu", include_str!("../cuda/gather.cu")),
+    ("hash.cu", include_str!("../cuda/hash.cu")),
+    ("hash_table.cu", include_str!("../cuda/hash_table.cu")),
+    ("scan.cu", include_str!("../cuda/scan.cu")),
+    ("selftest.cu", include_str!("../cuda/selftest.cu")),
+];
+
+/// The header every kernel source includes.
+pub const HEADER: (&str, &str) = ("volley.cuh", include_str!("../cuda/volley.cuh"));
+
+macro_rules! kernels {
+    ($($variant:ident => $name:ident in $file:literal,)*) => {
+        /// Every kernel Volley launches.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[allow(missing_docs, non_camel_case_types)]
+        pub enum Kernel {
+            $($variant,)*
+        }
+
+        unsafe extern "C" {
+            $(fn $name(cfg: *const crate::emu::EmuLaunchConfig, params: *mut *mut std::ffi::c_void,
+                        error: *mut std::ffi::c_char, error_len: usize) -> i32;)*
+        }
+
+        impl Kernel {
+            /// Every kernel.
+            pub const ALL: &'static [Kernel] = &[$(Kernel::$variant,)*];
+
+            /// The kernel's symbol in its `.cu` source.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => stringify!($variant),)*
+                }
+            }
+
+            /// The source file that defines it.
+            pub fn source_file(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => $file,)*
+                }
+            }
+
+            pub(crate) fn emu_entry(self) -> EmuEntry {
+                match self {
+                    $(Kernel::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+kernels! {
+    select_word_counts => volley_emu_launch_select_word_counts in "compact.cu",
+    select_scatter => volley_emu_launch_select_scatter in "compact.cu",
+    gather_fixed_1 => volley_emu_launch_gather_fixed_1 in "gather.cu",
+    gather_fixed_2 => volley_emu_launch_gather_fixed_2 in "gather.cu",
+    gather_fixed_4 => volley_emu_launch_gather_fixed_4 in "gather.cu",
+    gather_fixed_8 => volley_emu_launch_gather_fixed_8 in "gather.cu",
+    gather_fixed_16 => volley_emu_launch_gather_fixed_16 in "gather.cu",
+    gather_validity => volley_emu_launch_gather_validity in "gather.cu",
+    gather_string_lengths_o32 => volley_emu_launch_gather_string_lengths_o32 in "gather.cu",
+    gather_string_lengths_o64 => volley_emu_launch_gather_string_lengths_o64 in "gather.cu",
+    gather_string_copy_o32 => volley_emu_launch_gather_string_copy_o32 in "gather.cu",
+    gather_string_copy_o64 => volley_emu_launch_gather_string_copy_o64 in "gather.cu",
+    hash_fixed_1 => volley_emu_launch_hash_fixed_1 in "hash.cu",
+    hash_fixed_2 => volley_emu_launch_hash_fixed_2 in "hash.cu",
+    hash_fixed_4 => volley_emu_launch_hash_fixed_4 in "hash.cu",
+    hash_fixed_8 => volley_emu_launch_hash_fixed_8 in "hash.cu",
+    hash_fixed_16 => volley_emu_launch_hash_fixed_16 in "hash.cu",
+    hash_f32 => volley_emu_launch_hash_f32 in "hash.cu",
+    hash_f64 => volley_emu_launch_hash_f64 in "hash.cu",
+    hash_string_o32 => volley_emu_launch_hash_string_o32 in "hash.cu",
+    hash_string_o64 => volley_emu_launch_hash_string_o64 in "hash.cu",
+    hash_table_init => volley_emu_launch_hash_table_init in "hash_table.cu",
+    hash_table_insert => volley_emu_launch_hash_table_insert in "hash_table.cu",
+    hash_table_probe_count => volley_emu_launch_hash_table_probe_count in "hash_table.cu",
+    hash_table_probe_emit => volley_emu_launch_hash_table_probe_emit in "hash_table.cu",
+    scan_tile_sums => volley_emu_launch_scan_tile_sums in "scan.cu",
+    scan_tile_offsets => volley_emu_launch_scan_tile_offsets in "scan.cu",
+    scan_tiles => volley_emu_launch_scan_tiles in "scan.cu",
+    selftest_block_scan => volley_emu_launch_selftest_block_scan in "selftest.cu",
+    selftest_warp => volley_emu_launch_selftest_warp in "selftest.cu",
+    selftest_atomics => volley_emu_launch_selftest_atomics in "selftest.cu",
+    selftest_racy => volley_emu_launch_selftest_racy in "selftest.cu",
+    selftest_oob => volley_emu_launch_selftest_oob in "selftest.cu",
+    selftest_divergent => volley_emu_launch_selftest_divergent in "selftest.cu",
+}

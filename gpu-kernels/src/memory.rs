@@ -1,0 +1,196 @@
+//! Device memory: buffers drawn from a per-device pool with a byte budget.
+//!
+//! Freed buffers go back to the pool by size class and are reused by later allocations of
+//! that class (on a GPU this saves the driver call, which costs far more than a kernel).
+//! Cached bytes do not count against the budget; when an allocation would pass it, the
+//! cache is emptied first, and only then is the allocation refused with
+//! [`KernelError::OutOfDeviceMemory`].
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Mutex;
+
+use crate::device::Device;
+use crate::{KernelError, Result};
+
+/// Allocations are rounded up to a size class: a power of two, or a multiple of 1 MiB
+/// above 1 MiB, so that reuse works without wasting much.
+pub(crate) fn size_class(len: usize) -> usize {
+    const MIB: usize = 1 << 20;
+    let len = len.max(256);
+    if len <= MIB {
+        len.next_power_of_two()
+    } else {
+        len.next_multiple_of(MIB)
+    }
+}
+
+/// Bookkeeping of one device's memory.
+#[derive(Default)]
+pub(crate) struct Pool {
+    state: Mutex<PoolState>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    in_use: usize,
+    peak: usize,
+    cached_bytes: usize,
+    cached: HashMap<usize, Vec<u64>>,
+}
+
+impl Pool {
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes `class` bytes: a cached block of that class, or a new one from `fresh`.
+    /// Cached blocks of other classes are handed to `release` when the device would
+    /// otherwise hold more than its budget.
+    pub fn take(
+        &self,
+        device: &str,
+        class: usize,
+        budget: usize,
+        fresh: impl Fn() -> Result<u64>,
+        release: impl Fn(u64),
+    ) -> Result<u64> {
+        let mut s = self.lock();
+        if s.in_use + class > budget {
+            return Err(KernelError::OutOfDeviceMemory {
+                device: device.to_string(),
+                requested: class,
+                in_use: s.in_use,
+                budget,
+            });
+        }
+        let addr = match s.cached.get_mut(&class).and_then(Vec::pop) {
+            Some(addr) => {
+                s.cached_bytes -= class;
+                addr
+            }
+            None => {
+                if s.in_use + s.cached_bytes + class > budget {
+                    for (_, blocks) in s.cached.drain() {
+                        blocks.into_iter().for_each(&release);
+                    }
+                    s.cached_bytes = 0;
+                }
+                fresh()?
+            }
+        };
+        s.in_use += class;
+        s.peak = s.peak.max(s.in_use);
+        Ok(addr)
+    }
+
+    /// Returns a block to the cache.
+    pub fn give_back(&self, class: usize, addr: u64) {
+        let mut s = self.lock();
+        s.in_use -= class;
+        s.cached_bytes += class;
+        s.cached.entry(class).or_default().push(addr);
+    }
+
+    /// Empties the cache, handing each block to `release`.
+    pub fn trim(&self, release: impl Fn(u64)) {
+        let blocks: Vec<u64> = {
+            let mut s = self.lock();
+            s.cached_bytes = 0;
+            s.cached.drain().flat_map(|(_, b)| b).collect()
+        };
+        blocks.into_iter().for_each(release);
+    }
+
+    /// (bytes in use, peak bytes in use).
+    pub fn usage(&self) -> (usize, usize) {
+        let s = self.lock();
+        (s.in_use, s.peak)
+    }
+}
+
+/// Bytes in one device's memory. Dropping the buffer returns them to the device's pool.
+pub struct DeviceBuffer {
+    pub(crate) device: Device,
+    pub(crate) addr: u64,
+    pub(crate) len: usize,
+    pub(crate) class: usize,
+}
+
+impl DeviceBuffer {
+    /// The device that holds the bytes.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Usable length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address, as kernels see it.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Copies the whole buffer to the host.
+    pub fn to_host(&self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.len];
+        self.device.read(self, 0, &mut out)?;
+        Ok(out)
+    }
+
+    /// Copies the whole buffer to the host into an Arrow buffer (aligned as Arrow needs).
+    pub fn to_arrow_buffer(&self) -> Result<arrow::buffer::Buffer> {
+        let mut out = arrow::buffer::MutableBuffer::from_len_zeroed(self.len);
+        self.device.read(self, 0, out.as_slice_mut())?;
+        Ok(out.into())
+    }
+
+    /// Copies `bytes` into the buffer at `offset`.
+    pub fn write(&self, offset: usize, bytes: &[u8]) -> Result<()> {
+        self.device.write(self, offset, bytes)
+    }
+
+    /// Reads a little-endian u64 at element `index` (for totals the host needs).
+    pub fn read_u64(&self, index: usize) -> Result<u64> {
+        let mut out = [0u8; 8];
+        self.device.read(self, index * 8, &mut out)?;
+        Ok(u64::from_le_bytes(out))
+    }
+}
+
+impl fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "DeviceBuffer({} bytes at {:#x} on {})",
+            self.len, self.addr, self.device
+        )
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        self.device.release(self.addr, self.class);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_classes_round_up_with_little_waste() {
+        assert_eq!(size_class(0), 256);
+        assert_eq!(size_class(257), 512);
+        assert_eq!(size_class(1 << 20), 1 << 20);
+        assert_eq!(size_class((1 << 20) + 1), 2 << 20);
+        assert_eq!(size_class(5 * (1 << 20) + 3), 6 << 20);
+    }
+}

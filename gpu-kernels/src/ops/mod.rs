@@ -1,0 +1,109 @@
+//! Typed launches of the kernels in `cuda/`: the only place that calls the unsafe
+//! `Device::launch`. Each wrapper checks sizes and sets up buffers so that the kernel's
+//! contract (stated at the top of its `.cu` file) holds, and says so in a `SAFETY` comment.
+
+pub mod compact;
+pub mod gather;
+pub mod hash;
+pub mod hash_table;
+pub mod scan;
+pub mod selftest;
+
+use crate::device::Device;
+use crate::memory::DeviceBuffer;
+use crate::{KernelError, Result};
+
+/// Threads per block for Volley's one-dimensional kernels.
+pub const BLOCK: u32 = 256;
+
+/// Row indices are u32 and `u32::MAX` marks a NULL index, so a batch holds fewer rows.
+pub const MAX_ROWS: usize = u32::MAX as usize - 1;
+
+/// An index meaning "no row": gathering it gives NULL.
+pub const NULL_INDEX: u32 = u32::MAX;
+
+pub(crate) fn check_rows(n: usize) -> Result<()> {
+    if n > MAX_ROWS {
+        return Err(KernelError::Unsupported(format!(
+            "batches of {n} rows (at most {MAX_ROWS} rows fit a device batch)"
+        )));
+    }
+    Ok(())
+}
+
+/// Row indices on a device, each below `bound` or NULL_INDEX. Made only by kernels that
+/// guarantee the bound (compaction, hash probes) or by a checked upload, so that gathers
+/// can trust them.
+#[derive(Debug)]
+pub struct RowIndices {
+    buffer: DeviceBuffer,
+    count: usize,
+    bound: usize,
+    nullable: bool,
+}
+
+impl RowIndices {
+    pub(crate) fn new(buffer: DeviceBuffer, count: usize, bound: usize, nullable: bool) -> Self {
+        Self {
+            buffer,
+            count,
+            bound,
+            nullable,
+        }
+    }
+
+    /// Uploads host indices, checking that each is below `bound` (or is NULL_INDEX).
+    pub fn upload(device: &Device, indices: &[u32], bound: usize) -> Result<Self> {
+        check_rows(indices.len())?;
+        if let Some(bad) = indices
+            .iter()
+            .find(|&&i| i != NULL_INDEX && i as usize >= bound)
+        {
+            return Err(KernelError::Unsupported(format!(
+                "row index {bad} of a {bound}-row column"
+            )));
+        }
+        let bytes: Vec<u8> = indices.iter().flat_map(|i| i.to_le_bytes()).collect();
+        let nullable = indices.contains(&NULL_INDEX);
+        Ok(Self::new(
+            device.upload(&bytes)?,
+            indices.len(),
+            bound,
+            nullable,
+        ))
+    }
+
+    /// How many indices.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Every index is below this.
+    pub fn bound(&self) -> usize {
+        self.bound
+    }
+
+    /// Whether NULL_INDEX may occur.
+    pub fn nullable(&self) -> bool {
+        self.nullable
+    }
+
+    /// The device buffer of u32 indices.
+    pub fn buffer(&self) -> &DeviceBuffer {
+        &self.buffer
+    }
+
+    /// Copies the indices to the host.
+    pub fn to_host(&self) -> Result<Vec<u32>> {
+        let bytes = self.buffer.to_host()?;
+        Ok(bytes[..self.count * 4]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+}

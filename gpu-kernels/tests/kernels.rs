@@ -1,0 +1,618 @@
+//! Every kernel on the device chosen by `VOLLEY_TEST_DEVICE` (`emulated`, the default;
+//! `cuda` on a GPU machine), checked against arrow-rs compute on random data with nulls and
+//! awkward sizes; the emulator's own guarantees; and every kernel compiled with NVRTC.
+
+use std::sync::Arc;
+
+use arrow::array::*;
+use arrow::compute::{filter, take};
+use arrow::datatypes::*;
+use proptest::prelude::*;
+use volley_kernels::ops::{
+    NULL_INDEX, RowIndices, compact, gather, hash, hash_table, scan, selftest,
+};
+use volley_kernels::{Device, DeviceColumn, EmulatorOptions, FaultPlan, Kernel, KernelError};
+
+/// Sizes that trip kernels up: empty, one, around a warp, around a block, many blocks.
+const SIZES: &[usize] = &[
+    0, 1, 31, 32, 33, 255, 256, 257, 1023, 1024, 1025, 5000, 70_001,
+];
+
+fn device() -> Device {
+    match std::env::var("VOLLEY_TEST_DEVICE").as_deref() {
+        Ok("cuda") => panic!(
+            "VOLLEY_TEST_DEVICE=cuda: running kernels on CUDA devices is not implemented yet"
+        ),
+        _ => Device::emulated(0, &EmulatorOptions::default()),
+    }
+}
+
+fn small_device(budget: usize) -> Device {
+    Device::emulated(
+        0,
+        &EmulatorOptions {
+            memory_budget: budget,
+            ..Default::default()
+        },
+    )
+}
+
+/// A deterministic pseudo-random sequence (tests must not depend on the clock).
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 17
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.next() % 100 < percent
+    }
+}
+
+fn random_columns(n: usize, seed: u64, null_percent: u64) -> Vec<ArrayRef> {
+    let mut r = Lcg(seed);
+    let opt = |r: &mut Lcg| !r.chance(null_percent);
+    let i8s: Int8Array = (0..n)
+        .map(|_| opt(&mut r).then(|| r.next() as i8))
+        .collect();
+    let i16s: Int16Array = (0..n)
+        .map(|_| opt(&mut r).then(|| r.next() as i16))
+        .collect();
+    let i32s: Int32Array = (0..n)
+        .map(|_| opt(&mut r).then(|| r.next() as i32))
+        .collect();
+    let i64s: Int64Array = (0..n)
+        .map(|_| opt(&mut r).then(|| r.next() as i64 - (1 << 40)))
+        .collect();
+    let u64s: UInt64Array = (0..n).map(|_| opt(&mut r).then(|| r.next())).collect();
+    let f32s: Float32Array = (0..n)
+        .map(|_| opt(&mut r).then(|| (r.next() % 1000) as f32 / 7.0))
+        .collect();
+    let f64s: Float64Array = (0..n)
+        .map(|_| opt(&mut r).then(|| (r.next() % 100_000) as f64 / 3.0))
+        .collect();
+    let bools: BooleanArray = (0..n).map(|_| opt(&mut r).then(|| r.chance(50))).collect();
+    let dates: Date32Array = (0..n)
+        .map(|_| opt(&mut r).then(|| (r.next() % 20_000) as i32))
+        .collect();
+    let ts: TimestampMicrosecondArray = (0..n)
+        .map(|_| opt(&mut r).then(|| r.next() as i64))
+        .collect::<TimestampMicrosecondArray>()
+        .with_timezone("Europe/Oslo");
+    let decimals: Decimal128Array = (0..n)
+        .map(|_| opt(&mut r).then(|| (r.next() as i128) * 1_000_003 - (1 << 50)))
+        .collect::<Decimal128Array>()
+        .with_precision_and_scale(38, 4)
+        .unwrap();
+    let strings: StringArray = (0..n)
+        .map(|_| {
+            opt(&mut r).then(|| {
+                let len = (r.next() % 12) as usize;
+                (0..len)
+                    .map(|_| (b'a' + (r.next() % 26) as u8) as char)
+                    .collect::<String>()
+            })
+        })
+        .collect();
+    let large: LargeStringArray = strings.iter().collect();
+    vec![
+        Arc::new(i8s),
+        Arc::new(i16s),
+        Arc::new(i32s),
+        Arc::new(i64s),
+        Arc::new(u64s),
+        Arc::new(f32s),
+        Arc::new(f64s),
+        Arc::new(bools),
+        Arc::new(dates),
+        Arc::new(ts),
+        Arc::new(decimals),
+        Arc::new(strings),
+        Arc::new(large),
+    ]
+}
+
+#[test]
+fn upload_and_download_round_trip_every_type() {
+    let d = device();
+    for &n in SIZES {
+        for null_percent in [0, 20, 100] {
+            for array in random_columns(n, n as u64 + null_percent, null_percent) {
+                let back = DeviceColumn::upload(&d, array.as_ref())
+                    .unwrap()
+                    .to_arrow()
+                    .unwrap();
+                assert_eq!(
+                    back.to_data(),
+                    array.to_data(),
+                    "{} n={n}",
+                    array.data_type()
+                );
+                // Sliced arrays (non-zero offsets) are rebased on upload.
+                if n > 10 {
+                    let sliced = array.slice(3, n - 7);
+                    let back = DeviceColumn::upload(&d, sliced.as_ref())
+                        .unwrap()
+                        .to_arrow()
+                        .unwrap();
+                    assert_eq!(
+                        back.as_ref(),
+                        sliced.as_ref(),
+                        "sliced {}",
+                        array.data_type()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn views_and_dictionaries_are_converted_on_upload() {
+    let d = device();
+    let view = StringViewArray::from(vec![
+        Some("a much longer string than twelve bytes"),
+        None,
+        Some("b"),
+    ]);
+    let back = DeviceColumn::upload(&d, &view).unwrap().to_arrow().unwrap();
+    assert_eq!(
+        back.as_ref(),
+        &StringArray::from(vec![
+            Some("a much longer string than twelve bytes"),
+            None,
+            Some("b")
+        ]) as &dyn Array
+    );
+    let dict: DictionaryArray<Int32Type> = vec![Some("x"), None, Some("y"), Some("x")]
+        .into_iter()
+        .collect();
+    let back = DeviceColumn::upload(&d, &dict).unwrap().to_arrow().unwrap();
+    assert_eq!(
+        back.as_ref(),
+        &StringArray::from(vec![Some("x"), None, Some("y"), Some("x")]) as &dyn Array
+    );
+    let unsupported = ListArray::from_iter_primitive::<Int32Type, _, _>(vec![Some(vec![Some(1)])]);
+    assert!(matches!(
+        DeviceColumn::upload(&d, &unsupported),
+        Err(KernelError::Unsupported(_))
+    ));
+}
+
+fn selection(n: usize, seed: u64, keep_percent: u64, null_percent: u64) -> BooleanArray {
+    let mut r = Lcg(seed);
+    (0..n)
+        .map(|_| (!r.chance(null_percent)).then(|| r.chance(keep_percent)))
+        .collect()
+}
+
+fn check_filter(d: &Device, n: usize, seed: u64, keep: u64, nulls: u64) {
+    let columns = random_columns(n, seed, 10);
+    let predicate = selection(n, seed ^ 0xABC, keep, nulls);
+    let batch = RecordBatch::try_from_iter(
+        columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (format!("c{i}"), c.clone())),
+    )
+    .unwrap();
+    let device_batch = volley_kernels::DeviceBatch::upload(d, &batch).unwrap();
+    let device_predicate = DeviceColumn::upload(d, &predicate).unwrap();
+    let filtered = compact::filter_batch(&device_batch, &device_predicate)
+        .unwrap()
+        .to_record_batch()
+        .unwrap();
+    let expected = arrow::compute::filter_record_batch(&batch, &predicate).unwrap();
+    assert_eq!(filtered, expected, "n={n} keep={keep}% nulls={nulls}%");
+}
+
+#[test]
+fn filter_keeps_the_rows_arrow_keeps_in_order() {
+    let d = device();
+    for &n in SIZES {
+        for (keep, nulls) in [(50, 10), (0, 0), (100, 0), (100, 50), (3, 0)] {
+            check_filter(&d, n, n as u64 * 31 + keep, keep, nulls);
+        }
+    }
+}
+
+#[test]
+fn filter_of_a_million_rows() {
+    let d = device();
+    let n = 1 << 20;
+    let values: Int64Array = (0..n as i64).map(Some).collect();
+    let predicate = selection(n, 99, 30, 5);
+    let device_values = DeviceColumn::upload(&d, &values).unwrap();
+    let device_predicate = DeviceColumn::upload(&d, &predicate).unwrap();
+    let indices = compact::selection_indices(
+        &d,
+        device_predicate.values(),
+        device_predicate.validity(),
+        n,
+    )
+    .unwrap();
+    let out = gather::gather_column(&device_values, &indices)
+        .unwrap()
+        .to_arrow()
+        .unwrap();
+    assert_eq!(out.as_ref(), filter(&values, &predicate).unwrap().as_ref());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn filter_matches_arrow_on_random_sizes(n in 0usize..3000, seed in any::<u64>(), keep in 0u64..=100, nulls in 0u64..=100) {
+        check_filter(&device(), n, seed, keep, nulls);
+    }
+
+    #[test]
+    fn gather_matches_arrow_take(n in 1usize..2000, out_n in 0usize..3000, seed in any::<u64>(), null_idx in 0u64..30) {
+        let d = device();
+        let mut r = Lcg(seed);
+        let idx: Vec<u32> = (0..out_n).map(|_| if r.chance(null_idx) { NULL_INDEX } else { (r.next() % n as u64) as u32 }).collect();
+        let take_idx: UInt32Array = idx.iter().map(|&i| (i != NULL_INDEX).then_some(i)).collect();
+        let indices = RowIndices::upload(&d, &idx, n).unwrap();
+        for column in random_columns(n, seed, 15) {
+            let device_column = DeviceColumn::upload(&d, column.as_ref()).unwrap();
+            let got = gather::gather_column(&device_column, &indices).unwrap().to_arrow().unwrap();
+            let expected = take(column.as_ref(), &take_idx, None).unwrap();
+            prop_assert_eq!(got.as_ref(), expected.as_ref(), "{}", column.data_type());
+        }
+    }
+
+    #[test]
+    fn scan_matches_a_host_prefix_sum(values in proptest::collection::vec(0u64..1_000_000, 0..5000)) {
+        let d = device();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let input = d.upload(&bytes).unwrap();
+        let (out, total) = scan::exclusive_scan(&d, &input, values.len()).unwrap();
+        let host = out.to_host().unwrap();
+        let mut running = 0u64;
+        for (i, v) in values.iter().enumerate() {
+            prop_assert_eq!(u64::from_le_bytes(host[i * 8..i * 8 + 8].try_into().unwrap()), running);
+            running += v;
+        }
+        prop_assert_eq!(total, running);
+    }
+}
+
+#[test]
+fn hashes_match_the_host_reference_and_respect_nulls() {
+    let d = device();
+    for &n in SIZES {
+        let columns = random_columns(n, n as u64, 20);
+        let hashable: Vec<&ArrayRef> = columns
+            .iter()
+            .filter(|c| c.data_type() != &DataType::Boolean)
+            .collect();
+        let device_columns: Vec<DeviceColumn> = hashable
+            .iter()
+            .map(|c| DeviceColumn::upload(&d, c.as_ref()).unwrap())
+            .collect();
+        // One column at a time, then all of them combined.
+        for (column, device_column) in hashable.iter().zip(&device_columns) {
+            let got = hash::hash_columns(&d, &[device_column])
+                .unwrap()
+                .to_host()
+                .unwrap();
+            let expected = hash::hash_rows_host(&[column.as_ref()]).unwrap();
+            let got: Vec<u64> = got[..n * 8]
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert_eq!(got, expected, "{}", column.data_type());
+            for (i, h) in got.iter().enumerate() {
+                if column.is_null(i) {
+                    assert_eq!(*h, hash::NULL_HASH);
+                }
+            }
+        }
+        let all: Vec<&DeviceColumn> = device_columns.iter().collect();
+        let got = hash::hash_columns(&d, &all).unwrap().to_host().unwrap();
+        let arrays: Vec<&dyn Array> = hashable.iter().map(|c| c.as_ref() as &dyn Array).collect();
+        let expected = hash::hash_rows_host(&arrays).unwrap();
+        let got: Vec<u64> = got[..n * 8]
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, expected);
+    }
+}
+
+#[test]
+fn equal_values_hash_equal_across_widths_and_float_quirks() {
+    let floats = Float64Array::from(vec![0.0, -0.0, f64::NAN, -f64::NAN, 1.5]);
+    let h = hash::hash_rows_host(&[&floats]).unwrap();
+    assert_eq!(h[0], h[1], "-0.0 groups with 0.0");
+    assert_eq!(h[2], h[3], "NaNs group together");
+    assert_ne!(h[0], h[4]);
+    let d = device();
+    let got = hash::hash_columns(&d, &[&DeviceColumn::upload(&d, &floats).unwrap()])
+        .unwrap()
+        .to_host()
+        .unwrap();
+    let got: Vec<u64> = got
+        .chunks_exact(8)
+        .take(5)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(got, h);
+    let strings = StringArray::from(vec!["ab", "ab", "ba", ""]);
+    let h = hash::hash_rows_host(&[&strings]).unwrap();
+    assert_eq!(h[0], h[1]);
+    assert_ne!(h[0], h[2]);
+}
+
+/// A hash join by the device table against a nested loop on the host.
+fn check_join(d: &Device, build: &Int64Array, probe: &Int64Array) {
+    let bd = DeviceColumn::upload(d, build).unwrap();
+    let pd = DeviceColumn::upload(d, probe).unwrap();
+    let bh = hash::hash_columns(d, &[&bd]).unwrap();
+    let ph = hash::hash_columns(d, &[&pd]).unwrap();
+    let table = hash_table::HashTable::build(d, &bh, bd.validity(), build.len()).unwrap();
+    let pairs = table.probe(&ph, pd.validity(), probe.len()).unwrap();
+    let b = pairs.build.to_host().unwrap();
+    let p = pairs.probe.to_host().unwrap();
+    // Candidates share a hash; keep those whose keys are equal, as a join does.
+    let mut got: Vec<(u32, u32)> = b
+        .iter()
+        .zip(&p)
+        .filter(|(bi, pi)| build.value(**bi as usize) == probe.value(**pi as usize))
+        .map(|(&bi, &pi)| (bi, pi))
+        .collect();
+    got.sort();
+    let mut expected = Vec::new();
+    for (bi, bv) in build.iter().enumerate() {
+        for (pi, pv) in probe.iter().enumerate() {
+            if let (Some(bv), Some(pv)) = (bv, pv)
+                && bv == pv
+            {
+                expected.push((bi as u32, pi as u32));
+            }
+        }
+    }
+    expected.sort();
+    assert_eq!(got, expected, "build={} probe={}", build.len(), probe.len());
+    assert!(
+        p.windows(2).all(|w| w[0] <= w[1]),
+        "probe rows come out in probe order"
+    );
+}
+
+#[test]
+fn hash_table_joins_like_a_nested_loop() {
+    let d = device();
+    let mut r = Lcg(7);
+    for (nb, np, distinct) in [
+        (0, 10, 5),
+        (10, 0, 5),
+        (1, 1, 1),
+        (300, 500, 50),
+        (1000, 1000, 1),
+        (2000, 700, 100_000),
+        (257, 1025, 3),
+    ] {
+        let build: Int64Array = (0..nb)
+            .map(|_| (!r.chance(10)).then(|| (r.next() % distinct) as i64))
+            .collect();
+        let probe: Int64Array = (0..np)
+            .map(|_| (!r.chance(10)).then(|| (r.next() % distinct) as i64))
+            .collect();
+        check_join(&d, &build, &probe);
+    }
+}
+
+// --- The emulator's own guarantees -------------------------------------------------------
+
+#[test]
+fn barriers_make_a_block_scan_correct() {
+    let d = device();
+    for n in [1usize, 31, 32, 33, 256, 1000, 1024] {
+        let input: Vec<u32> = (0..n as u32).map(|i| i % 7 + 1).collect();
+        let got = selftest::block_scan(&d, &input).unwrap();
+        let expected: Vec<u32> = input
+            .iter()
+            .scan(0, |s, v| {
+                *s += v;
+                Some(*s)
+            })
+            .collect();
+        assert_eq!(got, expected, "n={n}");
+    }
+}
+
+#[test]
+fn warp_vote_and_shuffle_follow_cuda() {
+    let d = device();
+    let input: Vec<i32> = (0..256).map(|i| (i * 37 % 101) - 20).collect();
+    let got = selftest::warp_ops(&d, &input, 128).unwrap();
+    for w in 0..8 {
+        let lanes = &input[w * 32..w * 32 + 32];
+        assert_eq!(got.sums[w], lanes.iter().sum::<i32>());
+        let ballot = lanes
+            .iter()
+            .enumerate()
+            .fold(0u32, |b, (l, &v)| b | (u32::from(v > 0) << l));
+        assert_eq!(got.ballots[w], ballot);
+        let any_negative = lanes.iter().any(|&v| v < 0) as u32;
+        let all_positive = lanes.iter().all(|&v| v > 0) as u32;
+        assert_eq!(got.votes[w], any_negative | (all_positive << 1));
+        for l in 0..32 {
+            assert_eq!(got.rotated[w * 32 + l], lanes[(l + 1) % 32]);
+            assert_eq!(got.all_sums[w * 32 + l], lanes.iter().sum::<i32>());
+            assert_eq!(got.ups[w * 32 + l], lanes[l.saturating_sub(1)]);
+        }
+    }
+}
+
+#[test]
+fn atomics_are_exact_under_contention() {
+    let d = device();
+    let n = 100_000u64;
+    let got = selftest::atomics(&d, n, 8, 256).unwrap();
+    assert_eq!(got.counter, n as u32);
+    assert_eq!(got.max, (n - 1) as i32);
+    assert_eq!(got.min, -((n - 1) as i32));
+    assert_eq!(got.sum64, n * (n - 1) / 2);
+    assert_eq!(got.cas_sum, n * (n - 1) / 2);
+    assert_eq!(got.fsum, n as f32);
+    assert_eq!(got.dsum, n as f64 * 0.5);
+    assert_eq!(got.bits, u32::MAX);
+}
+
+#[test]
+fn the_shuffled_order_exposes_a_race() {
+    let d = device();
+    let expected: Vec<u32> = (0..256u32).map(|t| (t + 1) % 256 + 1).collect();
+    assert_eq!(
+        selftest::racy(&d, 256, true).unwrap(),
+        expected,
+        "with the barrier it is right"
+    );
+    let racy = selftest::racy(&d, 256, false).unwrap();
+    let wrong = racy.iter().zip(&expected).filter(|(a, b)| a != b).count();
+    assert!(
+        wrong > 0,
+        "without the barrier some thread must read its neighbour's slot too early"
+    );
+}
+
+#[test]
+fn out_of_bounds_writes_and_divergent_barriers_are_typed_errors() {
+    let d = device();
+    let e = selftest::out_of_bounds(&d, 1000).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            KernelError::OutOfBounds {
+                kernel: "selftest_oob",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let d = device();
+    let e = selftest::divergent_barrier(&d).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            KernelError::LaunchFailed {
+                kernel: "selftest_divergent",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("deadlock"), "{e}");
+}
+
+#[test]
+fn allocations_past_the_budget_are_refused_and_memory_comes_back() {
+    let d = small_device(1 << 20);
+    let a = d.alloc(600 << 10).unwrap();
+    let e = d.alloc(600 << 10).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            KernelError::OutOfDeviceMemory {
+                budget: 1048576,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    drop(a);
+    assert_eq!(d.memory_usage().0, 0);
+    d.alloc(600 << 10).expect("freed memory is usable again");
+    // A filter whose working set does not fit fails with the typed error, not a crash.
+    let values: Int64Array = (0..200_000).map(Some).collect();
+    let e = DeviceColumn::upload(&d, &values).unwrap_err();
+    assert!(matches!(e, KernelError::OutOfDeviceMemory { .. }), "{e}");
+}
+
+#[test]
+fn injected_faults_surface_as_typed_errors_and_then_clear() {
+    let d = device();
+    let values: Int64Array = (0..10_000).map(Some).collect();
+    let predicate = selection(10_000, 5, 40, 5);
+    let run = |d: &Device| -> Result<ArrayRef, KernelError> {
+        let v = DeviceColumn::upload(d, &values)?;
+        let p = DeviceColumn::upload(d, &predicate)?;
+        let idx = compact::selection_indices(d, p.values(), p.validity(), 10_000)?;
+        gather::gather_column(&v, &idx)?.to_arrow()
+    };
+    let expected = filter(&values, &predicate).unwrap();
+    let (allocs_before, launches_before) = d.counters();
+    run(&d).unwrap();
+    let (allocs, launches) = d.counters();
+    let (allocs, launches) = (allocs - allocs_before, launches - launches_before);
+    assert!(allocs > 3 && launches > 3);
+    for k in 1..=allocs {
+        d.inject_faults(FaultPlan {
+            fail_allocation: Some(k),
+            fail_launch: None,
+        })
+        .unwrap();
+        let e = run(&d).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                KernelError::InjectedFault {
+                    what: "allocation",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            run(&d).unwrap().as_ref(),
+            expected.as_ref(),
+            "the next run is clean"
+        );
+    }
+    for k in 1..=launches {
+        d.inject_faults(FaultPlan {
+            fail_allocation: None,
+            fail_launch: Some(k),
+        })
+        .unwrap();
+        let e = run(&d).unwrap_err();
+        assert!(
+            matches!(e, KernelError::InjectedFault { what: "launch", .. }),
+            "{e}"
+        );
+        assert_eq!(run(&d).unwrap().as_ref(), expected.as_ref());
+    }
+}
+
+// --- NVRTC -------------------------------------------------------------------------------
+
+#[test]
+fn every_kernel_compiles_with_nvrtc_for_ampere_and_hopper() {
+    if std::env::var_os("VOLLEY_SKIP_NVRTC").is_some() {
+        eprintln!("VOLLEY_SKIP_NVRTC is set: NVRTC compilation NOT checked");
+        return;
+    }
+    assert!(
+        volley_kernels::nvrtc::nvrtc_present(),
+        "NVRTC not found: run scripts/install-nvrtc.sh and put its lib folder on LD_LIBRARY_PATH \
+         (scripts/test.sh does both), or set VOLLEY_SKIP_NVRTC=1 to skip this check"
+    );
+    for arch in ["compute_80", "compute_90"] {
+        for (file, _) in volley_kernels::kernels::SOURCES {
+            let ptx =
+                volley_kernels::nvrtc::compile_ptx(file, arch).unwrap_or_else(|e| panic!("{e}"));
+            for kernel in Kernel::ALL.iter().filter(|k| k.source_file() == *file) {
+                assert!(
+                    ptx.contains(&format!(".entry {}(", kernel.name())),
+                    "{file} for {arch} has no entry point {}",
+                    kernel.name()
+                );
+            }
+        }
+    }
+}
