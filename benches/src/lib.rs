@@ -1,4 +1,15 @@
-//! Volley's benchmarks: the TPC-H / SSB runner and kernel micro-benchmarks.
+//! Volley's benchmark runner: TPC-H on Volley (GPU off and on), plain DataFusion and DuckDB,
+//! side by side in one run, with every engine's answers checked against DataFusion's.
 //!
-//! Nothing is measured here yet (see DESIGN.md §9: benchmarks report ratios measured in
-//! one run, and are not tests).
+//! ```text
+//! data ── tpchgen → Parquet, cached per scale factor
+//! engines ── each registers the Parquet files, runs every query N times (median kept)
+//! compare ── every engine's rows against DataFusion's: a mismatch fails the run
+//! report ── JSON, a markdown table (medians, ratios to DataFusion, geometric means), SVG
+//! ```
+//! Benchmarks are not tests: they report ratios measured in one run (DESIGN.md §9).
+
+pub mod compare;
+pub mod data;
+pub mod engines;
+pub mod report;

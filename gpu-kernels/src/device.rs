@@ -2,14 +2,15 @@
 //!
 //! - **emulated**: the kernel sources compiled for the host (see `emu/`), with its own
 //!   memory, a byte budget, and injectable faults;
-//! - **cuda**: listed through the driver (`cuda.rs`) and compiled for with NVRTC
-//!   (`nvrtc.rs`); opening CUDA devices to run kernels is not implemented yet, and says so.
+//! - **cuda**: an NVIDIA GPU through the driver API (`cuda_backend.rs`), kernels compiled
+//!   by NVRTC for the device's architecture (`nvrtc.rs`).
 
 use std::ffi::c_void;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::cuda_backend::CudaBackend;
 use crate::emu::{self, EmuLaunchConfig, EmuMemory};
 use crate::kernels::Kernel;
 use crate::memory::{DeviceBuffer, Pool, size_class};
@@ -117,6 +118,7 @@ impl Arg {
 
 enum Backend {
     Emulated(EmuMemory),
+    Cuda(CudaBackend),
 }
 
 struct Inner {
@@ -176,6 +178,28 @@ impl Device {
                 faults: Mutex::new((None, None)),
             }),
         }
+    }
+
+    /// Opens CUDA device `ordinal`. Its budget is `budget` bytes, or 90 % of its memory.
+    pub fn cuda(ordinal: usize, budget: Option<usize>) -> Result<Self> {
+        let (backend, properties) = CudaBackend::open(ordinal)?;
+        let (major, minor) = properties.compute_capability;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                kind: DeviceKind::Cuda,
+                ordinal,
+                name: format!("{} (compute {major}.{minor})", properties.name),
+                budget: budget.unwrap_or(properties.total_memory / 10 * 9),
+                multiprocessors: properties.multiprocessors,
+                seed: 0,
+                workers: 0,
+                pool: Pool::default(),
+                backend: Backend::Cuda(backend),
+                allocations: AtomicU64::new(0),
+                launches: AtomicU64::new(0),
+                faults: Mutex::new((None, None)),
+            }),
+        })
     }
 
     /// Which backend runs this device.
@@ -254,17 +278,16 @@ impl Device {
         let number = self.inner.allocations.fetch_add(1, Ordering::Relaxed) + 1;
         self.injected("allocation", number)?;
         let class = size_class(len);
-        let Backend::Emulated(memory) = &self.inner.backend;
         let addr = self.inner.pool.take(
             &self.to_string(),
             class,
             self.inner.budget,
-            || memory.alloc(class),
-            |addr| {
-                let _ = memory.free(addr);
-            },
+            || self.backend_alloc(class),
+            |addr| self.backend_free(addr),
         )?;
-        if let Err(e) = memory.lend(addr, len) {
+        if let Backend::Emulated(memory) = &self.inner.backend
+            && let Err(e) = memory.lend(addr, len)
+        {
             self.release(addr, class);
             return Err(e);
         }
@@ -274,6 +297,22 @@ impl Device {
             len,
             class,
         })
+    }
+
+    fn backend_alloc(&self, len: usize) -> Result<u64> {
+        match &self.inner.backend {
+            Backend::Emulated(memory) => memory.alloc(len),
+            Backend::Cuda(cuda) => cuda.alloc(len),
+        }
+    }
+
+    fn backend_free(&self, addr: u64) {
+        match &self.inner.backend {
+            Backend::Emulated(memory) => {
+                let _ = memory.free(addr);
+            }
+            Backend::Cuda(cuda) => cuda.free(addr),
+        }
     }
 
     /// Allocates a buffer and copies `bytes` into it.
@@ -293,8 +332,10 @@ impl Device {
                 buffer.len
             )));
         }
-        let Backend::Emulated(memory) = &self.inner.backend;
-        memory.write(buffer.addr, offset, bytes)
+        match &self.inner.backend {
+            Backend::Emulated(memory) => memory.write(buffer.addr, offset, bytes),
+            Backend::Cuda(cuda) => cuda.write(buffer.addr, offset, bytes),
+        }
     }
 
     pub(crate) fn read(&self, buffer: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
@@ -305,20 +346,37 @@ impl Device {
                 buffer.len
             )));
         }
-        let Backend::Emulated(memory) = &self.inner.backend;
-        memory.read(buffer.addr, offset, out)
+        match &self.inner.backend {
+            Backend::Emulated(memory) => memory.read(buffer.addr, offset, out),
+            Backend::Cuda(cuda) => cuda.read(buffer.addr, offset, out),
+        }
     }
 
     pub(crate) fn release(&self, addr: u64, class: usize) {
         self.inner.pool.give_back(class, addr);
     }
 
+    /// Copies all of `src` into the start of `dst` (both on this device).
+    pub fn copy(&self, dst: &DeviceBuffer, src: &DeviceBuffer) -> Result<()> {
+        if dst.len < src.len {
+            return Err(KernelError::Unsupported(format!(
+                "copy of {} bytes into {}",
+                src.len, dst.len
+            )));
+        }
+        match &self.inner.backend {
+            Backend::Emulated(memory) => {
+                let mut bytes = vec![0u8; src.len];
+                memory.read(src.addr, 0, &mut bytes)?;
+                memory.write(dst.addr, 0, &bytes)
+            }
+            Backend::Cuda(cuda) => cuda.copy(dst.addr, src.addr, src.len),
+        }
+    }
+
     /// Frees the memory the pool keeps cached for reuse.
     pub fn trim(&self) {
-        let Backend::Emulated(memory) = &self.inner.backend;
-        self.inner.pool.trim(|addr| {
-            let _ = memory.free(addr);
-        });
+        self.inner.pool.trim(|addr| self.backend_free(addr));
     }
 
     /// Launches `kernel` and waits for it.
@@ -330,12 +388,21 @@ impl Device {
     pub unsafe fn launch(&self, kernel: Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         let number = self.inner.launches.fetch_add(1, Ordering::Relaxed) + 1;
         self.injected("launch", number)?;
-        let Backend::Emulated(memory) = &self.inner.backend;
         let mut slots: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()
             .map(|s| s as *mut u64 as *mut c_void)
             .collect();
+        let memory = match &self.inner.backend {
+            Backend::Emulated(memory) => memory,
+            Backend::Cuda(cuda) => {
+                // SAFETY: forwarded from this function's contract; every slot is 8 bytes
+                // and CUDA reads a u32 parameter from the first 4 (little-endian).
+                return unsafe {
+                    cuda.launch(kernel, cfg.grid, cfg.block, cfg.shared_bytes, &mut params)
+                };
+            }
+        };
         let emu_cfg = EmuLaunchConfig {
             grid: [cfg.grid, 1, 1],
             block: [cfg.block, 1, 1],
@@ -361,9 +428,9 @@ impl Device {
     }
 }
 
-/// Opens the devices a selection names. `none` gives no device; `emulated:N` gives N
-/// emulated devices; `auto` gives no device when the machine has no CUDA device. Running
-/// kernels on CUDA devices is not implemented yet: selecting them is an error that says so.
+/// Opens the devices a selection names: `none` gives no device, `emulated:N` N emulated
+/// devices, `cuda:0,1` those GPUs (an error if one is missing), and `auto` every GPU of the
+/// machine (none without a driver).
 pub fn open_devices(
     selection: &DeviceSelection,
     emulator: &EmulatorOptions,
@@ -373,19 +440,13 @@ pub fn open_devices(
         DeviceSelection::Emulated(n) => {
             Ok((0..*n).map(|i| Device::emulated(i, emulator)).collect())
         }
-        DeviceSelection::Auto => {
-            if crate::cuda::list_devices().unwrap_or_default().is_empty() {
-                Ok(Vec::new())
-            } else {
-                Err(KernelError::Unsupported(
-                    "running kernels on CUDA devices (found by `auto`) is not implemented yet; \
-                     use emulated:N or none"
-                        .into(),
-                ))
-            }
+        DeviceSelection::Auto => crate::cuda::list_devices()
+            .unwrap_or_default()
+            .iter()
+            .map(|d| Device::cuda(d.ordinal, None))
+            .collect(),
+        DeviceSelection::Cuda(ordinals) => {
+            ordinals.iter().map(|&o| Device::cuda(o, None)).collect()
         }
-        DeviceSelection::Cuda(_) => Err(KernelError::Unsupported(
-            "running kernels on CUDA devices is not implemented yet; use emulated:N or none".into(),
-        )),
     }
 }

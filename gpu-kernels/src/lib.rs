@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! Device ─┬─ Emulated: kernels compiled by the host C++ compiler (emu/), fibers per thread
-//!         └─ Cuda:     kernels compiled by NVRTC (listing devices and compiling today)
+//!         └─ Cuda:     the driver API, kernels compiled by NVRTC (cached cubins)
 //! DeviceBuffer ── bytes in a device's memory pool (budgeted)
 //! DeviceColumn / DeviceBatch ── Arrow layout on the device
 //! ops::{scan, compact, gather, hash, hash_table} ── launches of cuda/*.cu kernels
@@ -14,6 +14,7 @@
 
 pub mod column;
 pub mod cuda;
+mod cuda_backend;
 pub mod device;
 mod emu;
 pub mod error;

@@ -48,3 +48,122 @@ pub fn compile_ptx(file: &str, arch: &'static str) -> Result<String> {
     })?;
     Ok(ptx.to_src())
 }
+
+/// NVRTC's version (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    if !nvrtc_present() {
+        return Err(KernelError::Driver(
+            "the NVRTC library was not found".into(),
+        ));
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present; nvrtcVersion writes two ints.
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| KernelError::Driver(format!("nvrtcVersion: {e:?}")))?;
+    Ok((major, minor))
+}
+
+/// Compiles one kernel file to a cubin for exactly `sm` (e.g. `sm_90`). A cubin does not
+/// go through the driver's PTX JIT, so it loads even where the driver is older than NVRTC.
+pub fn compile_cubin(file: &str, sm: &str) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::result;
+    use std::ffi::CString;
+    if !nvrtc_present() {
+        return Err(KernelError::Driver(
+            "the NVRTC library was not found".into(),
+        ));
+    }
+    let source = CString::new(prepared_source(file)?)
+        .map_err(|_| KernelError::Unsupported(format!("{file} contains a NUL byte")))?;
+    let name = CString::new(file)
+        .map_err(|_| KernelError::Unsupported("a file name with a NUL byte".into()))?;
+    let prog = result::create_program(&source, Some(&name))
+        .map_err(|e| KernelError::Driver(format!("NVRTC could not take {file}: {e:?}")))?;
+    let options = [
+        format!("--gpu-architecture={sm}"),
+        "--std=c++17".to_string(),
+    ];
+    // SAFETY: `prog` was just created and is destroyed exactly once below; `source` and
+    // `name` outlive it.
+    let outcome = unsafe {
+        match result::compile_program(prog, &options) {
+            Ok(()) => {
+                let mut size = 0usize;
+                let mut cubin = Vec::new();
+                let r = sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .and_then(|()| {
+                        cubin.resize(size, 0u8);
+                        sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()).result()
+                    });
+                r.map(|()| cubin).map_err(|e| {
+                    KernelError::Driver(format!("NVRTC gave no cubin for {file} ({sm}): {e:?}"))
+                })
+            }
+            Err(e) => {
+                let log = result::get_program_log(prog)
+                    .map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>())
+                    .unwrap_or_default();
+                Err(KernelError::Driver(format!(
+                    "NVRTC could not compile {file} for {sm}: {e:?}: {}",
+                    log.trim_end_matches('\0').trim()
+                )))
+            }
+        }
+    };
+    // SAFETY: created above, not destroyed before.
+    let _ = unsafe { result::destroy_program(prog) };
+    outcome
+}
+
+/// The folder compiled kernels are cached in: `$VOLLEY_KERNEL_CACHE`, else
+/// `~/.cache/volley/kernels`.
+pub fn default_cache_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("VOLLEY_KERNEL_CACHE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache/volley/kernels"))
+        })
+}
+
+/// The cubin of `file` for compute capability `cc`, from the on-disk cache in the default
+/// folder (see [`kernel_image_in`]).
+pub fn kernel_image(file: &str, cc: (i32, i32)) -> Result<Vec<u8>> {
+    kernel_image_in(default_cache_dir().as_deref(), file, cc)
+}
+
+/// The cubin of `file` for compute capability `cc`, cached in `dir` under a name made of the
+/// source's hash, the architecture and NVRTC's version; compiled and cached on a miss. A
+/// cache that cannot be written only costs a recompile next time.
+pub fn kernel_image_in(
+    dir: Option<&std::path::Path>,
+    file: &str,
+    cc: (i32, i32),
+) -> Result<Vec<u8>> {
+    let sm = format!("sm_{}{}", cc.0, cc.1);
+    let (major, minor) = nvrtc_version()?;
+    let source = prepared_source(file)?;
+    let key = crate::ops::hash::hash_bytes(source.as_bytes());
+    let name = format!(
+        "{}-{sm}-nvrtc{major}.{minor}-{key:016x}.cubin",
+        file.trim_end_matches(".cu")
+    );
+    let path = dir.map(|d| d.join(name));
+    if let Some(path) = &path
+        && let Ok(bytes) = std::fs::read(path)
+        && !bytes.is_empty()
+    {
+        return Ok(bytes);
+    }
+    let cubin = compile_cubin(file, &sm)?;
+    if let (Some(dir), Some(path)) = (dir, &path)
+        && std::fs::create_dir_all(dir).is_ok()
+    {
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &cubin).is_ok() {
+            let _ = std::fs::rename(&tmp, path);
+        }
+    }
+    Ok(cubin)
+}

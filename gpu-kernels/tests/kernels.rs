@@ -18,13 +18,33 @@ const SIZES: &[usize] = &[
     0, 1, 31, 32, 33, 255, 256, 257, 1023, 1024, 1025, 5000, 70_001,
 ];
 
+/// The device the kernel tests run on: `VOLLEY_TEST_DEVICE=cuda` runs them on GPU 0 (and
+/// fails if it cannot be opened: never a silent fall back to the emulator).
 fn device() -> Device {
     match std::env::var("VOLLEY_TEST_DEVICE").as_deref() {
-        Ok("cuda") => panic!(
-            "VOLLEY_TEST_DEVICE=cuda: running kernels on CUDA devices is not implemented yet"
-        ),
-        _ => Device::emulated(0, &EmulatorOptions::default()),
+        Ok("cuda") => {
+            Device::cuda(0, None).unwrap_or_else(|e| panic!("VOLLEY_TEST_DEVICE=cuda: {e}"))
+        }
+        Ok("emulated") | Err(_) => emulated(),
+        Ok(other) => panic!("VOLLEY_TEST_DEVICE={other}: expected emulated or cuda"),
     }
+}
+
+/// Tests of the emulator's own guarantees (races exposed, guard zones, divergent barriers,
+/// injected faults) always run on it: on a GPU they would hang or corrupt memory.
+fn emulated() -> Device {
+    Device::emulated(0, &EmulatorOptions::default())
+}
+
+#[test]
+fn the_test_device_is_the_one_asked_for() {
+    let d = device();
+    let kind = match std::env::var("VOLLEY_TEST_DEVICE").as_deref() {
+        Ok("cuda") => volley_kernels::DeviceKind::Cuda,
+        _ => volley_kernels::DeviceKind::Emulated,
+    };
+    assert_eq!(d.kind(), kind, "{d:?}");
+    eprintln!("kernel tests run on {d} ({})", d.name());
 }
 
 fn small_device(budget: usize) -> Device {
@@ -406,6 +426,42 @@ fn hash_table_joins_like_a_nested_loop() {
     }
 }
 
+#[test]
+fn hash_join_of_a_million_rows() {
+    let d = device();
+    let n = 1 << 20;
+    // Build keys 0..n/2 each twice; probe keys spread over 0..n with some NULLs.
+    let build: Int64Array = (0..n as i64).map(|i| Some(i / 2)).collect();
+    let mut r = Lcg(11);
+    let probe: Int64Array = (0..n)
+        .map(|_| (!r.chance(5)).then(|| (r.next() % n as u64) as i64))
+        .collect();
+    let bd = DeviceColumn::upload(&d, &build).unwrap();
+    let pd = DeviceColumn::upload(&d, &probe).unwrap();
+    let bh = hash::hash_columns(&d, &[&bd]).unwrap();
+    let ph = hash::hash_columns(&d, &[&pd]).unwrap();
+    let host = hash::hash_rows_host(&[&probe]).unwrap();
+    let device_hashes: Vec<u64> = ph.to_host().unwrap()[..n * 8]
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(device_hashes, host);
+    let table = hash_table::HashTable::build(&d, &bh, bd.validity(), n).unwrap();
+    let pairs = table.probe(&ph, pd.validity(), n).unwrap();
+    let b = pairs.build.to_host().unwrap();
+    let p = pairs.probe.to_host().unwrap();
+    let matched = b
+        .iter()
+        .zip(&p)
+        .filter(|(bi, pi)| build.value(**bi as usize) == probe.value(**pi as usize))
+        .count();
+    let expected: usize = probe
+        .iter()
+        .map(|v| matches!(v, Some(k) if (k as usize) < n / 2) as usize * 2)
+        .sum();
+    assert_eq!(matched, expected);
+}
+
 // --- The emulator's own guarantees -------------------------------------------------------
 
 #[test]
@@ -466,7 +522,7 @@ fn atomics_are_exact_under_contention() {
 
 #[test]
 fn the_shuffled_order_exposes_a_race() {
-    let d = device();
+    let d = emulated();
     let expected: Vec<u32> = (0..256u32).map(|t| (t + 1) % 256 + 1).collect();
     assert_eq!(
         selftest::racy(&d, 256, true).unwrap(),
@@ -483,7 +539,7 @@ fn the_shuffled_order_exposes_a_race() {
 
 #[test]
 fn out_of_bounds_writes_and_divergent_barriers_are_typed_errors() {
-    let d = device();
+    let d = emulated();
     let e = selftest::out_of_bounds(&d, 1000).unwrap_err();
     assert!(
         matches!(
@@ -495,7 +551,7 @@ fn out_of_bounds_writes_and_divergent_barriers_are_typed_errors() {
         ),
         "{e}"
     );
-    let d = device();
+    let d = emulated();
     let e = selftest::divergent_barrier(&d).unwrap_err();
     assert!(
         matches!(
@@ -536,7 +592,7 @@ fn allocations_past_the_budget_are_refused_and_memory_comes_back() {
 
 #[test]
 fn injected_faults_surface_as_typed_errors_and_then_clear() {
-    let d = device();
+    let d = emulated();
     let values: Int64Array = (0..10_000).map(Some).collect();
     let predicate = selection(10_000, 5, 40, 5);
     let run = |d: &Device| -> Result<ArrayRef, KernelError> {
@@ -615,4 +671,31 @@ fn every_kernel_compiles_with_nvrtc_for_ampere_and_hopper() {
             }
         }
     }
+}
+
+#[test]
+fn every_kernel_compiles_to_a_cached_cubin_for_exact_architectures() {
+    if std::env::var_os("VOLLEY_SKIP_NVRTC").is_some() {
+        eprintln!("VOLLEY_SKIP_NVRTC is set: NVRTC compilation NOT checked");
+        return;
+    }
+    let cache = std::env::temp_dir().join(format!("volley-kernel-cache-{}", std::process::id()));
+    for cc in [(8, 0), (9, 0)] {
+        for (file, _) in volley_kernels::kernels::SOURCES {
+            let cubin = volley_kernels::nvrtc::kernel_image_in(Some(&cache), file, cc)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(
+                &cubin[..4],
+                b"\x7fELF",
+                "{file} sm_{}{} is an ELF cubin",
+                cc.0,
+                cc.1
+            );
+            let again = volley_kernels::nvrtc::kernel_image_in(Some(&cache), file, cc).unwrap();
+            assert_eq!(again, cubin, "the second call reads the cache");
+        }
+    }
+    let cached = std::fs::read_dir(&cache).unwrap().count();
+    assert_eq!(cached, 2 * volley_kernels::kernels::SOURCES.len());
+    let _ = std::fs::remove_dir_all(&cache);
 }

@@ -225,7 +225,13 @@ impl Shell {
                 self.run_quiet(sql)?;
             }
             MetaCommand::Describe(name) => {
-                let bare = name.trim_matches('"');
+                // As in SQL: a quoted name is exact, an unquoted one is folded to lower case.
+                let bare = if name.starts_with('"') && name.ends_with('"') && name.len() > 1 {
+                    name[1..name.len() - 1].to_string()
+                } else {
+                    name.to_lowercase()
+                };
+                let bare = bare.as_str();
                 if !self.ctx.table_names().iter().any(|t| t == bare) {
                     return Err(Failure::Error(format!(
                         "no table named '{bare}'; \\dt lists them"

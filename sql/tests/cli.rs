@@ -194,7 +194,7 @@ fn demo_loads_tpch_and_meta_commands_describe_it() {
         "-c",
         "SELECT l_returnflag, count(*) AS n FROM lineitem GROUP BY 1 ORDER BY 1",
         "-c",
-        "\\d lineitem",
+        "\\d LineItem",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);

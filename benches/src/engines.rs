@@ -1,0 +1,265 @@
+//! The engines a benchmark compares, each running the same queries over the same Parquet
+//! files. Setup (registering tables) is not timed; each query's time covers planning,
+//! execution and collecting every row.
+
+use std::fmt;
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::str::FromStr;
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow, bail};
+use arrow::array::RecordBatch;
+use arrow::util::display::{ArrayFormatter, FormatOptions};
+use datafusion::prelude::{ParquetReadOptions, SessionContext};
+use volley_engine::{GpuMode, VolleyConfig, VolleyContext};
+
+/// An engine under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// Volley with the GPU off: DataFusion plus Volley's session (the overhead check).
+    Volley,
+    /// Volley with `volley.gpu.mode = auto` on whatever devices `VOLLEY_DEVICES` gives.
+    VolleyGpu,
+    /// Plain DataFusion, the reference for answers and ratios.
+    DataFusion,
+    /// DuckDB through its Python package.
+    DuckDb,
+}
+
+impl FromStr for Engine {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s.trim() {
+            "volley" => Self::Volley,
+            "volley-gpu" => Self::VolleyGpu,
+            "datafusion" => Self::DataFusion,
+            "duckdb" => Self::DuckDb,
+            other => bail!("unknown engine '{other}' (volley, volley-gpu, datafusion, duckdb)"),
+        })
+    }
+}
+
+impl fmt::Display for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Volley => "volley",
+            Self::VolleyGpu => "volley-gpu",
+            Self::DataFusion => "datafusion",
+            Self::DuckDb => "duckdb",
+        })
+    }
+}
+
+/// One query on one engine.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// It ran: the time of each iteration and the answer of the first.
+    Ran {
+        /// Milliseconds per iteration.
+        times_ms: Vec<f64>,
+        /// The answer, cells as text (NULL for nulls).
+        rows: Vec<Vec<String>>,
+    },
+    /// It failed with this error.
+    Failed(String),
+}
+
+/// All queries on one engine.
+#[derive(Debug, Clone)]
+pub struct EngineRun {
+    /// Which engine.
+    pub engine: Engine,
+    /// Why the engine did not run, or a caveat about its numbers.
+    pub note: Option<String>,
+    /// One outcome per query, in query order (empty when the engine was skipped).
+    pub outcomes: Vec<Outcome>,
+}
+
+fn render(batches: &[RecordBatch]) -> Result<Vec<Vec<String>>> {
+    let options = FormatOptions::default().with_null("NULL");
+    let mut rows = Vec::new();
+    for batch in batches {
+        let formatters = batch
+            .columns()
+            .iter()
+            .map(|c| ArrayFormatter::try_new(c.as_ref(), &options))
+            .collect::<Result<Vec<_>, _>>()?;
+        for i in 0..batch.num_rows() {
+            rows.push(formatters.iter().map(|f| f.value(i).to_string()).collect());
+        }
+    }
+    Ok(rows)
+}
+
+async fn datafusion_session(engine: Engine) -> Result<SessionContext> {
+    Ok(match engine {
+        Engine::DataFusion => SessionContext::new(),
+        Engine::Volley => {
+            let config = VolleyConfig {
+                gpu_mode: GpuMode::Off,
+                ..VolleyConfig::from_env()?
+            };
+            VolleyContext::with_config(config).session_context().clone()
+        }
+        Engine::VolleyGpu => {
+            let config = VolleyConfig {
+                gpu_mode: GpuMode::Auto,
+                ..VolleyConfig::from_env()?
+            };
+            VolleyContext::with_config(config).session_context().clone()
+        }
+        Engine::DuckDb => bail!("DuckDB is not a DataFusion session"),
+    })
+}
+
+/// Runs `queries` (name, SQL) on a DataFusion-based engine.
+pub async fn run_datafusion(
+    engine: Engine,
+    data: &Path,
+    tables: &[&str],
+    queries: &[(String, String)],
+    iterations: usize,
+) -> Result<EngineRun> {
+    let ctx = datafusion_session(engine).await?;
+    for table in tables {
+        let path = data.join(format!("{table}.parquet"));
+        ctx.register_parquet(
+            *table,
+            path.to_string_lossy().as_ref(),
+            ParquetReadOptions::default(),
+        )
+        .await
+        .with_context(|| format!("registering {}", path.display()))?;
+    }
+    let mut outcomes = Vec::with_capacity(queries.len());
+    for (_, sql) in queries {
+        let mut times_ms = Vec::with_capacity(iterations);
+        let mut answer = None;
+        let mut failure = None;
+        for _ in 0..iterations {
+            let start = Instant::now();
+            let result = async { ctx.sql(sql).await?.collect().await }.await;
+            let elapsed = start.elapsed().as_secs_f64() * 1e3;
+            match result {
+                Ok(batches) => {
+                    times_ms.push(elapsed);
+                    if answer.is_none() {
+                        answer = Some(render(&batches)?);
+                    }
+                }
+                Err(e) => {
+                    failure = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        outcomes.push(match (failure, answer) {
+            (Some(e), _) => Outcome::Failed(e),
+            (None, Some(rows)) => Outcome::Ran { times_ms, rows },
+            (None, None) => Outcome::Failed("no iteration ran".into()),
+        });
+    }
+    let note = (engine == Engine::VolleyGpu)
+        .then(|| "GPU operators are not in Volley yet: volley-gpu runs on the CPU".to_string());
+    Ok(EngineRun {
+        engine,
+        note,
+        outcomes,
+    })
+}
+
+/// Runs `queries` on DuckDB through `python3` and its `duckdb` package; without them the
+/// engine is skipped with a note.
+pub fn run_duckdb(
+    data: &Path,
+    tables: &[&str],
+    queries: &[(String, String)],
+    iterations: usize,
+) -> Result<EngineRun> {
+    let request = serde_json::json!({
+        "data_dir": data.to_string_lossy(),
+        "tables": tables,
+        "queries": queries,
+        "iterations": iterations,
+    });
+    let spawned = Command::new("python3")
+        .args(["-c", include_str!("../duckdb_runner.py")])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let skipped = |why: String| EngineRun {
+        engine: Engine::DuckDb,
+        note: Some(format!("skipped: {why}")),
+        outcomes: Vec::new(),
+    };
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => return Ok(skipped(format!("python3 cannot run ({e})"))),
+    };
+    child
+        .stdin
+        .take()
+        .ok_or_else(|| anyhow!("no stdin for python3"))?
+        .write_all(request.to_string().as_bytes())?;
+    let output = child.wait_with_output()?;
+    if output.status.code() == Some(3) {
+        return Ok(skipped(
+            "the Python package duckdb is not installed (pip install duckdb)".into(),
+        ));
+    }
+    if !output.status.success() {
+        bail!(
+            "the DuckDB runner failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    let mut lines = std::str::from_utf8(&output.stdout)?.lines();
+    let version: serde_json::Value = serde_json::from_str(lines.next().unwrap_or("{}"))?;
+    let mut outcomes = Vec::with_capacity(queries.len());
+    for line in lines {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
+            outcomes.push(Outcome::Failed(e.to_string()));
+            continue;
+        }
+        let times_ms = v["times_ms"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t.as_f64())
+            .collect();
+        let rows = v["rows"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| {
+                r.as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|c| c.as_str().unwrap_or("").to_string())
+                    .collect()
+            })
+            .collect();
+        outcomes.push(Outcome::Ran { times_ms, rows });
+    }
+    if outcomes.len() != queries.len() {
+        bail!(
+            "the DuckDB runner answered {} of {} queries",
+            outcomes.len(),
+            queries.len()
+        );
+    }
+    let note = version
+        .get("version")
+        .and_then(|v| v.as_str())
+        .map(|v| format!("DuckDB {v}"));
+    Ok(EngineRun {
+        engine: Engine::DuckDb,
+        note,
+        outcomes,
+    })
+}

@@ -1,0 +1,112 @@
+//! `volley-kernel-bench`: kernel throughput on one device, as a ratio of the device's own
+//! copy bandwidth measured in the same run.
+//!
+//! ```text
+//! volley-kernel-bench [--device cuda:0|emulated] [--rows N] [--iterations K]
+//! ```
+//! Prints a markdown table: operation, rows, median milliseconds, GB/s moved, and GB/s as
+//! a share of device-to-device copy bandwidth. Times on the emulated device only show that
+//! it runs.
+
+use std::time::Instant;
+
+use volley_kernels::ops::{RowIndices, compact, gather};
+use volley_kernels::{Device, DeviceColumn, EmulatorOptions};
+
+fn median_ms(iterations: usize, mut run: impl FnMut()) -> f64 {
+    run(); // warm-up: compiles and loads kernels, fills the memory pool
+    let mut times: Vec<f64> = (0..iterations)
+        .map(|_| {
+            let start = Instant::now();
+            run();
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut device_name = "cuda:0".to_string();
+    let mut rows: Option<usize> = None;
+    let mut iterations = 5usize;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--device" => device_name = args.next().ok_or("--device needs a value")?,
+            "--rows" => rows = Some(args.next().ok_or("--rows needs a value")?.parse()?),
+            "--iterations" => {
+                iterations = args.next().ok_or("--iterations needs a value")?.parse()?
+            }
+            other => return Err(format!("unknown argument {other}").into()),
+        }
+    }
+    let device = match device_name.as_str() {
+        "emulated" | "emulated:0" => Device::emulated(0, &EmulatorOptions::default()),
+        other => {
+            let ordinal = other
+                .strip_prefix("cuda:")
+                .ok_or("--device is cuda:N or emulated")?
+                .parse()?;
+            Device::cuda(ordinal, None)?
+        }
+    };
+    let rows = rows.unwrap_or(if device_name.starts_with("cuda") {
+        100_000_000
+    } else {
+        1_000_000
+    });
+    println!("device: {device} — {}", device.name());
+
+    // Device-to-device copy: the yardstick.
+    let bytes = rows * 8;
+    let src = device.alloc(bytes)?;
+    let dst = device.alloc(bytes)?;
+    let copy_ms = median_ms(iterations, || device.copy(&dst, &src).expect("copy"));
+    let copy_gbs = 2.0 * bytes as f64 / copy_ms / 1e6;
+    drop((src, dst));
+
+    let values: arrow::array::Int64Array = (0..rows as i64).collect();
+    let keep: arrow::array::BooleanArray = (0..rows).map(|i| Some(i % 2 == 0)).collect();
+    let column = DeviceColumn::upload(&device, &values)?;
+    let predicate = DeviceColumn::upload(&device, &keep)?;
+    let filter_ms = median_ms(iterations, || {
+        let idx =
+            compact::selection_indices(&device, predicate.values(), None, rows).expect("select");
+        gather::gather_column(&column, &idx).expect("gather");
+    });
+    // Reads the bitmap and the values, writes indices then the kept values.
+    let kept = rows / 2;
+    let filter_bytes = rows / 8 + kept * 4 * 2 + kept * 8 + kept * 8;
+
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let random: Vec<u32> = (0..rows)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % rows as u64) as u32
+        })
+        .collect();
+    let indices = RowIndices::upload(&device, &random, rows)?;
+    let gather_ms = median_ms(iterations, || {
+        gather::gather_column(&column, &indices).expect("gather");
+    });
+    let gather_bytes = rows * (4 + 8 + 8);
+
+    println!();
+    println!("| operation | rows | ms (median of {iterations}) | GB/s | of copy bandwidth |");
+    println!("|---|---:|---:|---:|---:|");
+    println!("| device copy | {rows} | {copy_ms:.3} | {copy_gbs:.1} | 100 % |");
+    for (name, ms, moved) in [
+        ("filter + compaction (i64, 50 %)", filter_ms, filter_bytes),
+        ("gather (i64, random)", gather_ms, gather_bytes),
+    ] {
+        let gbs = moved as f64 / ms / 1e6;
+        println!(
+            "| {name} | {rows} | {ms:.3} | {gbs:.1} | {:.0} % |",
+            100.0 * gbs / copy_gbs
+        );
+    }
+    Ok(())
+}

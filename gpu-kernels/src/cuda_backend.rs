@@ -1,0 +1,291 @@
+//! The CUDA backend of [`Device`](crate::Device): memory, copies and launches through the
+//! driver API (cudarc's raw `result` layer, since device addresses travel as plain u64
+//! like the emulator's).
+//!
+//! - Kernels are compiled per file by NVRTC to a cubin for the device's exact architecture
+//!   (cached on disk, see `nvrtc::kernel_image`) and loaded once per device.
+//! - Memory comes from the stream-ordered allocator (`cuMemAllocAsync`) where the device
+//!   has one; the budget is kept by the device's pool as on the emulator.
+//! - Copies go through a pinned staging buffer with async copies on the device's stream.
+//! - Every call binds the device's context to the calling thread first.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_void};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
+
+use crate::kernels::Kernel;
+use crate::{KernelError, Result};
+
+/// Bytes of pinned host memory used to stage each copy (larger copies go in pieces).
+const STAGING_BYTES: usize = 16 << 20;
+
+fn driver(what: &str) -> impl Fn(DriverError) -> KernelError + '_ {
+    move |e| KernelError::Driver(format!("{what}: {e}"))
+}
+
+struct Staging {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the pinned buffer is only touched under the backend's mutex.
+unsafe impl Send for Staging {}
+
+pub(crate) struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    compute_capability: (i32, i32),
+    async_alloc: bool,
+    modules: Mutex<HashMap<&'static str, sys::CUmodule>>,
+    functions: Mutex<HashMap<Kernel, sys::CUfunction>>,
+    staging: Mutex<Staging>,
+}
+
+// SAFETY: module and function handles are plain driver handles, valid on any thread once
+// the context is bound; they are guarded by mutexes here.
+unsafe impl Send for CudaBackend {}
+unsafe impl Sync for CudaBackend {}
+
+/// What `open` learns about the device.
+pub(crate) struct CudaProperties {
+    pub name: String,
+    pub total_memory: usize,
+    pub multiprocessors: u32,
+    pub compute_capability: (i32, i32),
+}
+
+impl CudaBackend {
+    pub fn open(ordinal: usize) -> Result<(Self, CudaProperties)> {
+        if !crate::cuda::driver_present() {
+            return Err(KernelError::Driver(
+                "the CUDA driver library (libcuda) was not found".into(),
+            ));
+        }
+        let count = CudaContext::device_count().map_err(driver("counting CUDA devices"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(KernelError::Driver(format!(
+                "no CUDA device {ordinal} (this machine has {count})"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver("creating a CUDA context"))?;
+        let stream = ctx.new_stream().map_err(driver("creating a CUDA stream"))?;
+        let compute_capability = ctx
+            .compute_capability()
+            .map_err(driver("reading the compute capability"))?;
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver("reading the multiprocessor count"))?;
+        let properties = CudaProperties {
+            name: ctx.name().map_err(driver("reading the device name"))?,
+            total_memory: ctx
+                .total_mem()
+                .map_err(driver("reading the device memory"))?,
+            multiprocessors: multiprocessors.max(1) as u32,
+            compute_capability,
+        };
+        // SAFETY: allocates pinned host memory of the given size; freed in Drop.
+        let staging = unsafe { result::malloc_host(STAGING_BYTES, 0) }
+            .map_err(driver("allocating pinned memory"))?;
+        let backend = Self {
+            async_alloc: ctx.has_async_alloc(),
+            ctx,
+            stream,
+            compute_capability,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+            staging: Mutex::new(Staging {
+                ptr: staging.cast(),
+                len: STAGING_BYTES,
+            }),
+        };
+        Ok((backend, properties))
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("binding the CUDA context"))
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(driver("waiting for the stream"))
+    }
+
+    pub fn alloc(&self, len: usize) -> Result<u64> {
+        self.bind()?;
+        let len = len.max(1);
+        // SAFETY: the stream belongs to this context; the memory is only used on it.
+        let addr = unsafe {
+            if self.async_alloc {
+                result::malloc_async(self.stream.cu_stream(), len)
+            } else {
+                result::malloc_sync(len)
+            }
+        };
+        addr.map_err(|e| match e.0 {
+            sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => KernelError::OutOfDeviceMemory {
+                device: format!("cuda:{}", self.ctx.ordinal()),
+                requested: len,
+                in_use: 0,
+                budget: 0,
+            },
+            _ => KernelError::Driver(format!("allocating {len} bytes: {e}")),
+        })
+    }
+
+    pub fn free(&self, addr: u64) {
+        if self.bind().is_err() {
+            return;
+        }
+        // SAFETY: `addr` came from `alloc` and the pool frees each block once.
+        unsafe {
+            let _ = if self.async_alloc {
+                result::free_async(addr, self.stream.cu_stream())
+            } else {
+                result::free_sync(addr)
+            };
+        }
+    }
+
+    pub fn write(&self, addr: u64, offset: usize, bytes: &[u8]) -> Result<()> {
+        self.bind()?;
+        let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        for (k, piece) in bytes.chunks(staging.len).enumerate() {
+            // SAFETY: the staging buffer holds `staging.len` bytes, at least piece.len(); the
+            // previous piece's copy finished (sync below) before it is overwritten; the
+            // destination range lies inside the buffer (checked by Device::write).
+            unsafe {
+                std::ptr::copy_nonoverlapping(piece.as_ptr(), staging.ptr, piece.len());
+                let pinned = std::slice::from_raw_parts(staging.ptr, piece.len());
+                let dst = addr + (offset + k * staging.len) as u64;
+                result::memcpy_htod_async(dst, pinned, self.stream.cu_stream())
+                    .map_err(driver("copying to the device"))?;
+            }
+            self.sync()?;
+        }
+        Ok(())
+    }
+
+    pub fn read(&self, addr: u64, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.bind()?;
+        let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let piece_len = staging.len;
+        for (k, piece) in out.chunks_mut(piece_len).enumerate() {
+            // SAFETY: as in `write`, in the other direction.
+            unsafe {
+                let pinned = std::slice::from_raw_parts_mut(staging.ptr, piece.len());
+                let src = addr + (offset + k * piece_len) as u64;
+                result::memcpy_dtoh_async(pinned, src, self.stream.cu_stream())
+                    .map_err(driver("copying from the device"))?;
+                self.sync()?;
+                std::ptr::copy_nonoverlapping(staging.ptr, piece.as_mut_ptr(), piece.len());
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies `len` bytes between two device buffers.
+    pub fn copy(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: both ranges lie inside live buffers (checked by the caller).
+        unsafe { result::memcpy_dtod_async(dst, src, len, self.stream.cu_stream()) }
+            .map_err(driver("copying on the device"))?;
+        self.sync()
+    }
+
+    fn function(&self, kernel: Kernel) -> Result<sys::CUfunction> {
+        if let Some(f) = self
+            .functions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&kernel)
+        {
+            return Ok(*f);
+        }
+        let file = kernel.source_file();
+        let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        let module = match modules.get(file) {
+            Some(m) => *m,
+            None => {
+                let image = crate::nvrtc::kernel_image(file, self.compute_capability)?;
+                // SAFETY: `image` is a cubin NVRTC produced for this device's architecture.
+                let m = unsafe { result::module::load_data(image.as_ptr().cast()) }
+                    .map_err(driver("loading kernels"))?;
+                modules.insert(file, m);
+                m
+            }
+        };
+        let name = CString::new(kernel.name())
+            .map_err(|_| KernelError::Unsupported("kernel name".into()))?;
+        // SAFETY: `module` is loaded and never unloaded while the backend lives.
+        let f = unsafe { result::module::get_function(module, name) }
+            .map_err(driver("finding a kernel"))?;
+        self.functions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(kernel, f);
+        Ok(f)
+    }
+
+    /// Launches and waits.
+    ///
+    /// # Safety
+    /// As `Device::launch`: `params` point at arguments matching the kernel's signature.
+    pub unsafe fn launch(
+        &self,
+        kernel: Kernel,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.bind()?;
+        let f = self.function(kernel)?;
+        // SAFETY: per this function's contract.
+        unsafe {
+            result::launch_kernel(
+                f,
+                (grid, 1, 1),
+                (block, 1, 1),
+                shared_bytes,
+                self.stream.cu_stream(),
+                params,
+            )
+        }
+        .map_err(|e| KernelError::LaunchFailed {
+            kernel: kernel.name(),
+            device: format!("cuda:{}", self.ctx.ordinal()),
+            message: e.to_string(),
+        })?;
+        self.sync().map_err(|e| KernelError::LaunchFailed {
+            kernel: kernel.name(),
+            device: format!("cuda:{}", self.ctx.ordinal()),
+            message: e.to_string(),
+        })
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if self.bind().is_err() {
+            return;
+        }
+        let _ = self.stream.synchronize();
+        let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: allocated with malloc_host in `open`, freed once here.
+        let _ = unsafe { result::free_host(staging.ptr.cast()) };
+        for (_, m) in self
+            .modules
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+        {
+            // SAFETY: loaded in `function`, unloaded once here after the stream is idle.
+            let _ = unsafe { result::module::unload(m) };
+        }
+    }
+}
