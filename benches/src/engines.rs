@@ -10,9 +10,8 @@ use std::str::FromStr;
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
-use arrow::array::RecordBatch;
-use arrow::util::display::{ArrayFormatter, FormatOptions};
 use datafusion::prelude::{ParquetReadOptions, SessionContext};
+use volley_engine::display::rows_as_text;
 use volley_engine::{GpuMode, VolleyConfig, VolleyContext};
 
 /// An engine under test.
@@ -78,22 +77,6 @@ pub struct EngineRun {
     pub outcomes: Vec<Outcome>,
 }
 
-fn render(batches: &[RecordBatch]) -> Result<Vec<Vec<String>>> {
-    let options = FormatOptions::default().with_null("NULL");
-    let mut rows = Vec::new();
-    for batch in batches {
-        let formatters = batch
-            .columns()
-            .iter()
-            .map(|c| ArrayFormatter::try_new(c.as_ref(), &options))
-            .collect::<Result<Vec<_>, _>>()?;
-        for i in 0..batch.num_rows() {
-            rows.push(formatters.iter().map(|f| f.value(i).to_string()).collect());
-        }
-    }
-    Ok(rows)
-}
-
 async fn datafusion_session(engine: Engine) -> Result<SessionContext> {
     Ok(match engine {
         Engine::DataFusion => SessionContext::new(),
@@ -147,7 +130,7 @@ pub async fn run_datafusion(
                 Ok(batches) => {
                     times_ms.push(elapsed);
                     if answer.is_none() {
-                        answer = Some(render(&batches)?);
+                        answer = Some(rows_as_text(&batches)?);
                     }
                 }
                 Err(e) => {

@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod context;
+pub mod display;
 pub mod error;
 pub mod object_store;
 pub mod tpch;

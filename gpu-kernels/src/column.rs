@@ -83,6 +83,24 @@ pub fn device_type(data_type: &DataType, value_bytes: usize) -> Result<DataType>
     Ok(converted)
 }
 
+/// Uploads a variable-width column's bytes and its offsets, rebased to start at 0.
+fn upload_var<O>(device: &Device, data: &ArrayData) -> Result<(DeviceBuffer, Option<DeviceBuffer>)>
+where
+    O: arrow::datatypes::ArrowNativeType + std::ops::Sub<Output = O> + Copy,
+{
+    let (len, offset) = (data.len(), data.offset());
+    let all: &[O] = data.buffers()[0].typed_data();
+    let window = &all[offset..=offset + len];
+    let first = window[0];
+    let rebased =
+        arrow::buffer::Buffer::from_vec(window.iter().map(|&o| o - first).collect::<Vec<O>>());
+    let bytes = &data.buffers()[1].as_slice()[first.as_usize()..window[len].as_usize()];
+    Ok((
+        device.upload(bytes)?,
+        Some(device.upload(rebased.as_slice())?),
+    ))
+}
+
 /// One column in device memory.
 #[derive(Debug)]
 pub struct DeviceColumn {
@@ -147,28 +165,8 @@ impl DeviceColumn {
                 let bits = BooleanBuffer::new(data.buffers()[0].clone(), offset, len).sliced();
                 (device.upload(&bits.as_slice()[..bitmap_bytes(len)])?, None)
             }
-            Layout::Var(4) => {
-                let all: &[i32] = data.buffers()[0].typed_data();
-                let window = &all[offset..=offset + len];
-                let first = window[0];
-                let rebased: Vec<u8> = window
-                    .iter()
-                    .flat_map(|o| (o - first).to_le_bytes())
-                    .collect();
-                let bytes = &data.buffers()[1].as_slice()[first as usize..window[len] as usize];
-                (device.upload(bytes)?, Some(device.upload(&rebased)?))
-            }
-            Layout::Var(_) => {
-                let all: &[i64] = data.buffers()[0].typed_data();
-                let window = &all[offset..=offset + len];
-                let first = window[0];
-                let rebased: Vec<u8> = window
-                    .iter()
-                    .flat_map(|o| (o - first).to_le_bytes())
-                    .collect();
-                let bytes = &data.buffers()[1].as_slice()[first as usize..window[len] as usize];
-                (device.upload(bytes)?, Some(device.upload(&rebased)?))
-            }
+            Layout::Var(4) => upload_var::<i32>(device, &data)?,
+            Layout::Var(_) => upload_var::<i64>(device, &data)?,
         };
         Ok(Self {
             data_type: target,

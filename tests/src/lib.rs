@@ -6,9 +6,8 @@
 
 use std::sync::Arc;
 
-use arrow::array::{Array, RecordBatch};
+use arrow::array::RecordBatch;
 use arrow::datatypes::DataType;
-use arrow::util::display::{ArrayFormatter, FormatOptions};
 use async_trait::async_trait;
 use datafusion::error::DataFusionError;
 use sqllogictest::{AsyncDB, DBOutput, DefaultColumnType};
@@ -57,30 +56,13 @@ fn column_type(data_type: &DataType) -> DefaultColumnType {
     }
 }
 
-/// Renders result batches as rows of strings.
+/// Renders result batches as rows of strings: Arrow's display, `NULL` for nulls, and
+/// `(empty)` for an empty string (a NULL is never empty text, so the two cannot mix).
 pub fn render_rows(batches: &[RecordBatch]) -> Result<Vec<Vec<String>>, SltError> {
-    let options = FormatOptions::default().with_null("NULL");
-    let mut rows = Vec::new();
-    for batch in batches {
-        let formatters = batch
-            .columns()
-            .iter()
-            .map(|c| ArrayFormatter::try_new(c.as_ref(), &options))
-            .collect::<Result<Vec<_>, _>>()?;
-        for row in 0..batch.num_rows() {
-            let values = formatters
-                .iter()
-                .zip(batch.columns())
-                .map(|(f, column)| {
-                    let text = f.value(row).to_string();
-                    if text.is_empty() && column.is_valid(row) {
-                        "(empty)".to_string()
-                    } else {
-                        text
-                    }
-                })
-                .collect();
-            rows.push(values);
+    let mut rows = volley_engine::display::rows_as_text(batches)?;
+    for cell in rows.iter_mut().flatten() {
+        if cell.is_empty() {
+            *cell = "(empty)".to_string();
         }
     }
     Ok(rows)
