@@ -37,3 +37,28 @@ pub fn tpch_parquet(root: &Path, sf: f64) -> Result<PathBuf> {
     std::fs::write(&marker, b"")?;
     Ok(dir)
 }
+
+/// The folder holding the SSB tables of scale factor `sf` as Parquet, derived from TPC-H
+/// generated in memory (see [`crate::ssb::DERIVATIONS`]) the first time.
+pub async fn ssb_parquet(root: &Path, sf: f64) -> Result<PathBuf> {
+    tpch::check_scale_factor(sf)?;
+    let dir = root.join(format!("ssb-sf{sf}"));
+    let marker = dir.join("_complete");
+    if marker.exists() {
+        return Ok(dir);
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let ctx = volley_engine::VolleyContext::new()?;
+    ctx.register_tpch(sf)?;
+    for (table, query) in crate::ssb::DERIVATIONS {
+        let path = dir.join(format!("{table}.parquet"));
+        let copy = format!("COPY ({query}) TO '{}' STORED AS PARQUET", path.display());
+        ctx.sql(&copy)
+            .await?
+            .collect()
+            .await
+            .with_context(|| format!("deriving SSB table {table}"))?;
+    }
+    std::fs::write(&marker, b"")?;
+    Ok(dir)
+}

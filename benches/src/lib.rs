@@ -13,3 +13,4 @@ pub mod compare;
 pub mod data;
 pub mod engines;
 pub mod report;
+pub mod ssb;

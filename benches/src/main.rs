@@ -1,11 +1,12 @@
-//! `volley-bench`: TPC-H on Volley, DataFusion and DuckDB side by side.
+//! `volley-bench`: TPC-H and SSB on Volley, DataFusion and DuckDB side by side.
 //!
 //! ```text
 //! volley-bench tpch --sf 1 --engines volley,volley-gpu,datafusion,duckdb --iterations 5
+//! volley-bench ssb --sf 1
 //! ```
 //! Generates the data once per scale factor (Parquet, cached), runs every query on every
 //! engine, fails loudly when an engine's answer differs from DataFusion's, and writes
-//! `tpch-sf<SF>.json`, `.md` and `.svg` into the output folder.
+//! `<benchmark>-sf<SF>.json`, `.md` and `.svg` into the output folder.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -31,6 +32,8 @@ struct Args {
 enum Benchmark {
     /// The 22 TPC-H queries.
     Tpch(Options),
+    /// The 13 Star Schema Benchmark queries, on tables derived from TPC-H.
+    Ssb(Options),
 }
 
 #[derive(clap::Args, Debug)]
@@ -48,9 +51,9 @@ struct Options {
     /// Runs per query; the median is reported.
     #[arg(long, default_value_t = 5)]
     iterations: usize,
-    /// Only these queries (e.g. 1,6,18); all by default.
+    /// Only these queries (TPC-H: 1,6,18; SSB: 1.1,3.2); all by default.
     #[arg(long, value_delimiter = ',')]
-    queries: Vec<usize>,
+    queries: Vec<String>,
     /// Where generated data is cached (default: ~/.cache/volley/bench-data).
     #[arg(long)]
     data_dir: Option<PathBuf>,
@@ -90,7 +93,7 @@ fn today() -> String {
         .unwrap_or_default()
 }
 
-async fn tpch(options: Options) -> Result<bool> {
+async fn run(benchmark: &str, options: Options) -> Result<bool> {
     anyhow::ensure!(options.iterations > 0, "--iterations must be at least 1");
     let root = options
         .data_dir
@@ -100,23 +103,46 @@ async fn tpch(options: Options) -> Result<bool> {
         })
         .context("no --data-dir and no HOME")?;
     eprintln!(
-        "generating TPC-H SF {} as Parquet in {} (once)…",
+        "generating {benchmark} SF {} as Parquet in {} (once)…",
         options.sf,
         root.display()
     );
-    let data = data::tpch_parquet(&root, options.sf)?;
-    let selected: Vec<usize> = if options.queries.is_empty() {
-        (1..=22).collect()
+    let (data, all, tables): (PathBuf, Vec<(String, String)>, Vec<&str>) = if benchmark == "ssb" {
+        let queries = volley_benches::ssb::QUERIES
+            .iter()
+            .map(|(n, q)| (n.to_string(), q.to_string()))
+            .collect();
+        (
+            data::ssb_parquet(&root, options.sf).await?,
+            queries,
+            volley_benches::ssb::TABLES.to_vec(),
+        )
     } else {
-        options.queries.clone()
+        let queries = volley_engine::tpch::QUERIES
+            .iter()
+            .enumerate()
+            .map(|(i, q)| (format!("Q{}", i + 1), q.to_string()))
+            .collect();
+        (
+            data::tpch_parquet(&root, options.sf)?,
+            queries,
+            volley_engine::tpch::TABLES.to_vec(),
+        )
     };
-    let mut queries = Vec::new();
-    for q in &selected {
-        let sql = volley_engine::tpch::QUERIES
-            .get(q.wrapping_sub(1))
-            .with_context(|| format!("there is no TPC-H query {q}"))?;
-        queries.push((format!("Q{q}"), sql.to_string()));
-    }
+    let queries: Vec<(String, String)> = if options.queries.is_empty() {
+        all
+    } else {
+        let mut chosen = Vec::new();
+        for wanted in &options.queries {
+            let name = format!("Q{}", wanted.trim_start_matches(['Q', 'q']));
+            let found = all
+                .iter()
+                .find(|(n, _)| *n == name)
+                .with_context(|| format!("there is no {benchmark} query {wanted}"))?;
+            chosen.push(found.clone());
+        }
+        chosen
+    };
     // DataFusion's answers are the reference, so it always runs.
     let mut order = vec![Engine::DataFusion];
     order.extend(
@@ -126,7 +152,6 @@ async fn tpch(options: Options) -> Result<bool> {
             .copied()
             .filter(|e| *e != Engine::DataFusion),
     );
-    let tables = volley_engine::tpch::TABLES;
     let mut runs = Vec::new();
     for engine in order {
         eprintln!("running {engine}…");
@@ -161,7 +186,7 @@ async fn tpch(options: Options) -> Result<bool> {
         }
     }
     let report = Report {
-        benchmark: "tpch".into(),
+        benchmark: benchmark.into(),
         scale_factor: options.sf,
         iterations: options.iterations,
         queries: queries.iter().map(|(n, _)| n.clone()).collect(),
@@ -171,7 +196,7 @@ async fn tpch(options: Options) -> Result<bool> {
         command: std::env::args().collect::<Vec<_>>().join(" "),
     };
     std::fs::create_dir_all(&options.output)?;
-    let stem = options.output.join(format!("tpch-sf{}", options.sf));
+    let stem = options.output.join(format!("{benchmark}-sf{}", options.sf));
     std::fs::write(
         stem.with_extension("json"),
         serde_json::to_string_pretty(&report.json())?,
@@ -198,7 +223,8 @@ fn main() -> ExitCode {
     };
     let outcome = runtime.block_on(async {
         match args.benchmark {
-            Benchmark::Tpch(options) => tpch(options).await,
+            Benchmark::Tpch(options) => run("tpch", options).await,
+            Benchmark::Ssb(options) => run("ssb", options).await,
         }
     });
     match outcome {

@@ -1,0 +1,70 @@
+//! Criterion micro-benchmarks of the kernels, in bytes per second moved, on the device
+//! `VOLLEY_BENCH_DEVICE` names (`emulated`, the default, or `cuda`). Emulated numbers only
+//! show that the benchmarks run; `scripts/gpu-check.sh` gives the GPU's.
+//!
+//! `cargo bench -p volley-kernels --bench kernels`
+
+use arrow::array::{BooleanArray, Int64Array};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use volley_kernels::ops::{RowIndices, compact, gather, hash, hash_table};
+use volley_kernels::{Device, DeviceColumn, EmulatorOptions};
+
+fn device() -> Device {
+    match std::env::var("VOLLEY_BENCH_DEVICE").as_deref() {
+        Ok("cuda") => Device::cuda(0, None).expect("VOLLEY_BENCH_DEVICE=cuda needs GPU 0"),
+        _ => Device::emulated(0, &EmulatorOptions::default()),
+    }
+}
+
+fn kernels(c: &mut Criterion) {
+    let d = device();
+    let rows: usize = if d.kind() == volley_kernels::DeviceKind::Cuda {
+        10_000_000
+    } else {
+        200_000
+    };
+    let values: Int64Array = (0..rows as i64)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 1000)
+        .collect();
+    let keep: BooleanArray = (0..rows).map(|i| Some(i % 3 != 0)).collect();
+    let column = DeviceColumn::upload(&d, &values).unwrap();
+    let predicate = DeviceColumn::upload(&d, &keep).unwrap();
+    let random: Vec<u32> = (0..rows as u64)
+        .map(|i| (i.wrapping_mul(0x9E37_79B9) % rows as u64) as u32)
+        .collect();
+    let indices = RowIndices::upload(&d, &random, rows).unwrap();
+
+    let mut group = c.benchmark_group(format!("kernels on {d}"));
+    group.sample_size(10);
+    group.throughput(Throughput::Bytes((rows * 8 + rows / 8) as u64));
+    group.bench_function("filter + compaction (i64)", |b| {
+        b.iter(|| {
+            let idx = compact::selection_indices(&d, predicate.values(), None, rows).unwrap();
+            gather::gather_column(&column, &idx).unwrap()
+        })
+    });
+    group.throughput(Throughput::Bytes((rows * (4 + 8 + 8)) as u64));
+    group.bench_function("gather (i64, random)", |b| {
+        b.iter(|| gather::gather_column(&column, &indices).unwrap())
+    });
+    group.throughput(Throughput::Bytes((rows * 16) as u64));
+    group.bench_function("hash (i64)", |b| {
+        b.iter(|| hash::hash_columns(&d, &[&column]).unwrap())
+    });
+    let hashes = hash::hash_columns(&d, &[&column]).unwrap();
+    group.throughput(Throughput::Bytes((rows * 8) as u64));
+    group.bench_function("hash table build (1000 distinct keys)", |b| {
+        b.iter(|| hash_table::HashTable::build(&d, &hashes, None, rows).unwrap())
+    });
+    let small: Int64Array = (0..1000).collect();
+    let small = DeviceColumn::upload(&d, &small).unwrap();
+    let build_hashes = hash::hash_columns(&d, &[&small]).unwrap();
+    let table = hash_table::HashTable::build(&d, &build_hashes, None, 1000).unwrap();
+    group.bench_function("hash table probe (1000-row build side)", |b| {
+        b.iter(|| table.probe(&hashes, None, rows).unwrap())
+    });
+    group.finish();
+}
+
+criterion_group!(benches, kernels);
+criterion_main!(benches);
