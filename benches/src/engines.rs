@@ -98,60 +98,79 @@ async fn datafusion_session(engine: Engine) -> Result<SessionContext> {
     })
 }
 
-/// Runs `queries` (name, SQL) on a DataFusion-based engine.
+/// Runs `queries` (name, SQL) on the DataFusion-based `engines`, interleaved so that no
+/// engine gains from running after another (warm caches, a quieter machine): for each query,
+/// every engine first runs it once untimed (its answer is kept), then the timed iterations
+/// go round the engines, starting with a different one each time.
 pub async fn run_datafusion(
-    engine: Engine,
+    engines: &[Engine],
     data: &Path,
     tables: &[&str],
     queries: &[(String, String)],
     iterations: usize,
-) -> Result<EngineRun> {
-    let ctx = datafusion_session(engine).await?;
-    for table in tables {
-        let path = data.join(format!("{table}.parquet"));
-        ctx.register_parquet(
-            *table,
-            path.to_string_lossy().as_ref(),
-            ParquetReadOptions::default(),
-        )
-        .await
-        .with_context(|| format!("registering {}", path.display()))?;
+) -> Result<Vec<EngineRun>> {
+    let mut sessions = Vec::with_capacity(engines.len());
+    for &engine in engines {
+        let ctx = datafusion_session(engine).await?;
+        for table in tables {
+            let path = data.join(format!("{table}.parquet"));
+            ctx.register_parquet(
+                *table,
+                path.to_string_lossy().as_ref(),
+                ParquetReadOptions::default(),
+            )
+            .await
+            .with_context(|| format!("registering {}", path.display()))?;
+        }
+        sessions.push(ctx);
     }
-    let mut outcomes = Vec::with_capacity(queries.len());
+    let mut outcomes: Vec<Vec<Outcome>> = vec![Vec::with_capacity(queries.len()); engines.len()];
     for (_, sql) in queries {
-        let mut times_ms = Vec::with_capacity(iterations);
-        let mut answer = None;
-        let mut failure = None;
-        for _ in 0..iterations {
-            let start = Instant::now();
-            let result = async { ctx.sql(sql).await?.collect().await }.await;
-            let elapsed = start.elapsed().as_secs_f64() * 1e3;
-            match result {
-                Ok(batches) => {
-                    times_ms.push(elapsed);
-                    if answer.is_none() {
-                        answer = Some(rows_as_text(&batches)?);
-                    }
+        let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(iterations); engines.len()];
+        let mut answers: Vec<Result<Vec<Vec<String>>, String>> = Vec::with_capacity(engines.len());
+        for ctx in &sessions {
+            let answer = async { ctx.sql(sql).await?.collect().await }.await;
+            answers.push(match answer {
+                Ok(batches) => rows_as_text(&batches).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            });
+        }
+        for iteration in 0..iterations {
+            for k in 0..engines.len() {
+                let e = (iteration + k) % engines.len();
+                if answers[e].is_err() {
+                    continue;
                 }
-                Err(e) => {
-                    failure = Some(e.to_string());
-                    break;
+                let start = Instant::now();
+                let result = async { sessions[e].sql(sql).await?.collect().await }.await;
+                let elapsed = start.elapsed().as_secs_f64() * 1e3;
+                match result {
+                    Ok(_) => times[e].push(elapsed),
+                    Err(err) => answers[e] = Err(err.to_string()),
                 }
             }
         }
-        outcomes.push(match (failure, answer) {
-            (Some(e), _) => Outcome::Failed(e),
-            (None, Some(rows)) => Outcome::Ran { times_ms, rows },
-            (None, None) => Outcome::Failed("no iteration ran".into()),
-        });
+        for (e, answer) in answers.into_iter().enumerate() {
+            outcomes[e].push(match answer {
+                Ok(rows) => Outcome::Ran {
+                    times_ms: std::mem::take(&mut times[e]),
+                    rows,
+                },
+                Err(error) => Outcome::Failed(error),
+            });
+        }
     }
-    let note = (engine == Engine::VolleyGpu)
-        .then(|| "GPU operators are not in Volley yet: volley-gpu runs on the CPU".to_string());
-    Ok(EngineRun {
-        engine,
-        note,
-        outcomes,
-    })
+    Ok(engines
+        .iter()
+        .zip(outcomes)
+        .map(|(&engine, outcomes)| EngineRun {
+            engine,
+            note: (engine == Engine::VolleyGpu).then(|| {
+                "GPU operators are not in Volley yet: volley-gpu runs on the CPU".to_string()
+            }),
+            outcomes,
+        })
+        .collect())
 }
 
 /// Runs `queries` on DuckDB through `python3` and its `duckdb` package; without them the

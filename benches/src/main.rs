@@ -152,16 +152,35 @@ async fn run(benchmark: &str, options: Options) -> Result<bool> {
             .copied()
             .filter(|e| *e != Engine::DataFusion),
     );
-    let mut runs = Vec::new();
-    for engine in order {
-        eprintln!("running {engine}…");
-        let run = match engine {
-            Engine::DuckDb => engines::run_duckdb(&data, &tables, &queries, options.iterations)?,
-            other => {
-                engines::run_datafusion(other, &data, &tables, &queries, options.iterations).await?
-            }
-        };
-        runs.push(run);
+    let datafusion_like: Vec<Engine> = order
+        .iter()
+        .copied()
+        .filter(|e| *e != Engine::DuckDb)
+        .collect();
+    eprintln!(
+        "running {} (interleaved)…",
+        datafusion_like
+            .iter()
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let mut runs = engines::run_datafusion(
+        &datafusion_like,
+        &data,
+        &tables,
+        &queries,
+        options.iterations,
+    )
+    .await?;
+    if order.contains(&Engine::DuckDb) {
+        eprintln!("running duckdb…");
+        runs.push(engines::run_duckdb(
+            &data,
+            &tables,
+            &queries,
+            options.iterations,
+        )?);
     }
     let mut ok = true;
     let reference = runs[0].outcomes.clone();
