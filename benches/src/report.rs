@@ -45,6 +45,14 @@ pub fn median(times: &[f64]) -> Option<f64> {
 }
 
 impl Report {
+    /// The benchmark's name as people write it.
+    fn title(&self) -> String {
+        match self.benchmark.as_str() {
+            "tpch" => "TPC-H".to_string(),
+            other => other.to_uppercase(),
+        }
+    }
+
     fn medians(&self, run: &EngineRun) -> Vec<Option<f64>> {
         (0..self.queries.len())
             .map(|i| match run.outcomes.get(i) {
@@ -123,7 +131,7 @@ impl Report {
         let reference = self.reference().map(|r| self.medians(r));
         let mut out = format!(
             "### {} at scale factor {} — median of {} runs, milliseconds (ratio to DataFusion)\n\n",
-            self.benchmark.to_uppercase(),
+            self.title(),
             self.scale_factor,
             self.iterations
         );
@@ -195,7 +203,7 @@ impl Report {
         root.fill(&WHITE)?;
         let title = format!(
             "{} SF {} — median ms (log scale)",
-            self.benchmark.to_uppercase(),
+            self.title(),
             self.scale_factor
         );
         let mut chart = ChartBuilder::on(&root)
