@@ -13,7 +13,6 @@ use arrow::csv::WriterBuilder;
 use arrow::datatypes::SchemaRef;
 use arrow::error::ArrowError;
 use arrow::json::writer::{LineDelimited, WriterBuilder as JsonWriterBuilder};
-use arrow::util::display::{ArrayFormatter, FormatOptions};
 use comfy_table::{Cell, ContentArrangement, Table, presets};
 
 /// Terminals narrower than this are not fitted: wrapping every cell to a few characters
@@ -203,24 +202,15 @@ impl<W: Write> ResultPrinter<W> {
             }
         }
         table.set_header(self.schema.fields().iter().map(|f| Cell::new(f.name())));
-        let options = FormatOptions::default().with_null("NULL");
-        for batch in &self.kept {
-            let formatters = batch
-                .columns()
-                .iter()
-                .map(|c| ArrayFormatter::try_new(c.as_ref(), &options))
-                .collect::<Result<Vec<_>, _>>()?;
-            for row in 0..batch.num_rows() {
-                let cells = formatters.iter().map(|f| {
-                    let text = f.value(row).to_string();
-                    if self.format == OutputFormat::Markdown {
-                        Cell::new(text.replace('|', "\\|").replace('\n', " "))
-                    } else {
-                        Cell::new(text)
-                    }
-                });
-                table.add_row(cells);
-            }
+        let markdown = self.format == OutputFormat::Markdown;
+        for row in volley_engine::display::rows_as_text(&self.kept)? {
+            table.add_row(row.into_iter().map(|text| {
+                if markdown {
+                    Cell::new(text.replace('|', "\\|").replace('\n', " "))
+                } else {
+                    Cell::new(text)
+                }
+            }));
         }
         writeln!(self.out, "{table}")?;
         let hidden = self.rows - self.kept_rows;
