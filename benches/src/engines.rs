@@ -77,25 +77,18 @@ pub struct EngineRun {
     pub outcomes: Vec<Outcome>,
 }
 
-async fn datafusion_session(engine: Engine) -> Result<SessionContext> {
-    Ok(match engine {
-        Engine::DataFusion => SessionContext::new(),
-        Engine::Volley => {
-            let config = VolleyConfig {
-                gpu_mode: GpuMode::Off,
-                ..VolleyConfig::from_env()?
-            };
-            VolleyContext::with_config(config).session_context().clone()
-        }
-        Engine::VolleyGpu => {
-            let config = VolleyConfig {
-                gpu_mode: GpuMode::Auto,
-                ..VolleyConfig::from_env()?
-            };
-            VolleyContext::with_config(config).session_context().clone()
-        }
+fn datafusion_session(engine: Engine) -> Result<SessionContext> {
+    let gpu_mode = match engine {
+        Engine::DataFusion => return Ok(SessionContext::new()),
+        Engine::Volley => GpuMode::Off,
+        Engine::VolleyGpu => GpuMode::Auto,
         Engine::DuckDb => bail!("DuckDB is not a DataFusion session"),
-    })
+    };
+    let config = VolleyConfig {
+        gpu_mode,
+        ..VolleyConfig::from_env()?
+    };
+    Ok(VolleyContext::with_config(config).session_context().clone())
 }
 
 /// Runs `queries` (name, SQL) on the DataFusion-based `engines`, interleaved so that no
@@ -111,7 +104,7 @@ pub async fn run_datafusion(
 ) -> Result<Vec<EngineRun>> {
     let mut sessions = Vec::with_capacity(engines.len());
     for &engine in engines {
-        let ctx = datafusion_session(engine).await?;
+        let ctx = datafusion_session(engine)?;
         for table in tables {
             let path = data.join(format!("{table}.parquet"));
             ctx.register_parquet(

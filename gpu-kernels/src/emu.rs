@@ -157,37 +157,39 @@ impl EmuMemory {
     /// Copies host bytes into device memory at `addr + offset`.
     pub fn write(&self, addr: u64, offset: usize, bytes: &[u8]) -> Result<()> {
         let live = self.lock();
-        let a = live.get(&addr).ok_or_else(|| {
-            KernelError::Unsupported(format!("write to unknown address {addr:#x}"))
-        })?;
-        if offset + bytes.len() > a.len {
-            return Err(KernelError::Unsupported(format!(
-                "copy of {} bytes at offset {offset} into an allocation of {} bytes",
-                bytes.len(),
-                a.len
-            )));
-        }
-        // SAFETY: bounds checked above; host and device memory never overlap.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), a.data().add(offset), bytes.len()) };
+        let at = Self::checked(&live, addr, offset, bytes.len())?;
+        // SAFETY: `checked` bounded the range; host and device memory never overlap.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), at, bytes.len()) };
         Ok(())
     }
 
     /// Copies `out.len()` bytes from device memory at `addr + offset` to the host.
     pub fn read(&self, addr: u64, offset: usize, out: &mut [u8]) -> Result<()> {
         let live = self.lock();
+        let at = Self::checked(&live, addr, offset, out.len())?;
+        // SAFETY: as in `write`.
+        unsafe { std::ptr::copy_nonoverlapping(at, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// The address of `len` bytes at `offset` in the allocation at `addr`, if they lie in it.
+    fn checked(
+        live: &HashMap<u64, Allocation>,
+        addr: u64,
+        offset: usize,
+        len: usize,
+    ) -> Result<*mut u8> {
         let a = live.get(&addr).ok_or_else(|| {
-            KernelError::Unsupported(format!("read of unknown address {addr:#x}"))
+            KernelError::Unsupported(format!("copy at unknown address {addr:#x}"))
         })?;
-        if offset + out.len() > a.len {
+        if offset.checked_add(len).is_none_or(|end| end > a.len) {
             return Err(KernelError::Unsupported(format!(
-                "copy of {} bytes at offset {offset} out of an allocation of {} bytes",
-                out.len(),
+                "copy of {len} bytes at offset {offset} in an allocation of {} bytes",
                 a.len
             )));
         }
-        // SAFETY: bounds checked above.
-        unsafe { std::ptr::copy_nonoverlapping(a.data().add(offset), out.as_mut_ptr(), out.len()) };
-        Ok(())
+        // SAFETY: offset + len <= a.len, inside the allocation.
+        Ok(unsafe { a.data().add(offset) })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Allocation>> {

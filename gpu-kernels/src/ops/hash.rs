@@ -84,11 +84,13 @@ pub fn hash_rows_host(columns: &[&dyn Array]) -> Result<Vec<u64>> {
     let n = columns.first().map_or(0, |c| c.len());
     let mut hashes = vec![0u64; n];
     for (k, column) in columns.iter().enumerate() {
+        // Taken once per column: the integer-backed types (dates, times, …) read its buffer.
+        let data = column.to_data();
         for (i, slot) in hashes.iter_mut().enumerate() {
             let h = if column.is_null(i) {
                 NULL_HASH
             } else {
-                value_hash(*column, i)?
+                value_hash(*column, &data, i)?
             };
             *slot = if k == 0 { h } else { hash_combine(*slot, h) };
         }
@@ -96,7 +98,7 @@ pub fn hash_rows_host(columns: &[&dyn Array]) -> Result<Vec<u64>> {
     Ok(hashes)
 }
 
-fn value_hash(column: &dyn Array, i: usize) -> Result<u64> {
+fn value_hash(column: &dyn Array, data: &arrow::array::ArrayData, i: usize) -> Result<u64> {
     use DataType::*;
     Ok(match column.data_type() {
         Int8 => hash_fixed(column.as_primitive::<Int8Type>().value(i) as u8 as u64, 1),
@@ -127,7 +129,6 @@ fn value_hash(column: &dyn Array, i: usize) -> Result<u64> {
         LargeBinary => hash_bytes(column.as_binary::<i64>().value(i)),
         other => {
             // Dates, times, timestamps and durations hash by their integer value.
-            let data = column.to_data();
             match crate::column::layout_of(other) {
                 Some(Layout::Fixed(4)) => {
                     let v: &[u32] = data.buffers()[0].typed_data();
