@@ -61,6 +61,13 @@ pub struct VolleyConfig {
     /// `volley.gpu.min_rows`: in `auto` mode, inputs estimated below this many rows stay on
     /// the CPU, where the GPU's fixed costs would dominate.
     pub gpu_min_rows: usize,
+    /// Rows per device batch: smaller DataFusion batches are coalesced up to this many
+    /// rows before they are uploaded.
+    pub gpu_batch_rows: usize,
+    /// Whether filters may run on a GPU.
+    pub gpu_filter: bool,
+    /// Whether projections may run on a GPU.
+    pub gpu_projection: bool,
 }
 
 impl Default for VolleyConfig {
@@ -69,6 +76,9 @@ impl Default for VolleyConfig {
             devices: DeviceSelection::Auto,
             gpu_mode: GpuMode::Auto,
             gpu_min_rows: 100_000,
+            gpu_batch_rows: 1 << 20,
+            gpu_filter: true,
+            gpu_projection: true,
         }
     }
 }
@@ -97,6 +107,20 @@ const SETTINGS: &[Setting] = &[
         description: "In auto mode, inputs estimated to have fewer rows than this stay on \
                       the CPU.",
     },
+    Setting {
+        key: "gpu.batch_rows",
+        description: "Rows per device batch: smaller batches are coalesced up to this many \
+                      rows before they are uploaded to a GPU.",
+    },
+    Setting {
+        key: "gpu.filter",
+        description: "Whether filters (WHERE, HAVING) may run on a GPU: true or false.",
+    },
+    Setting {
+        key: "gpu.projection",
+        description: "Whether projections (computed SELECT columns) may run on a GPU: true \
+                      or false.",
+    },
 ];
 
 impl VolleyConfig {
@@ -116,6 +140,9 @@ impl VolleyConfig {
             "devices" => self.devices.to_string(),
             "gpu.mode" => self.gpu_mode.to_string(),
             "gpu.min_rows" => self.gpu_min_rows.to_string(),
+            "gpu.batch_rows" => self.gpu_batch_rows.to_string(),
+            "gpu.filter" => self.gpu_filter.to_string(),
+            "gpu.projection" => self.gpu_projection.to_string(),
             _ => String::new(),
         }
     }
@@ -161,6 +188,21 @@ impl ExtensionOptions for VolleyConfig {
                     ))
                 })?
             }
+            "gpu.batch_rows" => {
+                self.gpu_batch_rows = value
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|&n: &usize| n > 0)
+                    .ok_or_else(|| {
+                        DataFusionError::Configuration(format!(
+                            "invalid value '{value}' for volley.gpu.batch_rows (expected a \
+                             positive number of rows)"
+                        ))
+                    })?
+            }
+            "gpu.filter" => self.gpu_filter = parse_flag("gpu.filter", value)?,
+            "gpu.projection" => self.gpu_projection = parse_flag("gpu.projection", value)?,
             other => return Err(Self::unknown_key(other)),
         }
         Ok(())
@@ -178,6 +220,16 @@ impl ExtensionOptions for VolleyConfig {
     }
 }
 
+fn parse_flag(key: &str, value: &str) -> Result<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "true" | "on" | "1" => Ok(true),
+        "false" | "off" | "0" => Ok(false),
+        _ => Err(DataFusionError::Configuration(format!(
+            "invalid value '{value}' for volley.{key} (expected true or false)"
+        ))),
+    }
+}
+
 impl ConfigExtension for VolleyConfig {
     const PREFIX: &'static str = "volley";
 }
@@ -192,6 +244,10 @@ mod tests {
         c.set("devices", "emulated:2").unwrap();
         c.set("gpu.mode", "FORCE").unwrap();
         c.set("gpu.min_rows", "10").unwrap();
+        c.set("gpu.batch_rows", "4096").unwrap();
+        c.set("gpu.filter", "false").unwrap();
+        c.set("gpu.projection", "off").unwrap();
+        assert!(!c.gpu_filter && !c.gpu_projection && c.gpu_batch_rows == 4096);
         assert_eq!(c.devices, DeviceSelection::Emulated(2));
         assert_eq!(c.gpu_mode, GpuMode::Force);
         assert_eq!(c.gpu_min_rows, 10);
@@ -206,6 +262,9 @@ mod tests {
                 ("volley.devices".to_string(), "emulated:2".to_string()),
                 ("volley.gpu.mode".to_string(), "force".to_string()),
                 ("volley.gpu.min_rows".to_string(), "10".to_string()),
+                ("volley.gpu.batch_rows".to_string(), "4096".to_string()),
+                ("volley.gpu.filter".to_string(), "false".to_string()),
+                ("volley.gpu.projection".to_string(), "false".to_string()),
             ]
         );
     }
@@ -220,6 +279,10 @@ mod tests {
         );
         let e = c.set("gpu.min_rows", "-1").unwrap_err().to_string();
         assert!(e.contains("volley.gpu.min_rows"), "{e}");
+        let e = c.set("gpu.batch_rows", "0").unwrap_err().to_string();
+        assert!(e.contains("positive"), "{e}");
+        let e = c.set("gpu.filter", "maybe").unwrap_err().to_string();
+        assert!(e.contains("true or false"), "{e}");
         let e = c.set("gpu.mdoe", "off").unwrap_err().to_string();
         assert!(e.contains("did you mean 'volley.gpu.mode'"), "{e}");
         let e = c.set("devices", "tpu:0").unwrap_err().to_string();

@@ -8,7 +8,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use datafusion::arrow::array::{RecordBatch, StringArray};
+use datafusion::arrow::datatypes::DataType;
 use datafusion::dataframe::DataFrame;
+use datafusion::datasource::MemTable;
 use datafusion::datasource::file_format::options::ArrowReadOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::SessionStateBuilder;
@@ -19,6 +22,7 @@ use datafusion::prelude::{
 };
 use url::Url;
 
+use crate::gpu::{GpuOverrides, placement_report};
 use crate::object_store::{StoreKind, VolleyObjectStoreRegistry, build_store, take_store_options};
 use crate::{EngineError, VolleyConfig, tpch};
 
@@ -107,6 +111,7 @@ impl VolleyContext {
             .with_config(session)
             .with_runtime_env(runtime)
             .with_default_features()
+            .with_physical_optimizer_rule(Arc::new(GpuOverrides::new()))
             .build();
         Self {
             ctx: SessionContext::new_with_state(state).enable_url_table(),
@@ -156,7 +161,42 @@ impl VolleyContext {
                 )));
             }
         }
+        if let LogicalPlan::Explain(explain) = &plan {
+            let state = self.ctx.state();
+            let physical = state.create_physical_plan(&explain.plan).await?;
+            let lines = placement_report(&physical, state.config().options());
+            let frame = self.ctx.execute_logical_plan(plan).await?;
+            return if lines.is_empty() {
+                Ok(frame)
+            } else {
+                self.with_placement_row(frame, &lines).await
+            };
+        }
         self.ctx.execute_logical_plan(plan).await
+    }
+
+    /// EXPLAIN's output with one more row, `gpu_placement`: where each GPU-capable
+    /// operator runs, or why it stays on the CPU.
+    async fn with_placement_row(&self, frame: DataFrame, lines: &[String]) -> Result<DataFrame> {
+        let schema = Arc::new(frame.schema().as_arrow().clone());
+        let mut batches = frame.collect().await?;
+        let text_columns = schema.fields().len() == 2
+            && schema
+                .fields()
+                .iter()
+                .all(|f| f.data_type() == &DataType::Utf8);
+        if text_columns {
+            let row = RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(StringArray::from(vec!["gpu_placement"])),
+                    Arc::new(StringArray::from(vec![lines.join("\n")])),
+                ],
+            )?;
+            batches.push(row);
+        }
+        let table = MemTable::try_new(schema, vec![batches])?;
+        self.ctx.read_table(Arc::new(table))
     }
 
     /// Registers a file or a folder of files as table `name`, choosing the reader from the

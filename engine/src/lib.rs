@@ -2,14 +2,16 @@
 //!
 //! It owns the session a user talks to ([`VolleyContext`]), Volley's settings
 //! ([`VolleyConfig`], the `volley.*` namespace of `SET` / `SHOW ALL`), object stores for
-//! remote URLs, and the built-in TPC-H sample data. GPU operators and the planner rule that
-//! places them join this crate as they land (see DESIGN.md §2 and §5).
+//! remote URLs, the built-in TPC-H sample data, the GPU operators (`physical_plan`) and the
+//! rule that places them (`gpu::GpuOverrides`; see DESIGN.md §2 and §5).
 
 pub mod config;
 pub mod context;
 pub mod display;
 pub mod error;
+pub mod gpu;
 pub mod object_store;
+pub mod physical_plan;
 pub mod tpch;
 
 pub use config::{GpuMode, VolleyConfig};

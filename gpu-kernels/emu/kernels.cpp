@@ -3,6 +3,7 @@
 #include "runtime.h"
 
 #include "../cuda/compact.cu"
+#include "../cuda/expr.cu"
 #include "../cuda/gather.cu"
 #include "../cuda/hash.cu"
 #include "../cuda/hash_table.cu"

@@ -153,6 +153,15 @@ impl fmt::Display for Device {
     }
 }
 
+impl PartialEq for Device {
+    /// The same device: clones of one handle.
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl Eq for Device {}
+
 impl fmt::Debug for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Device({self}, {})", self.inner.name)

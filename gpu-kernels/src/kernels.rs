@@ -6,6 +6,7 @@ use crate::emu::EmuEntry;
 /// The kernel sources, by file name, as compiled by NVRTC (`volley.cuh` is inlined).
 pub const SOURCES: &[(&str, &str)] = &[
     ("compact.cu", include_str!("../cuda/compact.cu")),
+    ("expr.cu", include_str!("../cuda/expr.cu")),
     ("gather.cu", include_str!("../cuda/gather.cu")),
     ("hash.cu", include_str!("../cuda/hash.cu")),
     ("hash_table.cu", include_str!("../cuda/hash_table.cu")),
@@ -60,6 +61,7 @@ macro_rules! kernels {
 kernels! {
     select_word_counts => volley_emu_launch_select_word_counts in "compact.cu",
     select_scatter => volley_emu_launch_select_scatter in "compact.cu",
+    expr_eval => volley_emu_launch_expr_eval in "expr.cu",
     gather_fixed_1 => volley_emu_launch_gather_fixed_1 in "gather.cu",
     gather_fixed_2 => volley_emu_launch_gather_fixed_2 in "gather.cu",
     gather_fixed_4 => volley_emu_launch_gather_fixed_4 in "gather.cu",

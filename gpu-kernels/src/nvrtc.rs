@@ -10,6 +10,10 @@ use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts, sys};
 use crate::kernels::{HEADER, SOURCES};
 use crate::{KernelError, Result};
 
+/// Flags every kernel is compiled with (besides the architecture): 128-bit integers are
+/// how decimal128 values are computed (`cuda/expr.cu`).
+const NVRTC_FLAGS: &[&str] = &["--std=c++17", "--device-int128"];
+
 /// Whether the NVRTC library can be loaded (from `LD_LIBRARY_PATH` or the system).
 pub fn nvrtc_present() -> bool {
     // SAFETY: only tries to dlopen the library by its usual names.
@@ -40,7 +44,7 @@ pub fn compile_ptx(file: &str, arch: &'static str) -> Result<String> {
     let options = CompileOptions {
         arch: Some(arch),
         name: Some(file.to_string()),
-        options: vec!["--std=c++17".into()],
+        options: NVRTC_FLAGS.iter().map(|f| f.to_string()).collect(),
         ..Default::default()
     };
     let ptx = compile_ptx_with_opts(source, options).map_err(|e| {
@@ -80,10 +84,8 @@ pub fn compile_cubin(file: &str, sm: &str) -> Result<Vec<u8>> {
         .map_err(|_| KernelError::Unsupported("a file name with a NUL byte".into()))?;
     let prog = result::create_program(&source, Some(&name))
         .map_err(|e| KernelError::Driver(format!("NVRTC could not take {file}: {e:?}")))?;
-    let options = [
-        format!("--gpu-architecture={sm}"),
-        "--std=c++17".to_string(),
-    ];
+    let mut options = vec![format!("--gpu-architecture={sm}")];
+    options.extend(NVRTC_FLAGS.iter().map(|f| f.to_string()));
     // SAFETY: `prog` was just created and is destroyed exactly once below; `source` and
     // `name` outlive it.
     let outcome = unsafe {
@@ -144,7 +146,7 @@ pub fn kernel_image_in(
     let sm = format!("sm_{}{}", cc.0, cc.1);
     let (major, minor) = nvrtc_version()?;
     let source = prepared_source(file)?;
-    let key = crate::ops::hash::hash_bytes(source.as_bytes());
+    let key = crate::ops::hash::hash_bytes(format!("{source}{NVRTC_FLAGS:?}").as_bytes());
     let name = format!(
         "{}-{sm}-nvrtc{major}.{minor}-{key:016x}.cubin",
         file.trim_end_matches(".cu")

@@ -13,7 +13,7 @@ use std::str::FromStr;
 use crate::KernelError;
 
 /// Which devices a session may use.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub enum DeviceSelection {
     /// Every CUDA device found on this machine.
     #[default]

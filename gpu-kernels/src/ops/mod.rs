@@ -3,6 +3,7 @@
 //! contract (stated at the top of its `.cu` file) holds, and says so in a `SAFETY` comment.
 
 pub mod compact;
+pub mod expr;
 pub mod gather;
 pub mod hash;
 pub mod hash_table;

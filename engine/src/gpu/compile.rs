@@ -1,0 +1,748 @@
+//! Compiles DataFusion physical expressions into one device [`Program`]
+//! (`volley_kernels::ops::expr`), or says why it cannot: an unsupported expression is a
+//! reason, never an approximation.
+//!
+//! Values on the device are computed with DataFusion's semantics for every row the
+//! program handles; cases whose outcome DataFusion defines by wrapping or by an error
+//! (integer overflow, division by zero, casts out of range) make the kernel hand the whole
+//! batch back to the CPU, which then answers exactly as DataFusion does.
+
+use std::sync::Arc;
+
+use datafusion::arrow::datatypes::{DataType, Schema, TimeUnit};
+use datafusion::common::ScalarValue;
+use datafusion::logical_expr::Operator;
+use datafusion::physical_expr::ScalarFunctionExpr;
+use datafusion::physical_expr::expressions::{
+    BinaryExpr, CaseExpr, CastExpr, Column, InListExpr, IsNotNullExpr, IsNullExpr, LikeExpr,
+    Literal, NegativeExpr, NotExpr,
+};
+use datafusion::physical_plan::PhysicalExpr;
+use volley_kernels::ops::expr::{
+    CMP_NULL_SAFE, Cmp, IntKind, MAX_OUTPUTS, MAX_STACK, Op, OutKind, Program,
+};
+
+/// Why an expression cannot run on a GPU.
+pub type Reason = String;
+
+/// A compiled program and the batch columns its load slots read, in slot order.
+#[derive(Debug, Clone)]
+pub struct CompiledExprs {
+    /// The device program; output i is expression i.
+    pub program: Program,
+    /// Batch column index of each load slot.
+    pub inputs: Vec<usize>,
+}
+
+/// How values of a type live in the program's registers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Int(IntKind),
+    Float { f32: bool },
+    Decimal { precision: u8, scale: i8 },
+    Bool,
+    Str { large: bool },
+    Date,
+    Timestamp(TimeUnit, bool),
+    Null,
+}
+
+fn class_of(data_type: &DataType) -> Option<Class> {
+    use DataType::*;
+    Some(match data_type {
+        Int8 => Class::Int(IntKind::I8),
+        Int16 => Class::Int(IntKind::I16),
+        Int32 => Class::Int(IntKind::I32),
+        Int64 => Class::Int(IntKind::I64),
+        UInt8 => Class::Int(IntKind::U8),
+        UInt16 => Class::Int(IntKind::U16),
+        UInt32 => Class::Int(IntKind::U32),
+        Float32 => Class::Float { f32: true },
+        Float64 => Class::Float { f32: false },
+        Decimal128(p, s) if *s >= 0 => Class::Decimal {
+            precision: *p,
+            scale: *s,
+        },
+        Boolean => Class::Bool,
+        Utf8 | Utf8View => Class::Str { large: false },
+        LargeUtf8 => Class::Str { large: true },
+        Date32 => Class::Date,
+        Timestamp(unit, tz) => Class::Timestamp(*unit, tz.is_some()),
+        Null => Class::Null,
+        _ => return None,
+    })
+}
+
+/// Where each class's values compare: integers (incl. dates, timestamps, booleans) as
+/// i64, floats in total order, decimals as i128 at one scale, strings bytewise.
+fn comparison_op(class: Class) -> Option<Op> {
+    Some(match class {
+        Class::Int(_) | Class::Bool | Class::Date | Class::Timestamp(..) => Op::CmpI,
+        Class::Float { .. } => Op::CmpF,
+        Class::Decimal { .. } => Op::CmpD,
+        Class::Str { .. } => Op::CmpS,
+        Class::Null => return None,
+    })
+}
+
+fn units_per_second(unit: TimeUnit) -> i64 {
+    match unit {
+        TimeUnit::Second => 1,
+        TimeUnit::Millisecond => 1_000,
+        TimeUnit::Microsecond => 1_000_000,
+        TimeUnit::Nanosecond => 1_000_000_000,
+    }
+}
+
+/// The output kind of a value of this type, if the program can write it.
+fn out_kind(data_type: &DataType) -> Option<OutKind> {
+    Some(match class_of(data_type)? {
+        Class::Int(k) => match k {
+            IntKind::I8 => OutKind::I8,
+            IntKind::I16 => OutKind::I16,
+            IntKind::I32 => OutKind::I32,
+            IntKind::I64 => OutKind::I64,
+            IntKind::U8 => OutKind::U8,
+            IntKind::U16 => OutKind::U16,
+            IntKind::U32 => OutKind::U32,
+        },
+        Class::Float { f32: true } => OutKind::F32,
+        Class::Float { f32: false } => OutKind::F64,
+        Class::Decimal { .. } => OutKind::Decimal,
+        Class::Bool => OutKind::Bool,
+        Class::Date => OutKind::I32,
+        Class::Timestamp(..) => OutKind::I64,
+        Class::Str { .. } | Class::Null => return None,
+    })
+}
+
+/// Whether a value of this type can be an output of a program (strings cannot yet).
+pub fn is_output_type(data_type: &DataType) -> bool {
+    out_kind(data_type).is_some()
+}
+
+/// Compiles `exprs` over rows of `schema` into one program with an output per expression.
+pub fn compile(exprs: &[Arc<dyn PhysicalExpr>], schema: &Schema) -> Result<CompiledExprs, Reason> {
+    if exprs.len() > MAX_OUTPUTS {
+        return Err(format!(
+            "more than {MAX_OUTPUTS} computed columns in one operator"
+        ));
+    }
+    let mut compiler = Compiler {
+        schema,
+        program: Program::new(),
+        inputs: Vec::new(),
+        depth: 0,
+        max_depth: 0,
+    };
+    for expr in exprs {
+        let data_type = expr.data_type(schema).map_err(|e| e.to_string())?;
+        let kind = out_kind(&data_type)
+            .ok_or_else(|| format!("results of type {data_type} are not supported on GPU"))?;
+        let class = compiler.expr(expr)?;
+        compiler.expect(class, &data_type, expr)?;
+        compiler.program.output(kind, data_type);
+        compiler.depth -= 1;
+    }
+    if compiler.max_depth > MAX_STACK {
+        return Err(format!(
+            "expression nests deeper than the GPU interpreter's {MAX_STACK} values"
+        ));
+    }
+    Ok(CompiledExprs {
+        program: compiler.program,
+        inputs: compiler.inputs,
+    })
+}
+
+struct Compiler<'a> {
+    schema: &'a Schema,
+    program: Program,
+    inputs: Vec<usize>,
+    depth: usize,
+    max_depth: usize,
+}
+
+fn unsupported<T>(what: impl std::fmt::Display) -> Result<T, Reason> {
+    Err(format!("{what} is not supported on GPU"))
+}
+
+impl Compiler<'_> {
+    /// Emits an op and tracks the stack depth (pops, pushes).
+    fn emit(&mut self, op: Op, aux: i64, arg: i64, pops: usize) {
+        self.program.push(op, aux, arg);
+        self.depth = self.depth + 1 - pops;
+        self.max_depth = self.max_depth.max(self.depth);
+    }
+
+    /// Checks that a compiled value has the representation `data_type` expects.
+    fn expect(
+        &self,
+        class: Class,
+        data_type: &DataType,
+        expr: &Arc<dyn PhysicalExpr>,
+    ) -> Result<(), Reason> {
+        let want = class_of(data_type)
+            .ok_or_else(|| format!("values of type {data_type} are not supported on GPU"))?;
+        let same = match (class, want) {
+            (Class::Null, _) => true,
+            (Class::Int(_), Class::Int(_)) => true,
+            (Class::Decimal { scale: a, .. }, Class::Decimal { scale: b, .. }) => a == b,
+            (Class::Str { .. }, Class::Str { .. }) => true,
+            (a, b) => a == b,
+        };
+        if same {
+            Ok(())
+        } else {
+            Err(format!(
+                "{expr} computes {class:?} where {data_type} is expected; not supported on GPU"
+            ))
+        }
+    }
+
+    fn expr(&mut self, expr: &Arc<dyn PhysicalExpr>) -> Result<Class, Reason> {
+        let any = expr.as_ref();
+        if let Some(column) = any.downcast_ref::<Column>() {
+            return self.column(column);
+        }
+        if let Some(literal) = any.downcast_ref::<Literal>() {
+            return self.literal(literal.value());
+        }
+        if let Some(binary) = any.downcast_ref::<BinaryExpr>() {
+            return self.binary(binary, expr);
+        }
+        if let Some(not) = any.downcast_ref::<NotExpr>() {
+            let class = self.expr(not.arg())?;
+            if !matches!(class, Class::Bool | Class::Null) {
+                return unsupported(format!("NOT of {class:?}"));
+            }
+            self.emit(Op::Not, 0, 0, 1);
+            return Ok(Class::Bool);
+        }
+        if let Some(is_null) = any.downcast_ref::<IsNullExpr>() {
+            self.expr(is_null.arg())?;
+            self.emit(Op::IsNull, 0, 0, 1);
+            return Ok(Class::Bool);
+        }
+        if let Some(is_not_null) = any.downcast_ref::<IsNotNullExpr>() {
+            self.expr(is_not_null.arg())?;
+            self.emit(Op::IsNotNull, 0, 0, 1);
+            return Ok(Class::Bool);
+        }
+        if let Some(negative) = any.downcast_ref::<NegativeExpr>() {
+            let class = self.expr(negative.arg())?;
+            match class {
+                Class::Int(k) => self.emit(Op::NegI, k as i64, 0, 1),
+                Class::Float { .. } => self.emit(Op::NegF, 0, 0, 1),
+                Class::Decimal { .. } => self.emit(Op::NegD, 0, 0, 1),
+                other => return unsupported(format!("negation of {other:?}")),
+            }
+            return Ok(class);
+        }
+        if let Some(case) = any.downcast_ref::<CaseExpr>() {
+            return self.case(case, expr);
+        }
+        if let Some(in_list) = any.downcast_ref::<InListExpr>() {
+            return self.in_list(in_list);
+        }
+        if let Some(cast) = any.downcast_ref::<CastExpr>() {
+            if cast.cast_options().safe {
+                return unsupported("TRY_CAST");
+            }
+            return self.cast(cast.expr(), cast.cast_type());
+        }
+        if let Some(like) = any.downcast_ref::<LikeExpr>() {
+            return self.like(like);
+        }
+        if let Some(function) = any.downcast_ref::<ScalarFunctionExpr>() {
+            return self.function(function);
+        }
+        unsupported(expr_name(expr))
+    }
+
+    fn column(&mut self, column: &Column) -> Result<Class, Reason> {
+        let field = self
+            .schema
+            .fields()
+            .get(column.index())
+            .ok_or_else(|| format!("column {column} is outside the input"))?;
+        let data_type = field.data_type();
+        let class = class_of(data_type).ok_or_else(|| {
+            format!(
+                "column {} of type {data_type} is not supported on GPU",
+                field.name()
+            )
+        })?;
+        let op = match (class, data_type) {
+            (Class::Int(k), _) => match k {
+                IntKind::I8 => Op::LoadI8,
+                IntKind::I16 => Op::LoadI16,
+                IntKind::I32 => Op::LoadI32,
+                IntKind::I64 => Op::LoadI64,
+                IntKind::U8 => Op::LoadU8,
+                IntKind::U16 => Op::LoadU16,
+                IntKind::U32 => Op::LoadU32,
+            },
+            (Class::Float { f32: true }, _) => Op::LoadF32,
+            (Class::Float { f32: false }, _) => Op::LoadF64,
+            (Class::Decimal { .. }, _) => Op::LoadDec,
+            (Class::Bool, _) => Op::LoadBool,
+            (Class::Str { large: false }, _) => Op::LoadStr32,
+            (Class::Str { large: true }, _) => Op::LoadStr64,
+            (Class::Date, _) => Op::LoadI32,
+            (Class::Timestamp(..), _) => Op::LoadI64,
+            (Class::Null, _) => {
+                self.emit(Op::Null, 0, 0, 0);
+                return Ok(Class::Null);
+            }
+        };
+        let slot = match self.inputs.iter().position(|&i| i == column.index()) {
+            Some(slot) => slot,
+            None => {
+                self.inputs.push(column.index());
+                self.inputs.len() - 1
+            }
+        };
+        self.emit(op, 0, slot as i64, 0);
+        Ok(class)
+    }
+
+    fn literal(&mut self, value: &ScalarValue) -> Result<Class, Reason> {
+        use ScalarValue::*;
+        let class = class_of(&value.data_type()).ok_or_else(|| {
+            format!(
+                "literals of type {} are not supported on GPU",
+                value.data_type()
+            )
+        })?;
+        if value.is_null() {
+            self.emit(Op::Null, 0, 0, 0);
+            return Ok(class);
+        }
+        let words: (i64, i64) = match value {
+            Int8(Some(v)) => (*v as i64, 0),
+            Int16(Some(v)) => (*v as i64, 0),
+            Int32(Some(v)) | Date32(Some(v)) => (*v as i64, 0),
+            Int64(Some(v)) => (*v, 0),
+            UInt8(Some(v)) => (*v as i64, 0),
+            UInt16(Some(v)) => (*v as i64, 0),
+            UInt32(Some(v)) => (*v as i64, 0),
+            Boolean(Some(v)) => (*v as i64, 0),
+            Float32(Some(v)) => ((*v as f64).to_bits() as i64, 0),
+            Float64(Some(v)) => (v.to_bits() as i64, 0),
+            Decimal128(Some(v), _, _) => (*v as u128 as u64 as i64, (*v >> 64) as i64),
+            TimestampSecond(Some(v), _)
+            | TimestampMillisecond(Some(v), _)
+            | TimestampMicrosecond(Some(v), _)
+            | TimestampNanosecond(Some(v), _) => (*v, 0),
+            Utf8(Some(s)) | LargeUtf8(Some(s)) | Utf8View(Some(s)) => {
+                let k = self.program.string_constant(s.as_bytes());
+                self.emit(Op::StrConst, 0, k, 0);
+                return Ok(class);
+            }
+            other => return unsupported(format!("literal {other}")),
+        };
+        let k = self.program.constant(Some(words));
+        self.emit(Op::Const, 0, k, 0);
+        Ok(class)
+    }
+
+    fn binary(
+        &mut self,
+        binary: &BinaryExpr,
+        expr: &Arc<dyn PhysicalExpr>,
+    ) -> Result<Class, Reason> {
+        use Operator::*;
+        let op = *binary.op();
+        match op {
+            And | Or => {
+                for side in [binary.left(), binary.right()] {
+                    let class = self.expr(side)?;
+                    if !matches!(class, Class::Bool | Class::Null) {
+                        return unsupported(format!("{op} of {class:?}"));
+                    }
+                }
+                self.emit(if op == And { Op::And } else { Op::Or }, 0, 0, 2);
+                Ok(Class::Bool)
+            }
+            Eq | NotEq | Lt | LtEq | Gt | GtEq | IsDistinctFrom | IsNotDistinctFrom => {
+                let cmp = match op {
+                    Eq => Cmp::Eq as i64,
+                    NotEq => Cmp::Ne as i64,
+                    Lt => Cmp::Lt as i64,
+                    LtEq => Cmp::Le as i64,
+                    Gt => Cmp::Gt as i64,
+                    GtEq => Cmp::Ge as i64,
+                    IsNotDistinctFrom => Cmp::Eq as i64 | CMP_NULL_SAFE,
+                    _ => Cmp::Ne as i64 | CMP_NULL_SAFE,
+                };
+                self.comparison(binary.left(), binary.right(), cmp)
+            }
+            Plus | Minus | Multiply | Divide | Modulo => {
+                let schema = self.schema;
+                let result = expr.data_type(schema).map_err(|e| e.to_string())?;
+                let left_type = binary.left().data_type(schema).map_err(|e| e.to_string())?;
+                let right_type = binary
+                    .right()
+                    .data_type(schema)
+                    .map_err(|e| e.to_string())?;
+                let (Some(out), Some(l), Some(r)) = (
+                    class_of(&result),
+                    class_of(&left_type),
+                    class_of(&right_type),
+                ) else {
+                    return unsupported(format!("{left_type} {op} {right_type}"));
+                };
+                match (out, l, r) {
+                    (Class::Int(k), Class::Int(_), Class::Int(_)) => {
+                        self.expr(binary.left())?;
+                        self.expr(binary.right())?;
+                        let code = match op {
+                            Plus => Op::AddI,
+                            Minus => Op::SubI,
+                            Multiply => Op::MulI,
+                            Divide => Op::DivI,
+                            _ => Op::ModI,
+                        };
+                        self.emit(code, k as i64, 0, 2);
+                    }
+                    (Class::Float { f32 }, Class::Float { .. }, Class::Float { .. }) => {
+                        self.expr(binary.left())?;
+                        self.expr(binary.right())?;
+                        let code = match op {
+                            Plus => Op::AddF,
+                            Minus => Op::SubF,
+                            Multiply => Op::MulF,
+                            Divide => Op::DivF,
+                            _ => Op::ModF,
+                        };
+                        self.emit(code, i64::from(f32), 0, 2);
+                    }
+                    (
+                        Class::Decimal { precision, scale },
+                        Class::Decimal { scale: ls, .. },
+                        Class::Decimal { scale: rs, .. },
+                    ) => match op {
+                        Plus | Minus if scale == ls.max(rs) => {
+                            for (side, s) in [(binary.left(), ls), (binary.right(), rs)] {
+                                self.expr(side)?;
+                                if s < scale {
+                                    self.emit(Op::CastDD, 38, (scale - s) as i64, 1);
+                                }
+                            }
+                            let code = if op == Plus { Op::AddD } else { Op::SubD };
+                            self.emit(code, precision as i64, 0, 2);
+                        }
+                        Multiply if scale as i16 == ls as i16 + rs as i16 => {
+                            self.expr(binary.left())?;
+                            self.expr(binary.right())?;
+                            self.emit(Op::MulD, precision as i64, 0, 2);
+                        }
+                        _ => return unsupported(format!("decimal {op} giving {result}")),
+                    },
+                    _ => return unsupported(format!("{left_type} {op} {right_type}")),
+                }
+                Ok(out)
+            }
+            other => unsupported(format!("operator {other}")),
+        }
+    }
+
+    fn comparison(
+        &mut self,
+        left: &Arc<dyn PhysicalExpr>,
+        right: &Arc<dyn PhysicalExpr>,
+        cmp: i64,
+    ) -> Result<Class, Reason> {
+        let l = self.expr(left)?;
+        let r = self.expr(right)?;
+        let class = if l == Class::Null { r } else { l };
+        let comparable = match (l, r) {
+            (Class::Null, _) | (_, Class::Null) => true,
+            (Class::Decimal { scale: a, .. }, Class::Decimal { scale: b, .. }) => a == b,
+            (Class::Int(_), Class::Int(_)) | (Class::Str { .. }, Class::Str { .. }) => true,
+            (a, b) => a == b,
+        };
+        let op = comparison_op(class).filter(|_| comparable);
+        match op {
+            Some(op) => {
+                self.emit(op, cmp, 0, 2);
+                Ok(Class::Bool)
+            }
+            None if class == Class::Null => {
+                // NULL compared with NULL: the answer does not depend on a type.
+                self.emit(Op::CmpI, cmp, 0, 2);
+                Ok(Class::Bool)
+            }
+            None => unsupported(format!("comparing {l:?} with {r:?}")),
+        }
+    }
+
+    fn case(&mut self, case: &CaseExpr, expr: &Arc<dyn PhysicalExpr>) -> Result<Class, Reason> {
+        let result = expr.data_type(self.schema).map_err(|e| e.to_string())?;
+        let class = class_of(&result)
+            .ok_or_else(|| format!("CASE giving {result} is not supported on GPU"))?;
+        // otherwise, then (cond, then, SELECT) for each branch from the last to the first:
+        // the first branch that holds wins.
+        match case.else_expr() {
+            Some(e) => {
+                let c = self.expr(e)?;
+                self.expect(c, &result, e)?;
+            }
+            None => self.emit(Op::Null, 0, 0, 0),
+        }
+        for (when, then) in case.when_then_expr().iter().rev() {
+            match case.expr() {
+                Some(base) => {
+                    self.comparison(base, when, Cmp::Eq as i64)?;
+                }
+                None => {
+                    let c = self.expr(when)?;
+                    if !matches!(c, Class::Bool | Class::Null) {
+                        return unsupported(format!("CASE WHEN of {c:?}"));
+                    }
+                }
+            }
+            let c = self.expr(then)?;
+            self.expect(c, &result, then)?;
+            self.emit(Op::Select, 0, 0, 2);
+        }
+        Ok(class)
+    }
+
+    fn in_list(&mut self, in_list: &InListExpr) -> Result<Class, Reason> {
+        if in_list.list().is_empty() {
+            return unsupported("an empty IN list");
+        }
+        for (i, item) in in_list.list().iter().enumerate() {
+            self.comparison(in_list.expr(), item, Cmp::Eq as i64)?;
+            if i > 0 {
+                self.emit(Op::Or, 0, 0, 2);
+            }
+        }
+        if in_list.negated() {
+            self.emit(Op::Not, 0, 0, 1);
+        }
+        Ok(Class::Bool)
+    }
+
+    fn cast(&mut self, input: &Arc<dyn PhysicalExpr>, to: &DataType) -> Result<Class, Reason> {
+        let from_type = input.data_type(self.schema).map_err(|e| e.to_string())?;
+        let (Some(from), Some(target)) = (class_of(&from_type), class_of(to)) else {
+            return unsupported(format!("CAST from {from_type} to {to}"));
+        };
+        let no = || unsupported(format!("CAST from {from_type} to {to}"));
+        self.expr(input)?;
+        match (from, target) {
+            (Class::Null, _) => {}
+            (a, b) if a == b => {}
+            (Class::Str { .. }, Class::Str { .. }) => {}
+            (Class::Int(_) | Class::Bool, Class::Int(k)) => self.emit(Op::CastII, k as i64, 0, 1),
+            (Class::Int(_), Class::Bool) => {
+                let zero = self.program.constant(Some((0, 0)));
+                self.emit(Op::Const, 0, zero, 0);
+                self.emit(Op::CmpI, Cmp::Ne as i64, 0, 2);
+            }
+            (Class::Int(_), Class::Float { f32 }) => self.emit(Op::CastIF, i64::from(f32), 0, 1),
+            (Class::Float { .. }, Class::Int(k)) => self.emit(Op::CastFI, k as i64, 0, 1),
+            (Class::Float { .. }, Class::Float { f32: true }) => self.emit(Op::CastFF, 1, 0, 1),
+            (Class::Float { f32: true }, Class::Float { f32: false }) => {}
+            (Class::Int(_), Class::Decimal { precision, scale }) => {
+                self.emit(Op::CastID, precision as i64, scale as i64, 1)
+            }
+            (
+                Class::Decimal {
+                    scale: from_scale, ..
+                },
+                Class::Decimal { precision, scale },
+            ) if scale >= from_scale => {
+                self.emit(Op::CastDD, precision as i64, (scale - from_scale) as i64, 1)
+            }
+            (Class::Decimal { scale, .. }, Class::Float { f32 }) => {
+                self.emit(Op::CastDF, i64::from(f32), scale as i64, 1)
+            }
+            (Class::Date, Class::Timestamp(unit, false)) => {
+                self.emit(Op::CastDateTs, 0, 86_400 * units_per_second(unit), 1)
+            }
+            (Class::Timestamp(unit, false), Class::Date) => {
+                self.emit(Op::CastTsDate, 0, 86_400 * units_per_second(unit), 1)
+            }
+            (Class::Timestamp(from_unit, a), Class::Timestamp(to_unit, b)) if a == b => {
+                let (f, t) = (units_per_second(from_unit), units_per_second(to_unit));
+                if t < f {
+                    // Arrow truncates toward zero here; the kernel floors. Not yet on GPU.
+                    return no();
+                }
+                self.emit(Op::CastTsTs, 0, t / f, 1);
+            }
+            _ => return no(),
+        }
+        Ok(target)
+    }
+
+    fn like(&mut self, like: &LikeExpr) -> Result<Class, Reason> {
+        if like.case_insensitive() {
+            return unsupported("ILIKE");
+        }
+        let pattern = like
+            .pattern()
+            .downcast_ref::<Literal>()
+            .and_then(|l| match l.value() {
+                ScalarValue::Utf8(Some(p))
+                | ScalarValue::LargeUtf8(Some(p))
+                | ScalarValue::Utf8View(Some(p)) => Some(p.clone()),
+                _ => None,
+            })
+            .ok_or_else(|| {
+                "LIKE with a pattern that is not a string literal is not supported on GPU"
+                    .to_string()
+            })?;
+        if pattern.contains(['_', '\\']) {
+            return unsupported(format!("LIKE '{pattern}' (with _ or an escape)"));
+        }
+        let starts = pattern.starts_with('%');
+        let ends = pattern.len() > 1 && pattern.ends_with('%') || pattern == "%";
+        let core = pattern.trim_start_matches('%').trim_end_matches('%');
+        if core.contains('%') {
+            return unsupported(format!("LIKE '{pattern}' (a % inside the pattern)"));
+        }
+        let class = self.expr(like.expr())?;
+        if !matches!(class, Class::Str { .. }) {
+            return unsupported(format!("LIKE on {class:?}"));
+        }
+        let k = self.program.string_constant(core.as_bytes());
+        self.emit(Op::StrConst, 0, k, 0);
+        let op = match (starts, ends) {
+            (false, false) => {
+                self.emit(Op::CmpS, Cmp::Eq as i64, 0, 2);
+                None
+            }
+            (false, true) => Some(Op::StrPrefix),
+            (true, false) => Some(Op::StrSuffix),
+            (true, true) => Some(Op::StrContains),
+        };
+        if let Some(op) = op {
+            self.emit(op, 0, 0, 2);
+        }
+        if like.negated() {
+            self.emit(Op::Not, 0, 0, 1);
+        }
+        Ok(Class::Bool)
+    }
+
+    fn function(&mut self, function: &ScalarFunctionExpr) -> Result<Class, Reason> {
+        let name = function.name();
+        let args = function.args();
+        let literal_text = |e: &Arc<dyn PhysicalExpr>| {
+            e.downcast_ref::<Literal>().and_then(|l| match l.value() {
+                ScalarValue::Utf8(Some(p))
+                | ScalarValue::LargeUtf8(Some(p))
+                | ScalarValue::Utf8View(Some(p)) => Some(p.trim().to_ascii_lowercase()),
+                _ => None,
+            })
+        };
+        match (name, args.len()) {
+            ("date_part", 2) => {
+                let Some(part) = literal_text(&args[0]) else {
+                    return unsupported("date_part with a part that is not a literal");
+                };
+                let code = match part.as_str() {
+                    "year" | "years" => 0,
+                    "quarter" | "qtr" => 1,
+                    "month" | "months" => 2,
+                    "day" | "days" => 3,
+                    "hour" | "hours" => 4,
+                    "minute" | "minutes" => 5,
+                    "second" | "seconds" => 6,
+                    "doy" => 7,
+                    "dow" => 8,
+                    other => return unsupported(format!("date_part '{other}'")),
+                };
+                let arg = match self.expr(&args[1])? {
+                    Class::Date => 0,
+                    Class::Timestamp(unit, false) => units_per_second(unit),
+                    other => return unsupported(format!("date_part of {other:?}")),
+                };
+                self.emit(Op::DatePart, code, arg, 1);
+                self.int_result(function.return_type())
+            }
+            ("date_trunc", 2) => {
+                let Some(granularity) = literal_text(&args[0]) else {
+                    return unsupported("date_trunc with a granularity that is not a literal");
+                };
+                let code = match granularity.as_str() {
+                    "year" => 0,
+                    "quarter" => 1,
+                    "month" => 2,
+                    "week" => 3,
+                    "day" => 4,
+                    "hour" => 5,
+                    "minute" => 6,
+                    "second" => 7,
+                    other => return unsupported(format!("date_trunc '{other}'")),
+                };
+                let class = self.expr(&args[1])?;
+                let Class::Timestamp(unit, false) = class else {
+                    return unsupported(format!("date_trunc of {class:?}"));
+                };
+                if class_of(function.return_type()) != Some(class) {
+                    return unsupported(format!("date_trunc giving {}", function.return_type()));
+                }
+                self.emit(Op::DateTrunc, code, units_per_second(unit), 1);
+                Ok(class)
+            }
+            ("substr", 2 | 3) => {
+                let class = self.expr(&args[0])?;
+                if !matches!(class, Class::Str { .. }) {
+                    return unsupported(format!("substr of {class:?}"));
+                }
+                for arg in &args[1..] {
+                    if !matches!(self.expr(arg)?, Class::Int(_) | Class::Null) {
+                        return unsupported("substr with non-integer positions");
+                    }
+                }
+                self.emit(Op::Substr, args.len() as i64, 0, args.len());
+                Ok(class)
+            }
+            ("starts_with" | "ends_with" | "contains", 2) => {
+                for arg in args {
+                    if !matches!(self.expr(arg)?, Class::Str { .. } | Class::Null) {
+                        return unsupported(format!("{name} of non-strings"));
+                    }
+                }
+                let op = match name {
+                    "starts_with" => Op::StrPrefix,
+                    "ends_with" => Op::StrSuffix,
+                    _ => Op::StrContains,
+                };
+                self.emit(op, 0, 0, 2);
+                Ok(Class::Bool)
+            }
+            _ => unsupported(name),
+        }
+    }
+
+    /// A date part computed as an i64, narrowed to the function's integer result type.
+    fn int_result(&mut self, data_type: &DataType) -> Result<Class, Reason> {
+        match class_of(data_type) {
+            Some(Class::Int(k)) => {
+                self.emit(Op::CastII, k as i64, 0, 1);
+                Ok(Class::Int(k))
+            }
+            _ => unsupported(format!("a date part of type {data_type}")),
+        }
+    }
+}
+
+/// A short name for an expression node, for reasons ("regexp_like", "TryCastExpr").
+pub fn expr_name(expr: &Arc<dyn PhysicalExpr>) -> String {
+    if let Some(f) = expr.downcast_ref::<ScalarFunctionExpr>() {
+        return f.name().to_string();
+    }
+    let text = format!("{expr:?}");
+    text.split(|c: char| !c.is_alphanumeric() && c != '_')
+        .next()
+        .filter(|s| !s.is_empty())
+        .unwrap_or("this expression")
+        .to_string()
+}

@@ -1,0 +1,11 @@
+//! Putting work on GPUs: the expression compiler, the devices of this process, and the
+//! `GpuOverrides` rule that swaps supported operators for their GPU twins.
+
+pub mod compile;
+pub mod devices;
+pub mod overrides;
+
+pub use overrides::{GpuOverrides, SupportLevel, placement_report};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,190 @@
+//! `GpuOverrides`: the physical optimizer rule that moves operators onto GPUs.
+//!
+//! For each operator it decides [`SupportLevel`]: `Supported` swaps the operator for its
+//! GPU twin; `Unsupported(reason)` leaves it on the CPU. Reasons are values, never errors,
+//! and [`placement_report`] (what `EXPLAIN` shows as `gpu_placement`) recomputes them from
+//! the final plan, so they are reported exactly as decided.
+//!
+//! Adding an operator is adding a case to [`decide`] (see docs/adding-an-operator.md).
+
+use std::sync::Arc;
+
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::stats::Precision;
+use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode, TreeNodeRecursion};
+use datafusion::error::Result;
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::{ExecutionPlan, StatisticsArgs, StatisticsContext};
+use volley_kernels::{Device, DeviceSelection};
+
+use super::devices::{describe, devices};
+use crate::config::{GpuMode, VolleyConfig};
+use crate::physical_plan::{GpuFilterExec, GpuProjectionExec};
+
+/// Whether an operator can run on a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SupportLevel {
+    /// It can, and will.
+    Supported,
+    /// It stays on the CPU, for this reason.
+    Unsupported(String),
+}
+
+/// The rule. `VolleyContext` registers it after DataFusion's own physical optimizer rules.
+#[derive(Debug, Default)]
+pub struct GpuOverrides;
+
+impl GpuOverrides {
+    /// The rule.
+    pub fn new() -> Self {
+        Self
+    }
+}
+
+impl PhysicalOptimizerRule for GpuOverrides {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let Some(volley) = config.extensions.get::<VolleyConfig>() else {
+            return Ok(plan);
+        };
+        if volley.gpu_mode == GpuMode::Off {
+            return Ok(plan);
+        }
+        let available = devices(&volley.devices);
+        plan.transform_up(|node| {
+            Ok(match decide(&node, volley, &available) {
+                Decision::Gpu(gpu) => Transformed::yes(gpu),
+                Decision::Cpu(..) | Decision::NotApplicable => Transformed::no(node),
+            })
+        })
+        .data()
+    }
+
+    fn name(&self) -> &str {
+        "volley_gpu_overrides"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// What the rule does with one operator.
+pub enum Decision {
+    /// Its GPU twin.
+    Gpu(Arc<dyn ExecutionPlan>),
+    /// It stays on the CPU: the operator's name and the reason.
+    Cpu(&'static str, String),
+    /// The rule has no GPU twin for this kind of operator.
+    NotApplicable,
+}
+
+impl Decision {
+    /// The decision as a support level.
+    pub fn support_level(&self) -> Option<SupportLevel> {
+        match self {
+            Self::Gpu(_) => Some(SupportLevel::Supported),
+            Self::Cpu(_, reason) => Some(SupportLevel::Unsupported(reason.clone())),
+            Self::NotApplicable => None,
+        }
+    }
+}
+
+/// Decides where `node` runs under `volley`'s settings with these devices.
+pub fn decide(
+    node: &Arc<dyn ExecutionPlan>,
+    volley: &VolleyConfig,
+    available: &Result<Arc<Vec<Device>>, String>,
+) -> Decision {
+    let (name, enabled, flag) = if node.is::<FilterExec>() {
+        ("FilterExec", volley.gpu_filter, "volley.gpu.filter")
+    } else if node.is::<ProjectionExec>() {
+        (
+            "ProjectionExec",
+            volley.gpu_projection,
+            "volley.gpu.projection",
+        )
+    } else {
+        return Decision::NotApplicable;
+    };
+    let cpu = |reason: String| Decision::Cpu(name, reason);
+    if volley.gpu_mode == GpuMode::Off {
+        return cpu("volley.gpu.mode is off".into());
+    }
+    let devices = match available {
+        Ok(d) if d.is_empty() => {
+            return cpu(match volley.devices {
+                DeviceSelection::None => "no device (volley.devices is none)".into(),
+                _ => format!("no GPU found (volley.devices is {})", volley.devices),
+            });
+        }
+        Ok(d) => Arc::clone(d),
+        Err(e) => return cpu(format!("no device: {e}")),
+    };
+    if !enabled {
+        return cpu(format!("{flag} is false"));
+    }
+    if volley.gpu_mode == GpuMode::Auto
+        && let Some(rows) = estimated_input_rows(node)
+        && rows < volley.gpu_min_rows
+    {
+        return cpu(format!(
+            "an estimated {rows} input rows, below volley.gpu.min_rows ({})",
+            volley.gpu_min_rows
+        ));
+    }
+    let node = Arc::clone(node);
+    let gpu: Result<Arc<dyn ExecutionPlan>, String> = match name {
+        "FilterExec" => GpuFilterExec::try_new(node, devices, volley.gpu_batch_rows)
+            .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
+        _ => GpuProjectionExec::try_new(node, devices, volley.gpu_batch_rows)
+            .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
+    };
+    match gpu {
+        Ok(gpu) => Decision::Gpu(gpu),
+        Err(reason) => cpu(reason),
+    }
+}
+
+fn estimated_input_rows(node: &Arc<dyn ExecutionPlan>) -> Option<usize> {
+    let input = node.children().into_iter().next()?;
+    let stats = StatisticsContext::new()
+        .compute(input.as_ref(), &StatisticsArgs::new())
+        .ok()?;
+    match stats.num_rows {
+        Precision::Exact(n) | Precision::Inexact(n) => Some(n),
+        Precision::Absent => None,
+    }
+}
+
+/// One line per filter and projection of a final plan: where it runs, or why it stays on
+/// the CPU. Empty when `volley.gpu.mode` is off. `EXPLAIN` shows it as `gpu_placement`.
+pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -> Vec<String> {
+    let Some(volley) = config.extensions.get::<VolleyConfig>() else {
+        return Vec::new();
+    };
+    if volley.gpu_mode == GpuMode::Off {
+        return Vec::new();
+    }
+    let available = devices(&volley.devices);
+    let mut lines = Vec::new();
+    let _ = plan.apply(|node| {
+        if let Some(gpu) = node.downcast_ref::<GpuFilterExec>() {
+            lines.push(format!("GpuFilterExec runs on {}", describe(gpu.devices())));
+        } else if let Some(gpu) = node.downcast_ref::<GpuProjectionExec>() {
+            lines.push(format!(
+                "GpuProjectionExec runs on {}",
+                describe(gpu.devices())
+            ));
+        } else if let Decision::Cpu(name, reason) = decide(node, volley, &available) {
+            lines.push(format!("{name} stays on CPU: {reason}"));
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    lines
+}

@@ -1,0 +1,273 @@
+//! What every batch-at-a-time GPU operator shares: its metrics, and the stream that
+//! coalesces input into device batches, runs each on the partition's device, and redoes
+//! a batch on the CPU when the device cannot (a fault, exhausted memory, or a row the
+//! kernel leaves to the CPU such as an overflow).
+//!
+//! ```text
+//!   Pull ─batch─▶ coalesce to volley.gpu.batch_rows ─full─▶ Process ─▶ Emit (up to fetch)
+//!    └─input ends─▶ Flush (the last partial batch) ─▶ Process ─▶ Done
+//!   Process = device work; on Err or "leave to the CPU" → the operator's CPU twin
+//! ```
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use datafusion::arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions};
+use datafusion::arrow::compute::{BatchCoalescer, cast};
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::{RecordBatchStream, SendableRecordBatchStream};
+use datafusion::physical_plan::metrics::{
+    BaselineMetrics, Count, ExecutionPlanMetricsSet, Label, MetricBuilder, Time,
+};
+use futures::{Stream, StreamExt};
+use volley_kernels::{Device, DeviceColumn, KernelError};
+
+/// Metrics of one partition of a GPU operator, labelled with its device; EXPLAIN ANALYZE
+/// shows them.
+#[derive(Debug, Clone)]
+pub struct GpuMetrics {
+    /// Output rows and elapsed compute, as every DataFusion operator has.
+    pub baseline: BaselineMetrics,
+    /// Time in kernels (launch to completion).
+    pub kernel_time: Time,
+    /// Bytes copied host → device.
+    pub h2d_bytes: Count,
+    /// Time copying host → device.
+    pub h2d_time: Time,
+    /// Bytes copied device → host.
+    pub d2h_bytes: Count,
+    /// Time copying device → host.
+    pub d2h_time: Time,
+    /// Batches the device processed.
+    pub gpu_batches: Count,
+    /// Batches redone on the CPU (device fault, memory, or rows left to the CPU).
+    pub cpu_batches: Count,
+}
+
+impl GpuMetrics {
+    /// Registers the metrics of `partition`, which runs on `device`.
+    pub fn new(set: &ExecutionPlanMetricsSet, partition: usize, device: &Device) -> Self {
+        let label = || Label::new("device", device.to_string());
+        let builder = || MetricBuilder::new(set).with_label(label());
+        Self {
+            baseline: BaselineMetrics::new(set, partition),
+            kernel_time: builder().subset_time("kernel_time", partition),
+            h2d_bytes: builder().counter("h2d_bytes", partition),
+            h2d_time: builder().subset_time("h2d_time", partition),
+            d2h_bytes: builder().counter("d2h_bytes", partition),
+            d2h_time: builder().subset_time("d2h_time", partition),
+            gpu_batches: builder().counter("gpu_batches", partition),
+            cpu_batches: builder().counter("cpu_batches", partition),
+        }
+    }
+
+    /// Uploads an Arrow column, counting its bytes and time.
+    pub fn upload(
+        &self,
+        device: &Device,
+        array: &dyn datafusion::arrow::array::Array,
+    ) -> Result<DeviceColumn, KernelError> {
+        let start = Instant::now();
+        let column = DeviceColumn::upload(device, array)?;
+        self.h2d_time.add_duration(start.elapsed());
+        self.h2d_bytes.add(column.device_bytes());
+        Ok(column)
+    }
+
+    /// Downloads a column as an array of `data_type` (converting back what the device
+    /// holds in another layout, such as string views), counting its bytes and time.
+    pub fn download(
+        &self,
+        column: &DeviceColumn,
+        data_type: &datafusion::arrow::datatypes::DataType,
+    ) -> Result<ArrayRef, KernelError> {
+        let start = Instant::now();
+        let array = column.to_arrow()?;
+        self.d2h_time.add_duration(start.elapsed());
+        self.d2h_bytes.add(column.device_bytes());
+        if array.data_type() == data_type {
+            Ok(array)
+        } else {
+            cast(&array, data_type).map_err(|e| KernelError::Unsupported(e.to_string()))
+        }
+    }
+
+    /// Runs device work, counting its time as kernel time.
+    pub fn kernel<T>(&self, work: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = work();
+        self.kernel_time.add_duration(start.elapsed());
+        out
+    }
+}
+
+/// One operator's work on a batch, on the device and on the CPU.
+pub trait BatchWork: Send + Sync + 'static {
+    /// Runs on `device`. `Ok(None)` means "some row is left to the CPU".
+    fn gpu(
+        &self,
+        device: &Device,
+        batch: &RecordBatch,
+        metrics: &GpuMetrics,
+    ) -> Result<Option<RecordBatch>, KernelError>;
+
+    /// The same work on the CPU, with DataFusion's own kernels: the fallback, and the
+    /// source of DataFusion's exact errors.
+    fn cpu(&self, batch: &RecordBatch) -> Result<RecordBatch>;
+}
+
+/// The stream of a GPU operator's partition (see the module diagram).
+pub struct GpuStream<W: BatchWork> {
+    schema: SchemaRef,
+    input: SendableRecordBatchStream,
+    input_done: bool,
+    work: Arc<W>,
+    device: Device,
+    coalescer: BatchCoalescer,
+    ready: VecDeque<RecordBatch>,
+    remaining: Option<usize>,
+    metrics: GpuMetrics,
+}
+
+impl<W: BatchWork> GpuStream<W> {
+    /// A stream over `input`, emitting batches of `schema`, at most `fetch` rows.
+    pub fn new(
+        schema: SchemaRef,
+        input: SendableRecordBatchStream,
+        work: Arc<W>,
+        device: Device,
+        batch_rows: usize,
+        fetch: Option<usize>,
+        metrics: GpuMetrics,
+    ) -> Self {
+        let coalescer = BatchCoalescer::new(input.schema(), batch_rows.max(1));
+        Self {
+            schema,
+            input,
+            input_done: false,
+            work,
+            device,
+            coalescer,
+            ready: VecDeque::new(),
+            remaining: fetch,
+            metrics,
+        }
+    }
+
+    fn process(&mut self, batch: RecordBatch) -> Result<()> {
+        let timer = self.metrics.baseline.elapsed_compute().timer();
+        let out = match self.work.gpu(&self.device, &batch, &self.metrics) {
+            Ok(Some(out)) => {
+                self.metrics.gpu_batches.add(1);
+                out
+            }
+            outcome => {
+                if let Err(e) = outcome {
+                    log::warn!("{}: redoing a batch on the CPU: {e}", self.device);
+                }
+                self.metrics.cpu_batches.add(1);
+                self.work.cpu(&batch)?
+            }
+        };
+        timer.done();
+        if out.num_rows() > 0 {
+            self.ready.push_back(out);
+        }
+        Ok(())
+    }
+
+    fn drain_coalescer(&mut self) -> Result<()> {
+        while let Some(batch) = self.coalescer.next_completed_batch() {
+            self.process(batch)?;
+        }
+        Ok(())
+    }
+
+    fn emit(&mut self, batch: RecordBatch) -> RecordBatch {
+        match self.remaining.as_mut() {
+            Some(left) => {
+                let take = batch.num_rows().min(*left);
+                *left -= take;
+                batch.slice(0, take)
+            }
+            None => batch,
+        }
+    }
+}
+
+fn arrow_err(e: datafusion::arrow::error::ArrowError) -> DataFusionError {
+    DataFusionError::ArrowError(Box::new(e), None)
+}
+
+impl<W: BatchWork> Stream for GpuStream<W> {
+    type Item = Result<RecordBatch>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        loop {
+            if this.remaining == Some(0) {
+                return Poll::Ready(None);
+            }
+            if let Some(batch) = this.ready.pop_front() {
+                let batch = this.emit(batch);
+                return this
+                    .metrics
+                    .baseline
+                    .record_poll(Poll::Ready(Some(Ok(batch))));
+            }
+            if this.input_done {
+                return Poll::Ready(None);
+            }
+            match this.input.poll_next_unpin(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
+                Poll::Ready(Some(Ok(batch))) => {
+                    let pushed = this
+                        .coalescer
+                        .push_batch(batch)
+                        .map_err(arrow_err)
+                        .and_then(|_| this.drain_coalescer());
+                    if let Err(e) = pushed {
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                }
+                Poll::Ready(None) => {
+                    this.input_done = true;
+                    let flushed = this
+                        .coalescer
+                        .finish_buffered_batch()
+                        .map_err(arrow_err)
+                        .and_then(|_| this.drain_coalescer());
+                    if let Err(e) = flushed {
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<W: BatchWork> RecordBatchStream for GpuStream<W> {
+    fn schema(&self) -> SchemaRef {
+        Arc::clone(&self.schema)
+    }
+}
+
+/// A batch of `schema` from columns, allowing zero columns (`count(*)` inputs).
+pub fn make_batch(schema: &SchemaRef, columns: Vec<ArrayRef>, rows: usize) -> Result<RecordBatch> {
+    RecordBatch::try_new_with_options(
+        Arc::clone(schema),
+        columns,
+        &RecordBatchOptions::new().with_row_count(Some(rows)),
+    )
+    .map_err(arrow_err)
+}
+
+/// The device a partition runs on: partitions are spread round-robin over the devices.
+pub fn device_for(devices: &[Device], partition: usize) -> Option<Device> {
+    (!devices.is_empty()).then(|| devices[partition % devices.len()].clone())
+}

@@ -1,0 +1,686 @@
+// Expression programs: compiled SQL expressions evaluated per row, in registers, in one
+// fused pass (no intermediate column per expression node).
+//
+//   expr_eval(code, code_len, consts, strings, cols, outs, n, error)
+//     code     code_len instructions of two int64 words: {opcode | aux << 8, arg}
+//     consts   three int64 words per constant: lo, hi, valid
+//     strings  the bytes of string constants (a constant's lo = offset, hi = length)
+//     cols     three uint64 words per input column: values, validity (0: no NULLs),
+//              offsets (strings: int32 offsets for STR32 loads, int64 for STR64)
+//     outs     the number of outputs, then three uint64 words per output: values,
+//              validity, kind (OutKind)
+//     n        rows
+//     error    set to 1 when a row meets a case the program leaves to the CPU: integer or
+//              decimal overflow, division by zero, a cast out of range, a negative substring
+//              length. The outputs are then unspecified and the host redoes the batch on
+//              the CPU, which gives DataFusion's exact answer or error.
+//
+// The program is a stack machine run by every thread on its own row. Every operand is
+// evaluated (no short-circuit), so a row errs here whenever any branch could err; the
+// host's CPU rerun decides. Validity and boolean outputs are Arrow bitmaps written one
+// 32-bit word per warp (__ballot_sync), so those buffers hold ceil(n/32) words; a warp's
+// lanes stay in step because rows are taken warp by warp. The host (ops/expr.rs) checks
+// the program before launch: stack depth, column, constant and output indices, and that
+// each column's layout matches the load that reads it.
+#include "volley.cuh"
+
+#define EXPR_STACK 16
+#define EXPR_MAX_OUTPUTS 64
+
+enum ExprOp {
+    OP_LOAD_I8 = 1, OP_LOAD_I16, OP_LOAD_I32, OP_LOAD_I64, OP_LOAD_U8, OP_LOAD_U16, OP_LOAD_U32,
+    OP_LOAD_F32, OP_LOAD_F64, OP_LOAD_BOOL, OP_LOAD_DEC, OP_LOAD_STR32, OP_LOAD_STR64,
+    OP_CONST, OP_STR_CONST, OP_NULL,
+    OP_ADD_I, OP_SUB_I, OP_MUL_I, OP_DIV_I, OP_MOD_I, OP_NEG_I,
+    OP_ADD_F, OP_SUB_F, OP_MUL_F, OP_DIV_F, OP_MOD_F, OP_NEG_F,
+    OP_ADD_D, OP_SUB_D, OP_MUL_D, OP_NEG_D,
+    OP_CMP_I, OP_CMP_F, OP_CMP_D, OP_CMP_S,
+    OP_AND, OP_OR, OP_NOT, OP_IS_NULL, OP_IS_NOT_NULL, OP_SELECT,
+    OP_CAST_I_I, OP_CAST_I_F, OP_CAST_F_I, OP_CAST_F_F, OP_CAST_I_D, OP_CAST_D_D, OP_CAST_D_F,
+    OP_CAST_DATE_TS, OP_CAST_TS_DATE, OP_CAST_TS_TS,
+    OP_STR_PREFIX, OP_STR_SUFFIX, OP_STR_CONTAINS, OP_SUBSTR,
+    OP_DATE_PART, OP_DATE_TRUNC,
+    OP_OUT,
+};
+
+// Integer kinds (aux of integer ops and casts): the range a result must fit.
+enum IntKind { K_I8 = 0, K_I16, K_I32, K_I64, K_U8, K_U16, K_U32 };
+// Output kinds.
+enum OutKind { O_I8 = 0, O_I16, O_I32, O_I64, O_U8, O_U16, O_U32, O_F32, O_F64, O_BOOL, O_DEC };
+// Comparisons (aux of OP_CMP_*); CMP_NULL_SAFE makes EQ "IS NOT DISTINCT FROM" and NE
+// "IS DISTINCT FROM".
+enum Cmp { CMP_EQ = 0, CMP_NE, CMP_LT, CMP_LE, CMP_GT, CMP_GE };
+#define CMP_NULL_SAFE 8
+enum DatePart { P_YEAR = 0, P_QUARTER, P_MONTH, P_DAY, P_HOUR, P_MINUTE, P_SECOND, P_DOY, P_DOW };
+enum Trunc { T_YEAR = 0, T_QUARTER, T_MONTH, T_WEEK, T_DAY, T_HOUR, T_MINUTE, T_SECOND };
+
+typedef __int128 i128;
+
+struct Val {
+    union {
+        int64_t i;
+        double f;
+        const uint8_t* p;
+    } a;
+    int64_t b;  // decimal: high word; string: length
+    bool valid;
+};
+
+__device__ __forceinline__ i128 dec_of(const Val& v) {
+    return (i128)(((unsigned __int128)(uint64_t)v.b << 64) | (uint64_t)v.a.i);
+}
+__device__ __forceinline__ void set_dec(Val& v, i128 x) {
+    v.a.i = (int64_t)(uint64_t)x;
+    v.b = (int64_t)(x >> 64);
+}
+
+__device__ __forceinline__ bool int_fits(int kind, int64_t v) {
+    switch (kind) {
+        case K_I8: return v >= -128 && v <= 127;
+        case K_I16: return v >= -32768 && v <= 32767;
+        case K_I32: return v >= -2147483648LL && v <= 2147483647LL;
+        case K_I64: return true;
+        case K_U8: return v >= 0 && v <= 255;
+        case K_U16: return v >= 0 && v <= 65535;
+        default: return v >= 0 && v <= 4294967295LL;
+    }
+}
+
+__device__ __forceinline__ i128 pow10_i128(int64_t k) {
+    i128 r = 1;
+    for (int64_t j = 0; j < k; ++j) r *= 10;
+    return r;
+}
+
+// Whether |x| < 10^precision.
+__device__ __forceinline__ bool dec_fits(i128 x, int64_t precision) {
+    i128 bound = pow10_i128(precision);
+    return x < bound && x > -bound;
+}
+
+// Rust's f64::total_cmp as an integer key: -NaN < -inf < … < -0 < +0 < … < inf < NaN.
+__device__ __forceinline__ int64_t total_key(double f) {
+    union {
+        double f;
+        int64_t i;
+    } u;
+    u.f = f;
+    int64_t k = u.i;
+    return k ^ (int64_t)(((uint64_t)(k >> 63)) >> 1);
+}
+
+__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
+    return q;
+}
+
+// Days since 1970-01-01 → civil year, month (1-12), day (1-31) (proleptic Gregorian).
+__device__ __forceinline__ void civil_from_days(int64_t z, int64_t& y, int64_t& m, int64_t& d) {
+    z += 719468;
+    int64_t era = floor_div(z, 146097);
+    int64_t doe = z - era * 146097;
+    int64_t yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    y = yoe + era * 400;
+    int64_t doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    int64_t mp = (5 * doy + 2) / 153;
+    d = doy - (153 * mp + 2) / 5 + 1;
+    m = mp < 10 ? mp + 3 : mp - 9;
+    if (m <= 2) ++y;
+}
+
+__device__ __forceinline__ int64_t days_from_civil(int64_t y, int64_t m, int64_t d) {
+    if (m <= 2) --y;
+    int64_t era = floor_div(y, 400);
+    int64_t yoe = y - era * 400;
+    int64_t mp = m > 2 ? m - 3 : m + 9;
+    int64_t doy = (153 * mp + 2) / 5 + d - 1;
+    int64_t doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    return era * 146097 + doe - 719468;
+}
+
+__device__ __forceinline__ int compare_bytes(const uint8_t* x, int64_t xl, const uint8_t* y, int64_t yl) {
+    int64_t m = xl < yl ? xl : yl;
+    for (int64_t i = 0; i < m; ++i) {
+        if (x[i] != y[i]) return x[i] < y[i] ? -1 : 1;
+    }
+    return xl < yl ? -1 : (xl > yl ? 1 : 0);
+}
+
+__device__ __forceinline__ bool cmp_result(int kind, int c) {
+    switch (kind & 7) {
+        case CMP_EQ: return c == 0;
+        case CMP_NE: return c != 0;
+        case CMP_LT: return c < 0;
+        case CMP_LE: return c <= 0;
+        case CMP_GT: return c > 0;
+        default: return c >= 0;
+    }
+}
+
+// Byte offset of character `chars` (0-based) of a UTF-8 string, or its length.
+__device__ __forceinline__ int64_t utf8_offset(const uint8_t* s, int64_t len, int64_t chars) {
+    int64_t seen = 0;
+    for (int64_t i = 0; i < len; ++i) {
+        if ((s[i] & 0xC0) != 0x80) {
+            if (seen == chars) return i;
+            ++seen;
+        }
+    }
+    return len;
+}
+
+__device__ __forceinline__ void load_string(Val& v, const uint64_t* col, uint64_t row, bool wide) {
+    const uint8_t* bytes = (const uint8_t*)col[0];
+    int64_t start, end;
+    if (wide) {
+        const int64_t* off = (const int64_t*)col[2];
+        start = off[row];
+        end = off[row + 1];
+    } else {
+        const int32_t* off = (const int32_t*)col[2];
+        start = off[row];
+        end = off[row + 1];
+    }
+    v.a.p = bytes + start;
+    v.b = end - start;
+}
+
+VOLLEY_KERNEL expr_eval(const int64_t* code, uint64_t code_len, const int64_t* consts, const uint8_t* strings,
+                        const uint64_t* cols, const uint64_t* outs, uint64_t n, uint32_t* error) {
+    const unsigned lane = threadIdx.x & 31;
+    const uint64_t first = GRID_START - lane;
+    for (uint64_t base = first; base < n; base += GRID_STRIDE) {
+        const uint64_t row = base + lane;
+        const bool active = row < n;
+        uint64_t valid_bits = 0;  // bit k: output k is valid in this row
+        uint64_t true_bits = 0;   // bit k: boolean output k is true in this row
+        bool failed = false;
+        if (active) {
+            Val st[EXPR_STACK];
+            int sp = 0;
+            for (uint64_t pc = 0; pc < code_len; ++pc) {
+                const int64_t word = code[2 * pc];
+                const int op = (int)(word & 0xFF);
+                const int64_t aux = word >> 8;
+                const int64_t arg = code[2 * pc + 1];
+                switch (op) {
+                    case OP_LOAD_I8: case OP_LOAD_I16: case OP_LOAD_I32: case OP_LOAD_I64:
+                    case OP_LOAD_U8: case OP_LOAD_U16: case OP_LOAD_U32: case OP_LOAD_F32:
+                    case OP_LOAD_F64: case OP_LOAD_BOOL: case OP_LOAD_DEC: case OP_LOAD_STR32:
+                    case OP_LOAD_STR64: {
+                        const uint64_t* col = cols + 3 * arg;
+                        Val& v = st[sp++];
+                        v.valid = bit_is_set((const uint8_t*)col[1], row);
+                        v.b = 0;
+                        const void* data = (const void*)col[0];
+                        switch (op) {
+                            case OP_LOAD_I8: v.a.i = ((const int8_t*)data)[row]; break;
+                            case OP_LOAD_I16: v.a.i = ((const int16_t*)data)[row]; break;
+                            case OP_LOAD_I32: v.a.i = ((const int32_t*)data)[row]; break;
+                            case OP_LOAD_I64: v.a.i = ((const int64_t*)data)[row]; break;
+                            case OP_LOAD_U8: v.a.i = ((const uint8_t*)data)[row]; break;
+                            case OP_LOAD_U16: v.a.i = ((const uint16_t*)data)[row]; break;
+                            case OP_LOAD_U32: v.a.i = ((const uint32_t*)data)[row]; break;
+                            case OP_LOAD_F32: v.a.f = (double)((const float*)data)[row]; break;
+                            case OP_LOAD_F64: v.a.f = ((const double*)data)[row]; break;
+                            case OP_LOAD_BOOL: v.a.i = bit_is_set((const uint8_t*)data, row) ? 1 : 0; break;
+                            case OP_LOAD_DEC: {
+                                const Word128 w = ((const Word128*)data)[row];
+                                v.a.i = (int64_t)w.lo;
+                                v.b = (int64_t)w.hi;
+                                break;
+                            }
+                            case OP_LOAD_STR32: load_string(v, col, row, false); break;
+                            default: load_string(v, col, row, true); break;
+                        }
+                        break;
+                    }
+                    case OP_CONST: {
+                        Val& v = st[sp++];
+                        v.a.i = consts[3 * arg];
+                        v.b = consts[3 * arg + 1];
+                        v.valid = consts[3 * arg + 2] != 0;
+                        break;
+                    }
+                    case OP_STR_CONST: {
+                        Val& v = st[sp++];
+                        v.a.p = strings + consts[3 * arg];
+                        v.b = consts[3 * arg + 1];
+                        v.valid = consts[3 * arg + 2] != 0;
+                        break;
+                    }
+                    case OP_NULL: {
+                        Val& v = st[sp++];
+                        v.a.i = 0;
+                        v.b = 0;
+                        v.valid = false;
+                        break;
+                    }
+                    case OP_ADD_I: case OP_SUB_I: case OP_MUL_I: case OP_DIV_I: case OP_MOD_I: {
+                        Val y = st[--sp];
+                        Val& x = st[sp - 1];
+                        x.valid = x.valid && y.valid;
+                        if (!x.valid) {
+                            x.a.i = 0;
+                            break;
+                        }
+                        int64_t l = x.a.i, r = y.a.i, out = 0;
+                        bool bad = false;
+                        if (op == OP_ADD_I) {
+                            out = (int64_t)((uint64_t)l + (uint64_t)r);
+                            bad = ((l ^ out) & (r ^ out)) < 0;
+                        } else if (op == OP_SUB_I) {
+                            out = (int64_t)((uint64_t)l - (uint64_t)r);
+                            bad = ((l ^ r) & (l ^ out)) < 0;
+                        } else if (op == OP_MUL_I) {
+                            i128 p = (i128)l * (i128)r;
+                            out = (int64_t)p;
+                            bad = (i128)out != p;
+                        } else {
+                            bad = r == 0 || (l == (int64_t)0x8000000000000000ULL && r == -1);
+                            if (!bad) out = op == OP_DIV_I ? l / r : l % r;
+                        }
+                        if (bad || !int_fits((int)aux, out)) failed = true;
+                        x.a.i = out;
+                        break;
+                    }
+                    case OP_NEG_I: {
+                        Val& x = st[sp - 1];
+                        if (x.valid) {
+                            if (x.a.i == (int64_t)0x8000000000000000ULL || !int_fits((int)aux, -x.a.i)) failed = true;
+                            else x.a.i = -x.a.i;
+                        }
+                        break;
+                    }
+                    case OP_ADD_F: case OP_SUB_F: case OP_MUL_F: case OP_DIV_F: case OP_MOD_F: {
+                        Val y = st[--sp];
+                        Val& x = st[sp - 1];
+                        x.valid = x.valid && y.valid;
+                        double l = x.a.f, r = y.a.f, out;
+                        switch (op) {
+                            case OP_ADD_F: out = l + r; break;
+                            case OP_SUB_F: out = l - r; break;
+                            case OP_MUL_F: out = l * r; break;
+                            case OP_DIV_F: out = l / r; break;
+                            default: out = fmod(l, r); break;
+                        }
+                        if (aux == 1) out = (double)(float)out;
+                        x.a.f = x.valid ? out : 0.0;
+                        break;
+                    }
+                    case OP_NEG_F: {
+                        Val& x = st[sp - 1];
+                        x.a.f = -x.a.f;
+                        break;
+                    }
+                    case OP_ADD_D: case OP_SUB_D: case OP_MUL_D: {
+                        Val y = st[--sp];
+                        Val& x = st[sp - 1];
+                        x.valid = x.valid && y.valid;
+                        if (!x.valid) {
+                            set_dec(x, 0);
+                            break;
+                        }
+                        i128 l = dec_of(x), r = dec_of(y), out = 0;
+                        // Operands are below 10^38 < 2^127 in magnitude, so sums and
+                        // differences cannot overflow i128; products are checked by size.
+                        if (op == OP_ADD_D) {
+                            out = l + r;
+                        } else if (op == OP_SUB_D) {
+                            out = l - r;
+                        } else {
+                            unsigned __int128 al = l < 0 ? (unsigned __int128)(-l) : (unsigned __int128)l;
+                            unsigned __int128 ar = r < 0 ? (unsigned __int128)(-r) : (unsigned __int128)r;
+                            int bits = 0;
+                            for (unsigned __int128 t = al; t != 0; t >>= 1) ++bits;
+                            for (unsigned __int128 t = ar; t != 0; t >>= 1) ++bits;
+                            if (bits > 126) failed = true;
+                            else out = l * r;
+                        }
+                        if (!dec_fits(out, aux)) failed = true;
+                        set_dec(x, out);
+                        break;
+                    }
+                    case OP_NEG_D: {
+                        Val& x = st[sp - 1];
+                        set_dec(x, -dec_of(x));
+                        break;
+                    }
+                    case OP_CMP_I: case OP_CMP_F: case OP_CMP_D: case OP_CMP_S: {
+                        Val y = st[--sp];
+                        Val& x = st[sp - 1];
+                        int c = 0;
+                        if (x.valid && y.valid) {
+                            if (op == OP_CMP_I) {
+                                c = x.a.i < y.a.i ? -1 : (x.a.i > y.a.i ? 1 : 0);
+                            } else if (op == OP_CMP_F) {
+                                int64_t kx = total_key(x.a.f), ky = total_key(y.a.f);
+                                c = kx < ky ? -1 : (kx > ky ? 1 : 0);
+                            } else if (op == OP_CMP_D) {
+                                i128 dx = dec_of(x), dy = dec_of(y);
+                                c = dx < dy ? -1 : (dx > dy ? 1 : 0);
+                            } else {
+                                c = compare_bytes(x.a.p, x.b, y.a.p, y.b);
+                            }
+                        }
+                        bool result;
+                        bool valid = x.valid && y.valid;
+                        if (aux & CMP_NULL_SAFE) {
+                            bool same = valid ? c == 0 : (x.valid == y.valid);
+                            result = (aux & 7) == CMP_EQ ? same : !same;
+                            valid = true;
+                        } else {
+                            result = valid && cmp_result((int)aux, c);
+                        }
+                        x.a.i = result ? 1 : 0;
+                        x.b = 0;
+                        x.valid = valid;
+                        break;
+                    }
+                    case OP_AND: case OP_OR: {
+                        Val y = st[--sp];
+                        Val& x = st[sp - 1];
+                        // Kleene logic: a definite false (AND) or true (OR) decides.
+                        const int64_t decisive = op == OP_AND ? 0 : 1;
+                        if ((x.valid && x.a.i == decisive) || (y.valid && y.a.i == decisive)) {
+                            x.a.i = decisive;
+                            x.valid = true;
+                        } else if (x.valid && y.valid) {
+                            x.a.i = 1 - decisive;
+                        } else {
+                            x.a.i = 0;
+                            x.valid = false;
+                        }
+                        break;
+                    }
+                    case OP_NOT: {
+                        Val& x = st[sp - 1];
+                        x.a.i = x.valid ? 1 - x.a.i : 0;
+                        break;
+                    }
+                    case OP_IS_NULL: case OP_IS_NOT_NULL: {
+                        Val& x = st[sp - 1];
+                        x.a.i = (op == OP_IS_NULL) != x.valid ? 1 : 0;
+                        x.b = 0;
+                        x.valid = true;
+                        break;
+                    }
+                    case OP_SELECT: {
+                        // Stack: otherwise, cond, then (CASE compiles its last branch
+                        // first, so the stack stays shallow however many branches).
+                        Val then = st[--sp];
+                        Val cond = st[--sp];
+                        if (cond.valid && cond.a.i != 0) st[sp - 1] = then;
+                        break;
+                    }
+                    case OP_CAST_I_I: {
+                        Val& x = st[sp - 1];
+                        if (x.valid && !int_fits((int)aux, x.a.i)) failed = true;
+                        break;
+                    }
+                    case OP_CAST_I_F: {
+                        Val& x = st[sp - 1];
+                        double f = (double)x.a.i;
+                        if (aux == 1) f = (double)(float)x.a.i;
+                        x.a.f = f;
+                        break;
+                    }
+                    case OP_CAST_F_I: {
+                        Val& x = st[sp - 1];
+                        if (!x.valid) break;
+                        double f = x.a.f;
+                        double lo, hi;  // the open interval of values whose truncation fits
+                        switch ((int)aux) {
+                            case K_I8: lo = -129.0; hi = 128.0; break;
+                            case K_I16: lo = -32769.0; hi = 32768.0; break;
+                            case K_I32: lo = -2147483649.0; hi = 2147483648.0; break;
+                            case K_U8: lo = -1.0; hi = 256.0; break;
+                            case K_U16: lo = -1.0; hi = 65536.0; break;
+                            case K_U32: lo = -1.0; hi = 4294967296.0; break;
+                            default: lo = -9223372036854777856.0; hi = 9223372036854775808.0; break;
+                        }
+                        if (!(f > lo && f < hi)) {
+                            failed = true;  // also NaN
+                            x.a.i = 0;
+                        } else {
+                            x.a.i = (int64_t)f;
+                        }
+                        break;
+                    }
+                    case OP_CAST_F_F: {
+                        Val& x = st[sp - 1];
+                        x.a.f = (double)(float)x.a.f;
+                        break;
+                    }
+                    case OP_CAST_I_D: case OP_CAST_D_D: {
+                        Val& x = st[sp - 1];
+                        if (!x.valid) {
+                            set_dec(x, 0);
+                            break;
+                        }
+                        i128 v = op == OP_CAST_I_D ? (i128)x.a.i : dec_of(x);
+                        // arg ≤ 38 and |v| < 10^38 (or 2^63): check the product's size first.
+                        i128 scale = pow10_i128(arg);
+                        i128 limit = pow10_i128(38 - (arg > 38 ? 38 : arg));
+                        if (arg > 38 || v >= limit || v <= -limit) {
+                            failed = true;
+                            set_dec(x, 0);
+                            break;
+                        }
+                        i128 out = v * scale;
+                        if (!dec_fits(out, aux)) failed = true;
+                        set_dec(x, out);
+                        break;
+                    }
+                    case OP_CAST_D_F: {
+                        Val& x = st[sp - 1];
+                        double f = (double)dec_of(x) / (double)pow10_i128(arg);
+                        if (aux == 1) f = (double)(float)f;
+                        x.a.f = f;
+                        x.b = 0;
+                        break;
+                    }
+                    case OP_CAST_DATE_TS: {
+                        Val& x = st[sp - 1];
+                        if (!x.valid) break;
+                        i128 t = (i128)x.a.i * (i128)arg;
+                        if (t != (i128)(int64_t)t) failed = true;
+                        x.a.i = (int64_t)t;
+                        break;
+                    }
+                    case OP_CAST_TS_DATE: {
+                        Val& x = st[sp - 1];
+                        if (!x.valid) break;
+                        x.a.i = floor_div(x.a.i, arg);
+                        if (!int_fits(K_I32, x.a.i)) failed = true;
+                        break;
+                    }
+                    case OP_CAST_TS_TS: {
+                        // arg > 0: multiply (to a finer unit); arg < 0: divide (coarser).
+                        Val& x = st[sp - 1];
+                        if (!x.valid) break;
+                        if (arg > 0) {
+                            i128 t = (i128)x.a.i * (i128)arg;
+                            if (t != (i128)(int64_t)t) failed = true;
+                            x.a.i = (int64_t)t;
+                        } else {
+                            x.a.i = floor_div(x.a.i, -arg);
+                        }
+                        break;
+                    }
+                    case OP_STR_PREFIX: case OP_STR_SUFFIX: case OP_STR_CONTAINS: {
+                        Val pat = st[--sp];
+                        Val& s = st[sp - 1];
+                        bool valid = s.valid && pat.valid;
+                        bool found = false;
+                        if (valid && pat.b <= s.b) {
+                            if (op == OP_STR_PREFIX) {
+                                found = compare_bytes(s.a.p, pat.b, pat.a.p, pat.b) == 0;
+                            } else if (op == OP_STR_SUFFIX) {
+                                found = compare_bytes(s.a.p + (s.b - pat.b), pat.b, pat.a.p, pat.b) == 0;
+                            } else {
+                                for (int64_t at = 0; at + pat.b <= s.b && !found; ++at) {
+                                    found = compare_bytes(s.a.p + at, pat.b, pat.a.p, pat.b) == 0;
+                                }
+                            }
+                        }
+                        s.a.i = found ? 1 : 0;
+                        s.b = 0;
+                        s.valid = valid;
+                        break;
+                    }
+                    case OP_SUBSTR: {
+                        // aux 3: (string, start, count); aux 2: (string, start). Characters,
+                        // 1-based, as PostgreSQL: positions before 1 use up the count.
+                        Val count;
+                        count.valid = true;
+                        count.a.i = 0;
+                        if (aux == 3) count = st[--sp];
+                        Val start = st[--sp];
+                        Val& s = st[sp - 1];
+                        s.valid = s.valid && start.valid && count.valid;
+                        if (!s.valid) {
+                            s.b = 0;
+                            break;
+                        }
+                        int64_t from = start.a.i;
+                        int64_t to;  // exclusive, 1-based
+                        if (aux == 3) {
+                            if (count.a.i < 0) {
+                                failed = true;
+                                break;
+                            }
+                            i128 end = (i128)from + (i128)count.a.i;
+                            if (end != (i128)(int64_t)end) {
+                                failed = true;
+                                break;
+                            }
+                            to = (int64_t)end;
+                        } else {
+                            to = (int64_t)0x7FFFFFFFFFFFFFFFLL;
+                        }
+                        if (from < 1) from = 1;
+                        if (to <= from) {
+                            s.b = 0;
+                            break;
+                        }
+                        int64_t begin = utf8_offset(s.a.p, s.b, from - 1);
+                        int64_t stop = (to - 1 >= s.b + 1) ? s.b : utf8_offset(s.a.p, s.b, to - 1);
+                        s.a.p = s.a.p + begin;
+                        s.b = stop - begin;
+                        break;
+                    }
+                    case OP_DATE_PART: {
+                        // arg: units per second of a timestamp, or 0 for date32 (days).
+                        Val& x = st[sp - 1];
+                        if (!x.valid) break;
+                        int64_t days, sod = 0;
+                        if (arg == 0) {
+                            days = x.a.i;
+                        } else {
+                            int64_t secs = floor_div(x.a.i, arg);
+                            days = floor_div(secs, 86400);
+                            sod = secs - days * 86400;
+                        }
+                        int64_t y, m, d;
+                        civil_from_days(days, y, m, d);
+                        int64_t out;
+                        switch ((int)aux) {
+                            case P_YEAR: out = y; break;
+                            case P_QUARTER: out = (m - 1) / 3 + 1; break;
+                            case P_MONTH: out = m; break;
+                            case P_DAY: out = d; break;
+                            case P_HOUR: out = sod / 3600; break;
+                            case P_MINUTE: out = (sod / 60) % 60; break;
+                            case P_SECOND: out = sod % 60; break;
+                            case P_DOY: out = days - days_from_civil(y, 1, 1) + 1; break;
+                            default: out = days + 4 - floor_div(days + 4, 7) * 7; break;  // Sunday 0
+                        }
+                        x.a.i = out;
+                        break;
+                    }
+                    case OP_DATE_TRUNC: {
+                        // arg: units per second of the timestamp.
+                        Val& x = st[sp - 1];
+                        if (!x.valid) break;
+                        int64_t secs = floor_div(x.a.i, arg);
+                        int64_t days = floor_div(secs, 86400);
+                        int64_t out_secs;
+                        switch ((int)aux) {
+                            case T_SECOND: out_secs = secs; break;
+                            case T_MINUTE: out_secs = floor_div(secs, 60) * 60; break;
+                            case T_HOUR: out_secs = floor_div(secs, 3600) * 3600; break;
+                            case T_DAY: out_secs = days * 86400; break;
+                            case T_WEEK: {
+                                int64_t monday0 = (days + 3) % 7;
+                                if (monday0 < 0) monday0 += 7;
+                                out_secs = (days - monday0) * 86400;
+                                break;
+                            }
+                            default: {
+                                int64_t y, m, d;
+                                civil_from_days(days, y, m, d);
+                                if ((int)aux == T_YEAR) m = 1;
+                                else if ((int)aux == T_QUARTER) m = (m - 1) / 3 * 3 + 1;
+                                out_secs = days_from_civil(y, m, 1) * 86400;
+                                break;
+                            }
+                        }
+                        i128 t = (i128)out_secs * (i128)arg;
+                        if (t != (i128)(int64_t)t) failed = true;
+                        x.a.i = (int64_t)t;
+                        break;
+                    }
+                    case OP_OUT: {
+                        Val v = st[--sp];
+                        const uint64_t* out = outs + 1 + 3 * aux;
+                        void* data = (void*)out[0];
+                        if (v.valid) valid_bits |= 1ULL << aux;
+                        switch ((int)out[2]) {
+                            case O_I8: ((int8_t*)data)[row] = v.valid ? (int8_t)v.a.i : 0; break;
+                            case O_I16: ((int16_t*)data)[row] = v.valid ? (int16_t)v.a.i : 0; break;
+                            case O_I32: ((int32_t*)data)[row] = v.valid ? (int32_t)v.a.i : 0; break;
+                            case O_I64: ((int64_t*)data)[row] = v.valid ? v.a.i : 0; break;
+                            case O_U8: ((uint8_t*)data)[row] = v.valid ? (uint8_t)v.a.i : 0; break;
+                            case O_U16: ((uint16_t*)data)[row] = v.valid ? (uint16_t)v.a.i : 0; break;
+                            case O_U32: ((uint32_t*)data)[row] = v.valid ? (uint32_t)v.a.i : 0; break;
+                            case O_F32: ((float*)data)[row] = v.valid ? (float)v.a.f : 0.0f; break;
+                            case O_F64: ((double*)data)[row] = v.valid ? v.a.f : 0.0; break;
+                            case O_BOOL:
+                                if (v.valid && v.a.i != 0) true_bits |= 1ULL << aux;
+                                break;
+                            default: {
+                                Word128 w;
+                                w.lo = v.valid ? (uint64_t)v.a.i : 0;
+                                w.hi = v.valid ? (uint64_t)v.b : 0;
+                                ((Word128*)data)[row] = w;
+                                break;
+                            }
+                        }
+                        break;
+                    }
+                    default:
+                        failed = true;
+                        break;
+                }
+            }
+        }
+        if (failed) *error = 1;
+        // Bitmaps: one 32-bit word per warp and output, every lane taking part.
+        const uint64_t outputs = outs[0];
+        for (uint64_t k = 0; k < outputs; ++k) {
+            const uint64_t* out = outs + 1 + 3 * k;
+            uint32_t valid_word = __ballot_sync(0xFFFFFFFFu, (uint32_t)((valid_bits >> k) & 1));
+            uint32_t true_word = __ballot_sync(0xFFFFFFFFu, (uint32_t)((true_bits >> k) & 1));
+            if (lane == 0) {
+                ((uint32_t*)out[1])[base / 32] = valid_word;
+                if (out[2] == O_BOOL) ((uint32_t*)out[0])[base / 32] = true_word;
+            }
+        }
+    }
+}
+
+#if defined(VOLLEY_EMULATOR)
+VOLLEY_EMU_EXPORT(expr_eval)
+#endif

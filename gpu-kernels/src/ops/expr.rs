@@ -1,0 +1,446 @@
+//! Expression programs (`cuda/expr.cu`): a compact stack-machine program that one fused
+//! kernel evaluates per row. The engine compiles DataFusion expressions into a [`Program`];
+//! this module checks the program against the columns it reads and launches it.
+//!
+//! ```text
+//! instruction = [opcode | aux << 8, arg]    (two i64 words)
+//! LOAD_I32 aux=slot   CONST arg=k   ADD_I aux=kind   CMP_F aux=LT   OUT aux=output
+//! ```
+
+use super::{BLOCK, check_rows};
+use crate::column::{DeviceColumn, Layout};
+use crate::device::{Arg, Device, LaunchConfig};
+use crate::kernels::Kernel;
+use crate::memory::DeviceBuffer;
+use crate::{KernelError, Result};
+use arrow::datatypes::DataType;
+
+/// Most values a program may hold at once (the kernel's per-thread stack).
+pub const MAX_STACK: usize = 16;
+/// Most outputs one program may write.
+pub const MAX_OUTPUTS: usize = 64;
+
+/// Opcodes, as `enum ExprOp` in `cuda/expr.cu` numbers them.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Op {
+    LoadI8 = 1,
+    LoadI16,
+    LoadI32,
+    LoadI64,
+    LoadU8,
+    LoadU16,
+    LoadU32,
+    LoadF32,
+    LoadF64,
+    LoadBool,
+    LoadDec,
+    LoadStr32,
+    LoadStr64,
+    Const,
+    StrConst,
+    Null,
+    AddI,
+    SubI,
+    MulI,
+    DivI,
+    ModI,
+    NegI,
+    AddF,
+    SubF,
+    MulF,
+    DivF,
+    ModF,
+    NegF,
+    AddD,
+    SubD,
+    MulD,
+    NegD,
+    CmpI,
+    CmpF,
+    CmpD,
+    CmpS,
+    And,
+    Or,
+    Not,
+    IsNull,
+    IsNotNull,
+    Select,
+    CastII,
+    CastIF,
+    CastFI,
+    CastFF,
+    CastID,
+    CastDD,
+    CastDF,
+    CastDateTs,
+    CastTsDate,
+    CastTsTs,
+    StrPrefix,
+    StrSuffix,
+    StrContains,
+    Substr,
+    DatePart,
+    DateTrunc,
+    Out,
+}
+
+impl Op {
+    /// Values the op pops and pushes.
+    fn stack_effect(self, aux: i64) -> (usize, usize) {
+        use Op::*;
+        match self {
+            LoadI8 | LoadI16 | LoadI32 | LoadI64 | LoadU8 | LoadU16 | LoadU32 | LoadF32
+            | LoadF64 | LoadBool | LoadDec | LoadStr32 | LoadStr64 | Const | StrConst | Null => {
+                (0, 1)
+            }
+            AddI | SubI | MulI | DivI | ModI | AddF | SubF | MulF | DivF | ModF | AddD | SubD
+            | MulD | CmpI | CmpF | CmpD | CmpS | And | Or | StrPrefix | StrSuffix | StrContains => {
+                (2, 1)
+            }
+            NegI | NegF | NegD | Not | IsNull | IsNotNull | CastII | CastIF | CastFI | CastFF
+            | CastID | CastDD | CastDF | CastDateTs | CastTsDate | CastTsTs | DatePart
+            | DateTrunc => (1, 1),
+            Select => (3, 1),
+            Substr => (aux.clamp(2, 3) as usize, 1),
+            Out => (1, 0),
+        }
+    }
+
+    /// The column layout a load reads, if the op is a load.
+    fn load_layout(self) -> Option<Layout> {
+        use Op::*;
+        Some(match self {
+            LoadI8 | LoadU8 => Layout::Fixed(1),
+            LoadI16 | LoadU16 => Layout::Fixed(2),
+            LoadI32 | LoadU32 | LoadF32 => Layout::Fixed(4),
+            LoadI64 | LoadF64 => Layout::Fixed(8),
+            LoadDec => Layout::Fixed(16),
+            LoadBool => Layout::Bits,
+            LoadStr32 => Layout::Var(4),
+            LoadStr64 => Layout::Var(8),
+            _ => return None,
+        })
+    }
+}
+
+/// Integer kinds (`enum IntKind`): the range an integer result must fit.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntKind {
+    I8 = 0,
+    I16,
+    I32,
+    I64,
+    U8,
+    U16,
+    U32,
+}
+
+/// What an output holds (`enum OutKind`).
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutKind {
+    I8 = 0,
+    I16,
+    I32,
+    I64,
+    U8,
+    U16,
+    U32,
+    F32,
+    F64,
+    Bool,
+    Decimal,
+}
+
+impl OutKind {
+    /// Bytes of values for `n` rows.
+    fn value_bytes(self, n: usize) -> usize {
+        let words = n.div_ceil(32) * 4;
+        match self {
+            Self::I8 | Self::U8 => n,
+            Self::I16 | Self::U16 => 2 * n,
+            Self::I32 | Self::U32 | Self::F32 => 4 * n,
+            Self::I64 | Self::F64 => 8 * n,
+            Self::Bool => words,
+            Self::Decimal => 16 * n,
+        }
+    }
+
+    /// The device layout of the output.
+    fn layout(self) -> Layout {
+        match self {
+            Self::I8 | Self::U8 => Layout::Fixed(1),
+            Self::I16 | Self::U16 => Layout::Fixed(2),
+            Self::I32 | Self::U32 | Self::F32 => Layout::Fixed(4),
+            Self::I64 | Self::F64 => Layout::Fixed(8),
+            Self::Bool => Layout::Bits,
+            Self::Decimal => Layout::Fixed(16),
+        }
+    }
+}
+
+/// Comparisons (`enum Cmp`).
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cmp {
+    Eq = 0,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+/// Makes `Cmp::Eq` "IS NOT DISTINCT FROM" and `Cmp::Ne` "IS DISTINCT FROM".
+pub const CMP_NULL_SAFE: i64 = 8;
+
+/// A compiled program: instructions, constants, and the type of each output.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Program {
+    code: Vec<i64>,
+    consts: Vec<i64>,
+    strings: Vec<u8>,
+    outputs: Vec<(OutKind, DataType)>,
+}
+
+impl Program {
+    /// An empty program.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends an instruction.
+    pub fn push(&mut self, op: Op, aux: i64, arg: i64) {
+        self.code.push(op as i64 | (aux << 8));
+        self.code.push(arg);
+    }
+
+    /// Adds a constant (`lo`, `hi` as the kernel reads them; `None` is NULL) and returns
+    /// its index for `Op::Const`.
+    pub fn constant(&mut self, value: Option<(i64, i64)>) -> i64 {
+        let (lo, hi) = value.unwrap_or((0, 0));
+        self.consts.extend([lo, hi, i64::from(value.is_some())]);
+        (self.consts.len() / 3 - 1) as i64
+    }
+
+    /// Adds a string constant and returns its index for `Op::StrConst`.
+    pub fn string_constant(&mut self, bytes: &[u8]) -> i64 {
+        let at = self.strings.len() as i64;
+        self.strings.extend_from_slice(bytes);
+        self.constant(Some((at, bytes.len() as i64)))
+    }
+
+    /// Appends `OUT` for a new output of this kind and Arrow type; returns its index.
+    pub fn output(&mut self, kind: OutKind, data_type: DataType) -> usize {
+        let index = self.outputs.len();
+        self.outputs.push((kind, data_type));
+        self.push(Op::Out, index as i64, 0);
+        index
+    }
+
+    /// Instructions so far.
+    pub fn len(&self) -> usize {
+        self.code.len() / 2
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.code.is_empty()
+    }
+
+    /// The outputs' Arrow types.
+    pub fn output_types(&self) -> impl Iterator<Item = &DataType> {
+        self.outputs.iter().map(|(_, t)| t)
+    }
+
+    /// Checks what the kernel trusts: every opcode known, the stack within bounds and
+    /// empty at the end, constant, string and output indices in range, and each load
+    /// reading a column of the layout it expects.
+    pub fn validate(&self, columns: &[&DeviceColumn]) -> Result<()> {
+        let bad = |what: String| {
+            Err(KernelError::Unsupported(format!(
+                "expression program: {what}"
+            )))
+        };
+        if self.outputs.len() > MAX_OUTPUTS {
+            return bad(format!(
+                "{} outputs (at most {MAX_OUTPUTS})",
+                self.outputs.len()
+            ));
+        }
+        let mut depth = 0usize;
+        let mut outputs_written = 0usize;
+        for pc in 0..self.len() {
+            let word = self.code[2 * pc];
+            let arg = self.code[2 * pc + 1];
+            let aux = word >> 8;
+            let Some(op) = op_from(word & 0xFF) else {
+                return bad(format!("unknown opcode {}", word & 0xFF));
+            };
+            let (pops, pushes) = op.stack_effect(aux);
+            if depth < pops {
+                return bad(format!("{op:?} at {pc} pops an empty stack"));
+            }
+            depth = depth - pops + pushes;
+            if depth > MAX_STACK {
+                return bad(format!("more than {MAX_STACK} values at once"));
+            }
+            if let Some(layout) = op.load_layout() {
+                let column = usize::try_from(arg).ok().and_then(|i| columns.get(i));
+                match column {
+                    Some(c) if c.layout() == layout => {}
+                    _ => return bad(format!("{op:?} of column {arg} ({layout:?})")),
+                }
+            }
+            match op {
+                Op::Const | Op::StrConst => {
+                    let k = usize::try_from(arg).unwrap_or(usize::MAX);
+                    if k >= self.consts.len() / 3 {
+                        return bad(format!("constant {arg}"));
+                    }
+                    if op == Op::StrConst {
+                        let (at, len) = (self.consts[3 * k], self.consts[3 * k + 1]);
+                        if at < 0 || len < 0 || (at + len) as usize > self.strings.len() {
+                            return bad(format!("string constant {arg}"));
+                        }
+                    }
+                }
+                Op::Out => {
+                    if aux != outputs_written as i64 || outputs_written >= self.outputs.len() {
+                        return bad(format!("output {aux}"));
+                    }
+                    outputs_written += 1;
+                }
+                Op::Substr if !(2..=3).contains(&aux) => return bad("substr arity".into()),
+                Op::CastDateTs | Op::CastTsDate | Op::DateTrunc if arg <= 0 => {
+                    return bad(format!("{op:?} by {arg}"));
+                }
+                Op::DatePart if arg < 0 => return bad(format!("{op:?} by {arg}")),
+                Op::CastTsTs if arg == 0 => return bad("timestamp cast by 0".into()),
+                _ => {}
+            }
+        }
+        if depth != 0 || outputs_written != self.outputs.len() {
+            return bad("values left on the stack or outputs not written".into());
+        }
+        Ok(())
+    }
+}
+
+fn op_from(code: i64) -> Option<Op> {
+    if (Op::LoadI8 as i64..=Op::Out as i64).contains(&code) {
+        // SAFETY: Op is repr(u8) with consecutive discriminants from LoadI8 to Out, and
+        // `code` lies in that range.
+        Some(unsafe { std::mem::transmute::<u8, Op>(code as u8) })
+    } else {
+        None
+    }
+}
+
+fn upload_words(device: &Device, words: &[i64]) -> Result<DeviceBuffer> {
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    // An empty buffer still gets an address the kernel never reads.
+    device.upload(if bytes.is_empty() { &[0; 8] } else { &bytes })
+}
+
+/// Runs `program` over `n` rows of `columns` (the program's load slots, in order).
+/// Returns the output columns, or `None` when some row met a case the program leaves to
+/// the CPU (overflow, division by zero, a cast out of range): the caller redoes the batch
+/// on the CPU.
+pub fn evaluate(
+    device: &Device,
+    program: &Program,
+    columns: &[&DeviceColumn],
+    n: usize,
+) -> Result<Option<Vec<DeviceColumn>>> {
+    check_rows(n)?;
+    program.validate(columns)?;
+    if let Some(c) = columns
+        .iter()
+        .find(|c| c.len() != n || c.device() != device)
+    {
+        return Err(KernelError::Unsupported(format!(
+            "an input column of {} rows on {} for {n} rows on {device}",
+            c.len(),
+            c.device()
+        )));
+    }
+    let words = n.div_ceil(32);
+    let mut outputs = Vec::with_capacity(program.outputs.len());
+    for (kind, data_type) in &program.outputs {
+        let values = device.alloc(kind.value_bytes(n).max(1))?;
+        let validity = device.alloc((words * 4).max(1))?;
+        outputs.push((values, validity, *kind, data_type.clone()));
+    }
+    if n == 0 {
+        return Ok(Some(
+            outputs
+                .into_iter()
+                .map(|(v, m, _, t)| DeviceColumn::from_parts(t, 0, v, None, Some(m)))
+                .collect(),
+        ));
+    }
+    let mut col_table = Vec::with_capacity(3 * columns.len());
+    for c in columns {
+        col_table.extend([
+            c.values().addr() as i64,
+            c.validity().map_or(0, DeviceBuffer::addr) as i64,
+            c.offsets().map_or(0, DeviceBuffer::addr) as i64,
+        ]);
+    }
+    let mut out_table = vec![outputs.len() as i64];
+    for (values, validity, kind, _) in &outputs {
+        out_table.extend([values.addr() as i64, validity.addr() as i64, *kind as i64]);
+    }
+    let code = upload_words(device, &program.code)?;
+    let consts = upload_words(device, &program.consts)?;
+    let strings = device.upload(if program.strings.is_empty() {
+        &[0]
+    } else {
+        &program.strings
+    })?;
+    let cols = upload_words(device, &col_table)?;
+    let outs = upload_words(device, &out_table)?;
+    let error = device.upload(&[0; 4])?;
+    let cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
+    // SAFETY: `validate` checked every opcode, the stack depth (≤ MAX_STACK, the kernel's
+    // stack), that loads name existing columns of the layout they read, that constants and
+    // string constants are in range, and that outputs are written in order; every column
+    // holds `n` rows on this device; each output's values hold `n` values of its kind (or
+    // ceil(n/32) words for booleans) and its validity ceil(n/32) words, which is what the
+    // kernel writes; `error` holds one u32.
+    unsafe {
+        device.launch(
+            Kernel::expr_eval,
+            cfg,
+            &[
+                Arg::buf(&code),
+                Arg::U64(program.len() as u64),
+                Arg::buf(&consts),
+                Arg::buf(&strings),
+                Arg::buf(&cols),
+                Arg::buf(&outs),
+                Arg::U64(n as u64),
+                Arg::buf(&error),
+            ],
+        )?;
+    }
+    if error.to_host()?.iter().any(|&b| b != 0) {
+        return Ok(None);
+    }
+    Ok(Some(
+        outputs
+            .into_iter()
+            .map(|(values, validity, kind, data_type)| {
+                debug_assert_eq!(
+                    kind.layout(),
+                    crate::column::layout_of(&data_type).unwrap_or(kind.layout())
+                );
+                DeviceColumn::from_parts(data_type, n, values, None, Some(validity))
+            })
+            .collect(),
+    ))
+}
