@@ -24,7 +24,7 @@
 // each column's layout matches the load that reads it.
 #include "volley.cuh"
 
-#define EXPR_STACK 16
+#define EXPR_STACK 32
 #define EXPR_MAX_OUTPUTS 64
 
 enum ExprOp {
@@ -98,13 +98,14 @@ __device__ __forceinline__ bool dec_fits(i128 x, int64_t precision) {
     return x < bound && x > -bound;
 }
 
-// Rust's f64::total_cmp as an integer key: -NaN < -inf < … < -0 < +0 < … < inf < NaN.
+// DataFusion's float order as an integer key: Rust's f64::total_cmp (-NaN < -inf < … <
+// inf < NaN) after -0.0 is made +0.0, as DataFusion normalises zeros before comparing.
 __device__ __forceinline__ int64_t total_key(double f) {
     union {
         double f;
         int64_t i;
     } u;
-    u.f = f;
+    u.f = f == 0.0 ? 0.0 : f;
     int64_t k = u.i;
     return k ^ (int64_t)(((uint64_t)(k >> 63)) >> 1);
 }

@@ -505,7 +505,7 @@ impl Compiler<'_> {
             }
             let c = self.expr(then)?;
             self.expect(c, &result, then)?;
-            self.emit(Op::Select, 0, 0, 2);
+            self.emit(Op::Select, 0, 0, 3);
         }
         Ok(class)
     }

@@ -1,18 +1,19 @@
 //! `GpuProjectionExec`: DataFusion's `ProjectionExec` on a GPU. Every computed column of
 //! the projection is an output of one expression program, evaluated in one pass; plain
-//! column references pass through on the host without visiting the device.
+//! column references and constants are filled in on the host without visiting the device.
 
 use std::fmt;
 use std::sync::Arc;
 
 use datafusion::arrow::array::{ArrayRef, RecordBatch};
-use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::datatypes::{DataType, SchemaRef};
+use datafusion::common::ScalarValue;
 use datafusion::common::internal_datafusion_err;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::Result;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::PhysicalExpr;
-use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::expressions::{Column, Literal};
 use datafusion::physical_plan::display::DisplayableExecutionPlan;
 use datafusion::physical_plan::distribution_requirements::InputDistributionRequirements;
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
@@ -50,9 +51,10 @@ struct ProjectionWork {
     schema: SchemaRef,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Source {
     Input(usize),
+    Constant(ScalarValue),
     Computed(usize),
 }
 
@@ -75,16 +77,22 @@ impl GpuProjectionExec {
         let mut sources = Vec::with_capacity(exprs.len());
         let mut computed = Vec::new();
         for e in &exprs {
-            match e.downcast_ref::<Column>() {
-                Some(c) => sources.push(Source::Input(c.index())),
-                None => {
-                    sources.push(Source::Computed(computed.len()));
-                    computed.push(Arc::clone(e));
-                }
+            if let Some(c) = e.downcast_ref::<Column>() {
+                sources.push(Source::Input(c.index()));
+            } else if let Some(l) = e.downcast_ref::<Literal>() {
+                sources.push(Source::Constant(l.value().clone()));
+            } else if e.data_type(&input_schema).ok() == Some(DataType::Null) {
+                // NULL whatever the row: typed NULL has nothing to compute or fail.
+                sources.push(Source::Constant(ScalarValue::Null));
+            } else {
+                sources.push(Source::Computed(computed.len()));
+                computed.push(Arc::clone(e));
             }
         }
         if computed.is_empty() {
-            return Err("it only selects columns: there is nothing to compute".into());
+            return Err(
+                "it only selects columns and constants: there is nothing to compute".into(),
+            );
         }
         let program = compile(&computed, &input_schema)?;
         let work = ProjectionWork {
@@ -133,14 +141,17 @@ impl BatchWork for ProjectionWork {
             .zip(self.program.program.output_types())
             .map(|(c, t)| metrics.download(c, t))
             .collect::<Result<Vec<_>, _>>()?;
-        let columns: Vec<ArrayRef> = self
+        let columns = self
             .sources
             .iter()
-            .map(|s| match *s {
-                Source::Input(i) => Arc::clone(batch.column(i)),
-                Source::Computed(k) => Arc::clone(&computed[k]),
+            .map(|s| match s {
+                Source::Input(i) => Ok(Arc::clone(batch.column(*i))),
+                Source::Constant(v) => v
+                    .to_array_of_size(n)
+                    .map_err(|e| KernelError::InvalidData(e.to_string())),
+                Source::Computed(k) => Ok(Arc::clone(&computed[*k])),
             })
-            .collect();
+            .collect::<Result<Vec<ArrayRef>, _>>()?;
         make_batch(&self.schema, columns, n)
             .map(Some)
             .map_err(|e| KernelError::InvalidData(e.to_string()))

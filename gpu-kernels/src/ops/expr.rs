@@ -16,7 +16,7 @@ use crate::{KernelError, Result};
 use arrow::datatypes::DataType;
 
 /// Most values a program may hold at once (the kernel's per-thread stack).
-pub const MAX_STACK: usize = 16;
+pub const MAX_STACK: usize = 32;
 /// Most outputs one program may write.
 pub const MAX_OUTPUTS: usize = 64;
 
