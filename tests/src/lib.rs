@@ -61,11 +61,30 @@ fn column_type(data_type: &DataType) -> DefaultColumnType {
 pub fn render_rows(batches: &[RecordBatch]) -> Result<Vec<Vec<String>>, SltError> {
     let mut rows = volley_engine::display::rows_as_text(batches)?;
     for cell in rows.iter_mut().flatten() {
+        // Plans end with a newline, which would end the record in an .slt file.
+        if cell.contains('\n') {
+            *cell = cell.trim_end_matches('\n').to_string();
+        }
         if cell.is_empty() {
             *cell = "(empty)".to_string();
         }
     }
-    Ok(rows)
+    // A multi-line last cell (a plan in EXPLAIN output) becomes one row per line, as
+    // sqllogictest compares results line by line.
+    let mut out = Vec::with_capacity(rows.len());
+    for mut row in rows {
+        match row.last().filter(|c| c.contains('\n')).cloned() {
+            Some(text) => {
+                let mut lines = text.lines().map(str::to_string);
+                row.pop();
+                row.extend(lines.next());
+                out.push(row);
+                out.extend(lines.map(|l| vec![l]));
+            }
+            None => out.push(row),
+        }
+    }
+    Ok(out)
 }
 
 #[async_trait]

@@ -1,6 +1,12 @@
-//! Runs every `tests/slt/**/*.slt` file through a fresh `VolleyContext`.
+//! Runs every `tests/slt/**/*.slt` file through a fresh `VolleyContext`, twice: with
+//! Volley's defaults, and with `volley.gpu.mode = force` on `emulated:1` (or on `cuda:0`
+//! when `VOLLEY_TEST_DEVICE=cuda`), so that every filter and projection the GPU supports
+//! runs there. A file whose first lines hold `# gpu-forced: skip (reason)` runs only with
+//! the defaults (tests/README.md lists them).
 //!
 //! Files under `tests/slt/tpch/` start with the TPC-H tables at scale factor 0.01.
+//! `cargo test -p volley-tests --test slt -- --complete NAME` rewrites the expected results
+//! of the matching files (review the diff).
 //! `cargo test -p volley-tests --test slt -- NAME` runs only the files whose path contains
 //! NAME. The run ends with a line `N passed, M failed`.
 
@@ -8,7 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use sqllogictest::{Runner, strict_column_validator};
-use volley_engine::{VolleyConfig, VolleyContext};
+use volley_engine::physical_plan::gpu_stream::run_counts;
+use volley_engine::{GpuMode, VolleyConfig, VolleyContext};
 use volley_tests::VolleyDb;
 
 fn slt_files(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -25,16 +32,52 @@ fn slt_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-async fn run_file(path: &Path) -> Result<(), String> {
+/// The settings of the forced-GPU run.
+fn forced_gpu() -> VolleyConfig {
+    let device = match std::env::var("VOLLEY_TEST_DEVICE").as_deref() {
+        Ok("cuda") => "cuda:0",
+        _ => "emulated:1",
+    };
+    VolleyConfig {
+        devices: device.parse().expect("a valid device selection"),
+        gpu_mode: GpuMode::Force,
+        ..VolleyConfig::default()
+    }
+}
+
+fn skips_forced_gpu(path: &Path) -> bool {
+    std::fs::read_to_string(path).is_ok_and(|text| {
+        text.lines()
+            .take_while(|l| l.starts_with('#'))
+            .any(|l| l.starts_with("# gpu-forced: skip"))
+    })
+}
+
+async fn run_file(path: &Path, config: VolleyConfig, complete: bool) -> Result<(), String> {
     let tpch = path.components().any(|c| c.as_os_str() == "tpch");
-    let mut runner = Runner::new(move || async move {
-        let ctx = VolleyContext::with_config(VolleyConfig::default());
-        if tpch {
-            ctx.register_tpch(0.01)?;
+    let mut runner = Runner::new(move || {
+        let config = config.clone();
+        async move {
+            let ctx = VolleyContext::with_config(config);
+            if tpch {
+                ctx.register_tpch(0.01)?;
+            }
+            Ok::<_, volley_tests::SltError>(VolleyDb::new(ctx))
         }
-        Ok::<_, volley_tests::SltError>(VolleyDb::new(ctx))
     });
     runner.with_column_validator(strict_column_validator);
+    if complete {
+        return runner
+            .update_test_file(
+                path,
+                " ",
+                sqllogictest::default_validator,
+                sqllogictest::default_normalizer,
+                strict_column_validator,
+            )
+            .await
+            .map_err(|e| e.to_string());
+    }
     runner
         .run_file_async(path)
         .await
@@ -43,6 +86,9 @@ async fn run_file(path: &Path) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    // `-- --complete NAME` rewrites the expected results of the matching files from a run
+    // with the defaults: review the diff before committing it.
+    let complete = std::env::args().any(|a| a == "--complete");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("slt");
     let mut files = Vec::new();
     slt_files(&root, &mut files);
@@ -63,17 +109,28 @@ fn main() -> ExitCode {
             .unwrap_or(file)
             .display()
             .to_string();
-        match runtime.block_on(run_file(file)) {
-            Ok(()) => {
-                passed += 1;
-                println!("slt {name} ... ok");
-            }
-            Err(e) => {
-                failed += 1;
-                println!("slt {name} ... FAILED\n{e}");
+        let mut modes = vec![("defaults", VolleyConfig::default())];
+        if !complete && !skips_forced_gpu(file) {
+            modes.push(("gpu forced", forced_gpu()));
+        }
+        for (mode, config) in modes {
+            match runtime.block_on(run_file(file, config, complete)) {
+                Ok(()) => {
+                    passed += 1;
+                    println!("slt {name} [{mode}] ... ok");
+                }
+                Err(e) => {
+                    failed += 1;
+                    println!("slt {name} [{mode}] ... FAILED\n{e}");
+                }
             }
         }
     }
+    let counts = run_counts();
+    println!(
+        "GPU operators: {} partitions ran on a device, {} batches on the device, {} redone on the CPU",
+        counts.partitions, counts.gpu_batches, counts.cpu_batches
+    );
     println!("{passed} passed, {failed} failed");
     if (files.is_empty() && filter.is_none()) || failed > 0 {
         ExitCode::FAILURE

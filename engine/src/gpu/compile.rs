@@ -444,6 +444,9 @@ impl Compiler<'_> {
                 }
                 Ok(out)
             }
+            RegexMatch | RegexIMatch | RegexNotMatch | RegexNotIMatch => {
+                unsupported(format!("regexp_like (operator {op})"))
+            }
             other => unsupported(format!("operator {other}")),
         }
     }

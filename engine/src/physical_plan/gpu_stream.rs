@@ -12,6 +12,7 @@
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -105,6 +106,31 @@ impl GpuMetrics {
     }
 }
 
+/// What GPU operators have done in this process, for test suites that report how much of
+/// their work ran on a GPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunCounts {
+    /// Partitions of GPU operators executed.
+    pub partitions: u64,
+    /// Batches processed on a device.
+    pub gpu_batches: u64,
+    /// Batches redone on the CPU.
+    pub cpu_batches: u64,
+}
+
+static PARTITIONS: AtomicU64 = AtomicU64::new(0);
+static GPU_BATCHES: AtomicU64 = AtomicU64::new(0);
+static CPU_BATCHES: AtomicU64 = AtomicU64::new(0);
+
+/// The process-wide totals so far.
+pub fn run_counts() -> RunCounts {
+    RunCounts {
+        partitions: PARTITIONS.load(Ordering::Relaxed),
+        gpu_batches: GPU_BATCHES.load(Ordering::Relaxed),
+        cpu_batches: CPU_BATCHES.load(Ordering::Relaxed),
+    }
+}
+
 /// One operator's work on a batch, on the device and on the CPU.
 pub trait BatchWork: Send + Sync + 'static {
     /// Runs on `device`. `Ok(None)` means "some row is left to the CPU".
@@ -145,6 +171,7 @@ impl<W: BatchWork> GpuStream<W> {
         metrics: GpuMetrics,
     ) -> Self {
         let coalescer = BatchCoalescer::new(input.schema(), batch_rows.max(1));
+        PARTITIONS.fetch_add(1, Ordering::Relaxed);
         Self {
             schema,
             input,
@@ -163,6 +190,7 @@ impl<W: BatchWork> GpuStream<W> {
         let out = match self.work.gpu(&self.device, &batch, &self.metrics) {
             Ok(Some(out)) => {
                 self.metrics.gpu_batches.add(1);
+                GPU_BATCHES.fetch_add(1, Ordering::Relaxed);
                 out
             }
             outcome => {
@@ -170,6 +198,7 @@ impl<W: BatchWork> GpuStream<W> {
                     log::warn!("{}: redoing a batch on the CPU: {e}", self.device);
                 }
                 self.metrics.cpu_batches.add(1);
+                CPU_BATCHES.fetch_add(1, Ordering::Relaxed);
                 self.work.cpu(&batch)?
             }
         };
