@@ -580,6 +580,9 @@ VOLLEY_KERNEL expr_eval(const int64_t* code, uint64_t code_len, const int64_t* c
                         if (arg == 0) {
                             days = x.a.i;
                         } else {
+                            // Beyond the nanosecond range, leave it to DataFusion.
+                            i128 ns = (i128)x.a.i * (i128)(1000000000 / arg);
+                            if (ns != (i128)(int64_t)ns) failed = true;
                             int64_t secs = floor_div(x.a.i, arg);
                             days = floor_div(secs, 86400);
                             sod = secs - days * 86400;
@@ -602,9 +605,12 @@ VOLLEY_KERNEL expr_eval(const int64_t* code, uint64_t code_len, const int64_t* c
                         break;
                     }
                     case OP_DATE_TRUNC: {
-                        // arg: units per second of the timestamp.
+                        // arg: units per second of the timestamp. DataFusion truncates in
+                        // nanoseconds: a timestamp beyond their range is its error to give.
                         Val& x = st[sp - 1];
                         if (!x.valid) break;
+                        i128 ns = (i128)x.a.i * (i128)(1000000000 / arg);
+                        if (ns != (i128)(int64_t)ns) failed = true;
                         int64_t secs = floor_div(x.a.i, arg);
                         int64_t days = floor_div(secs, 86400);
                         int64_t out_secs;

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use datafusion::arrow::array::RecordBatch;
 use datafusion::arrow::datatypes::SchemaRef;
@@ -28,7 +29,9 @@ use datafusion::physical_plan::{
 use volley_kernels::ops::{compact, expr, gather};
 use volley_kernels::{Device, DeviceColumn, KernelError};
 
-use super::gpu_stream::{BatchWork, GpuMetrics, GpuStream, device_for, make_batch};
+use super::gpu_stream::{
+    BatchWork, GpuMetrics, GpuStream, OperatorKind, count_operator, device_for, make_batch,
+};
 use crate::gpu::compile::{CompiledExprs, Reason, compile};
 use crate::gpu::devices::describe;
 
@@ -42,6 +45,7 @@ pub struct GpuFilterExec {
     batch_rows: usize,
     fetch: Option<usize>,
     metrics: ExecutionPlanMetricsSet,
+    executed: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -97,6 +101,7 @@ impl GpuFilterExec {
             devices,
             batch_rows,
             metrics: ExecutionPlanMetricsSet::new(),
+            executed: AtomicBool::new(false),
         })
     }
 
@@ -162,10 +167,8 @@ impl BatchWork for FilterWork {
 impl DisplayAs for GpuFilterExec {
     fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
         match t {
-            DisplayFormatType::TreeRender => {
-                self.inner.fmt_as(t, f)?;
-                writeln!(f, "device={}", describe(&self.devices))
-            }
+            // The tree's box is titled with name(); its lines are the CPU operator's.
+            DisplayFormatType::TreeRender => self.inner.fmt_as(t, f),
             _ => {
                 let cpu = DisplayableExecutionPlan::new(self.inner.as_ref())
                     .one_line()
@@ -231,14 +234,17 @@ impl ExecutionPlan for GpuFilterExec {
     ) -> Result<SendableRecordBatchStream> {
         let device = device_for(&self.devices, partition)
             .ok_or_else(|| internal_datafusion_err!("GpuFilterExec without a device"))?;
+        let output_rows = context.session_config().batch_size();
         let input = self.inner.children()[0].execute(partition, context)?;
         let metrics = GpuMetrics::new(&self.metrics, partition, &device);
+        count_operator(&self.executed, OperatorKind::Filter);
         Ok(Box::pin(GpuStream::new(
             self.schema(),
             input,
             Arc::clone(&self.work),
             device,
             self.batch_rows,
+            output_rows,
             self.fetch,
             metrics,
         )))

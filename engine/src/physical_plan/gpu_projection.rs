@@ -4,6 +4,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use datafusion::arrow::array::{ArrayRef, RecordBatch};
 use datafusion::arrow::datatypes::{DataType, SchemaRef};
@@ -26,7 +27,9 @@ use datafusion::physical_plan::{
 use volley_kernels::ops::expr;
 use volley_kernels::{Device, DeviceColumn, KernelError};
 
-use super::gpu_stream::{BatchWork, GpuMetrics, GpuStream, device_for, make_batch};
+use super::gpu_stream::{
+    BatchWork, GpuMetrics, GpuStream, OperatorKind, count_operator, device_for, make_batch,
+};
 use crate::gpu::compile::{CompiledExprs, Reason, compile};
 use crate::gpu::devices::describe;
 
@@ -39,6 +42,7 @@ pub struct GpuProjectionExec {
     devices: Arc<Vec<Device>>,
     batch_rows: usize,
     metrics: ExecutionPlanMetricsSet,
+    executed: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -107,6 +111,7 @@ impl GpuProjectionExec {
             devices,
             batch_rows,
             metrics: ExecutionPlanMetricsSet::new(),
+            executed: AtomicBool::new(false),
         })
     }
 
@@ -173,10 +178,8 @@ impl BatchWork for ProjectionWork {
 impl DisplayAs for GpuProjectionExec {
     fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
         match t {
-            DisplayFormatType::TreeRender => {
-                self.inner.fmt_as(t, f)?;
-                writeln!(f, "device={}", describe(&self.devices))
-            }
+            // The tree's box is titled with name(); its lines are the CPU operator's.
+            DisplayFormatType::TreeRender => self.inner.fmt_as(t, f),
             _ => {
                 let cpu = DisplayableExecutionPlan::new(self.inner.as_ref())
                     .one_line()
@@ -242,14 +245,17 @@ impl ExecutionPlan for GpuProjectionExec {
     ) -> Result<SendableRecordBatchStream> {
         let device = device_for(&self.devices, partition)
             .ok_or_else(|| internal_datafusion_err!("GpuProjectionExec without a device"))?;
+        let output_rows = context.session_config().batch_size();
         let input = self.inner.children()[0].execute(partition, context)?;
         let metrics = GpuMetrics::new(&self.metrics, partition, &device);
+        count_operator(&self.executed, OperatorKind::Projection);
         Ok(Box::pin(GpuStream::new(
             self.schema(),
             input,
             Arc::clone(&self.work),
             device,
             self.batch_rows,
+            output_rows,
             None,
             metrics,
         )))

@@ -17,7 +17,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use datafusion::arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions};
-use datafusion::arrow::compute::{BatchCoalescer, cast};
+use datafusion::arrow::compute::{cast, concat_batches};
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{RecordBatchStream, SendableRecordBatchStream};
@@ -110,6 +110,10 @@ impl GpuMetrics {
 /// their work ran on a GPU.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RunCounts {
+    /// `GpuFilterExec` operators executed (each counted once, however many partitions).
+    pub filters: u64,
+    /// `GpuProjectionExec` operators executed.
+    pub projections: u64,
     /// Partitions of GPU operators executed.
     pub partitions: u64,
     /// Batches processed on a device.
@@ -118,13 +122,36 @@ pub struct RunCounts {
     pub cpu_batches: u64,
 }
 
+static FILTERS: AtomicU64 = AtomicU64::new(0);
+static PROJECTIONS: AtomicU64 = AtomicU64::new(0);
 static PARTITIONS: AtomicU64 = AtomicU64::new(0);
+
+/// Which kind of GPU operator started executing (for [`run_counts`]).
+#[derive(Debug, Clone, Copy)]
+pub enum OperatorKind {
+    /// `GpuFilterExec`.
+    Filter,
+    /// `GpuProjectionExec`.
+    Projection,
+}
+
+/// Counts an operator the first time one of its partitions executes.
+pub fn count_operator(first: &std::sync::atomic::AtomicBool, kind: OperatorKind) {
+    if !first.swap(true, Ordering::Relaxed) {
+        match kind {
+            OperatorKind::Filter => FILTERS.fetch_add(1, Ordering::Relaxed),
+            OperatorKind::Projection => PROJECTIONS.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+}
 static GPU_BATCHES: AtomicU64 = AtomicU64::new(0);
 static CPU_BATCHES: AtomicU64 = AtomicU64::new(0);
 
 /// The process-wide totals so far.
 pub fn run_counts() -> RunCounts {
     RunCounts {
+        filters: FILTERS.load(Ordering::Relaxed),
+        projections: PROJECTIONS.load(Ordering::Relaxed),
         partitions: PARTITIONS.load(Ordering::Relaxed),
         gpu_batches: GPU_BATCHES.load(Ordering::Relaxed),
         cpu_batches: CPU_BATCHES.load(Ordering::Relaxed),
@@ -153,24 +180,32 @@ pub struct GpuStream<W: BatchWork> {
     input_done: bool,
     work: Arc<W>,
     device: Device,
-    coalescer: BatchCoalescer,
+    /// Input batches waiting to make up a device batch, and their rows.
+    pending: Vec<RecordBatch>,
+    pending_rows: usize,
+    batch_rows: usize,
+    /// DataFusion's batch size: outputs are cut to it, as operators downstream (and their
+    /// memory accounting) expect.
+    output_rows: usize,
     ready: VecDeque<RecordBatch>,
     remaining: Option<usize>,
     metrics: GpuMetrics,
 }
 
 impl<W: BatchWork> GpuStream<W> {
-    /// A stream over `input`, emitting batches of `schema`, at most `fetch` rows.
+    /// A stream over `input`, emitting batches of `schema` of at most `output_rows` rows,
+    /// at most `fetch` rows in all.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         schema: SchemaRef,
         input: SendableRecordBatchStream,
         work: Arc<W>,
         device: Device,
         batch_rows: usize,
+        output_rows: usize,
         fetch: Option<usize>,
         metrics: GpuMetrics,
     ) -> Self {
-        let coalescer = BatchCoalescer::new(input.schema(), batch_rows.max(1));
         PARTITIONS.fetch_add(1, Ordering::Relaxed);
         Self {
             schema,
@@ -178,7 +213,10 @@ impl<W: BatchWork> GpuStream<W> {
             input_done: false,
             work,
             device,
-            coalescer,
+            pending: Vec::new(),
+            pending_rows: 0,
+            batch_rows: batch_rows.max(1),
+            output_rows: output_rows.max(1),
             ready: VecDeque::new(),
             remaining: fetch,
             metrics,
@@ -203,17 +241,43 @@ impl<W: BatchWork> GpuStream<W> {
             }
         };
         timer.done();
-        if out.num_rows() > 0 {
-            self.ready.push_back(out);
+        let mut at = 0;
+        while at < out.num_rows() {
+            let len = self.output_rows.min(out.num_rows() - at);
+            self.ready.push_back(out.slice(at, len));
+            at += len;
         }
         Ok(())
     }
 
-    fn drain_coalescer(&mut self) -> Result<()> {
-        while let Some(batch) = self.coalescer.next_completed_batch() {
-            self.process(batch)?;
+    /// Adds an input batch; processes the pending batches as one once they reach
+    /// `batch_rows`. A batch whose schema differs from the pending ones' (DataFusion's
+    /// streams may vary in field metadata or nullability) starts a new device batch.
+    fn push(&mut self, batch: RecordBatch) -> Result<()> {
+        if self
+            .pending
+            .first()
+            .is_some_and(|first| first.schema() != batch.schema())
+        {
+            self.flush()?;
+        }
+        self.pending_rows += batch.num_rows();
+        self.pending.push(batch);
+        if self.pending_rows >= self.batch_rows {
+            self.flush()?;
         }
         Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        let mut pending = std::mem::take(&mut self.pending);
+        self.pending_rows = 0;
+        let batch = match pending.len() {
+            0 => return Ok(()),
+            1 => pending.remove(0),
+            _ => concat_batches(&pending[0].schema(), &pending).map_err(arrow_err)?,
+        };
+        self.process(batch)
     }
 
     fn emit(&mut self, batch: RecordBatch) -> RecordBatch {
@@ -255,23 +319,13 @@ impl<W: BatchWork> Stream for GpuStream<W> {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
                 Poll::Ready(Some(Ok(batch))) => {
-                    let pushed = this
-                        .coalescer
-                        .push_batch(batch)
-                        .map_err(arrow_err)
-                        .and_then(|_| this.drain_coalescer());
-                    if let Err(e) = pushed {
+                    if let Err(e) = this.push(batch) {
                         return Poll::Ready(Some(Err(e)));
                     }
                 }
                 Poll::Ready(None) => {
                     this.input_done = true;
-                    let flushed = this
-                        .coalescer
-                        .finish_buffered_batch()
-                        .map_err(arrow_err)
-                        .and_then(|_| this.drain_coalescer());
-                    if let Err(e) = flushed {
+                    if let Err(e) = this.flush() {
                         return Poll::Ready(Some(Err(e)));
                     }
                 }
