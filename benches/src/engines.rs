@@ -158,12 +158,35 @@ pub async fn run_datafusion(
         .zip(outcomes)
         .map(|(&engine, outcomes)| EngineRun {
             engine,
-            note: (engine == Engine::VolleyGpu).then(|| {
-                "GPU operators are not in Volley yet: volley-gpu runs on the CPU".to_string()
-            }),
+            note: (engine == Engine::VolleyGpu).then(volley_gpu_note),
             outcomes,
         })
         .collect())
+}
+
+/// Where `volley-gpu` ran: the devices it found, and what of the plans runs on them.
+fn volley_gpu_note() -> String {
+    let selection = VolleyConfig::from_env()
+        .map(|c| c.devices)
+        .unwrap_or_default();
+    match volley_engine::gpu::devices::devices(&selection) {
+        Ok(devices) if devices.is_empty() => {
+            format!("no device (volley.devices = {selection}): volley-gpu ran on the CPU")
+        }
+        Ok(devices) => format!(
+            "filters and projections on {} in auto mode (aggregation and joins on the CPU){}",
+            volley_engine::gpu::devices::describe(&devices),
+            if devices
+                .iter()
+                .any(|d| d.kind() == volley_kernels::DeviceKind::Emulated)
+            {
+                "; emulated devices prove it runs, their times mean nothing"
+            } else {
+                ""
+            }
+        ),
+        Err(e) => format!("no device ({e}): volley-gpu ran on the CPU"),
+    }
 }
 
 /// Runs `queries` on DuckDB through `python3` and its `duckdb` package; without them the

@@ -438,6 +438,29 @@ impl Compiler<'_> {
                             self.expr(binary.right())?;
                             self.emit(Op::MulD, precision as i64, 0, 2);
                         }
+                        // arrow: scale s1 + 4 (at most 38); the dividend is multiplied by
+                        // 10^(scale - s1 + s2), or the divisor by its inverse.
+                        Divide if scale == (ls + 4).min(38) => {
+                            let shift = scale as i64 - ls as i64 + rs as i64;
+                            self.expr(binary.left())?;
+                            if shift > 0 {
+                                self.emit(Op::CastDD, 38, shift, 1);
+                            }
+                            self.expr(binary.right())?;
+                            if shift < 0 {
+                                self.emit(Op::CastDD, 38, -shift, 1);
+                            }
+                            self.emit(Op::DivD, precision as i64, 0, 2);
+                        }
+                        Modulo if scale == ls.max(rs) => {
+                            for (side, s) in [(binary.left(), ls), (binary.right(), rs)] {
+                                self.expr(side)?;
+                                if s < scale {
+                                    self.emit(Op::CastDD, 38, (scale - s) as i64, 1);
+                                }
+                            }
+                            self.emit(Op::ModD, precision as i64, 0, 2);
+                        }
                         _ => return unsupported(format!("decimal {op} giving {result}")),
                     },
                     _ => return unsupported(format!("{left_type} {op} {right_type}")),

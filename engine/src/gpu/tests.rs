@@ -212,6 +212,9 @@ mod properties {
             Just("(d * d)".to_string()),
             Just("CAST(a AS DECIMAL(10, 3))".to_string()),
             Just("(-d)".to_string()),
+            Just("(d / CAST(a AS DECIMAL(10, 3)))".to_string()),
+            Just("(d / CAST(0.7 AS DECIMAL(3, 1)))".to_string()),
+            Just("(d % CAST(a AS DECIMAL(10, 3)))".to_string()),
         ]
     }
 
@@ -456,4 +459,91 @@ mod properties {
         }
         device.inject_faults(FaultPlan::default()).unwrap();
     }
+}
+
+/// With four devices, a plan's partitions are spread over all of them.
+#[tokio::test]
+async fn partitions_are_spread_over_the_devices() {
+    use datafusion::prelude::SessionConfig;
+
+    let selection = "emulated:4".parse().unwrap();
+    let ctx = VolleyContext::with_session_config(
+        SessionConfig::new().with_target_partitions(4),
+        VolleyConfig {
+            devices: "emulated:4".parse().unwrap(),
+            gpu_mode: GpuMode::Force,
+            ..VolleyConfig::default()
+        },
+    );
+    let devices = crate::gpu::devices::devices(&selection).unwrap();
+    let before: Vec<u64> = devices.iter().map(|d| d.counters().1).collect();
+    let (plan, rows) = run(
+        &ctx,
+        "SELECT count(*) AS n FROM (SELECT v * 2 AS w FROM generate_series(1, 100000) AS t(v) \
+         WHERE v % 3 = 0) WHERE w > 10",
+    )
+    .await;
+    assert!(
+        plan.contains("GpuFilterExec: device=emulated:0,emulated:1,emulated:2,emulated:3"),
+        "{plan}"
+    );
+    assert!(rows.contains("33332"), "{rows}");
+    for (device, launches) in devices.iter().zip(before) {
+        assert!(
+            device.counters().1 > launches,
+            "{device} ran nothing:\n{plan}"
+        );
+    }
+}
+
+/// The 22 TPC-H queries (SF 0.01) answer as DataFusion does with the GPU forced, and every
+/// filter and projection the plans have either runs on the device or says why not.
+#[tokio::test]
+async fn tpch_answers_are_unchanged_with_filters_and_projections_on_the_gpu() {
+    use datafusion::prelude::SessionConfig;
+
+    let gpu = VolleyContext::with_session_config(
+        SessionConfig::new().with_target_partitions(2),
+        VolleyConfig {
+            devices: "emulated:1".parse().unwrap(),
+            gpu_mode: GpuMode::Force,
+            ..VolleyConfig::default()
+        },
+    );
+    let cpu = VolleyContext::with_session_config(
+        SessionConfig::new().with_target_partitions(2),
+        VolleyConfig {
+            gpu_mode: GpuMode::Off,
+            ..VolleyConfig::default()
+        },
+    );
+    gpu.register_tpch(0.01).unwrap();
+    cpu.register_tpch(0.01).unwrap();
+    let options = gpu.session_context().state().config().options().clone();
+    let (mut on_gpu, mut reasons) = (0, Vec::new());
+    for (i, sql) in crate::tpch::QUERIES.iter().enumerate() {
+        let frame = gpu.sql(sql).await.unwrap();
+        let plan = frame.clone().create_physical_plan().await.unwrap();
+        for line in crate::gpu::placement_report(&plan, &options) {
+            if line.contains(" runs on ") {
+                on_gpu += 1;
+            } else {
+                reasons.push(format!("Q{}: {line}", i + 1));
+            }
+        }
+        let got = pretty_format_batches(&frame.collect().await.unwrap())
+            .unwrap()
+            .to_string();
+        let (_, want) = run(&cpu, sql).await;
+        assert_eq!(got, want, "Q{}", i + 1);
+    }
+    println!(
+        "{on_gpu} TPC-H filters and projections on the GPU; on the CPU:\n{}",
+        reasons.join("\n")
+    );
+    assert!(
+        on_gpu >= 40,
+        "only {on_gpu} filters and projections ran on the GPU:\n{}",
+        reasons.join("\n")
+    );
 }

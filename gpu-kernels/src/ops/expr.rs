@@ -57,6 +57,8 @@ pub enum Op {
     SubD,
     MulD,
     NegD,
+    DivD,
+    ModD,
     CmpI,
     CmpF,
     CmpD,
@@ -96,9 +98,8 @@ impl Op {
                 (0, 1)
             }
             AddI | SubI | MulI | DivI | ModI | AddF | SubF | MulF | DivF | ModF | AddD | SubD
-            | MulD | CmpI | CmpF | CmpD | CmpS | And | Or | StrPrefix | StrSuffix | StrContains => {
-                (2, 1)
-            }
+            | MulD | DivD | ModD | CmpI | CmpF | CmpD | CmpS | And | Or | StrPrefix | StrSuffix
+            | StrContains => (2, 1),
             NegI | NegF | NegD | Not | IsNull | IsNotNull | CastII | CastIF | CastFI | CastFF
             | CastID | CastDD | CastDF | CastDateTs | CastTsDate | CastTsTs | DatePart
             | DateTrunc => (1, 1),
@@ -330,14 +331,73 @@ impl Program {
     }
 }
 
+/// Every opcode, in numbering order.
+pub const ALL_OPS: &[Op] = &[
+    Op::LoadI8,
+    Op::LoadI16,
+    Op::LoadI32,
+    Op::LoadI64,
+    Op::LoadU8,
+    Op::LoadU16,
+    Op::LoadU32,
+    Op::LoadF32,
+    Op::LoadF64,
+    Op::LoadBool,
+    Op::LoadDec,
+    Op::LoadStr32,
+    Op::LoadStr64,
+    Op::Const,
+    Op::StrConst,
+    Op::Null,
+    Op::AddI,
+    Op::SubI,
+    Op::MulI,
+    Op::DivI,
+    Op::ModI,
+    Op::NegI,
+    Op::AddF,
+    Op::SubF,
+    Op::MulF,
+    Op::DivF,
+    Op::ModF,
+    Op::NegF,
+    Op::AddD,
+    Op::SubD,
+    Op::MulD,
+    Op::NegD,
+    Op::DivD,
+    Op::ModD,
+    Op::CmpI,
+    Op::CmpF,
+    Op::CmpD,
+    Op::CmpS,
+    Op::And,
+    Op::Or,
+    Op::Not,
+    Op::IsNull,
+    Op::IsNotNull,
+    Op::Select,
+    Op::CastII,
+    Op::CastIF,
+    Op::CastFI,
+    Op::CastFF,
+    Op::CastID,
+    Op::CastDD,
+    Op::CastDF,
+    Op::CastDateTs,
+    Op::CastTsDate,
+    Op::CastTsTs,
+    Op::StrPrefix,
+    Op::StrSuffix,
+    Op::StrContains,
+    Op::Substr,
+    Op::DatePart,
+    Op::DateTrunc,
+    Op::Out,
+];
+
 fn op_from(code: i64) -> Option<Op> {
-    if (Op::LoadI8 as i64..=Op::Out as i64).contains(&code) {
-        // SAFETY: Op is repr(u8) with consecutive discriminants from LoadI8 to Out, and
-        // `code` lies in that range.
-        Some(unsafe { std::mem::transmute::<u8, Op>(code as u8) })
-    } else {
-        None
-    }
+    ALL_OPS.iter().copied().find(|&op| op as i64 == code)
 }
 
 fn upload_words(device: &Device, words: &[i64]) -> Result<DeviceBuffer> {
@@ -443,4 +503,41 @@ pub fn evaluate(
             })
             .collect(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel and the host number opcodes alike: `enum ExprOp` in `cuda/expr.cu` lists
+    /// `OP_LOAD_I8, …` in the order of [`ALL_OPS`], starting at 1.
+    #[test]
+    fn opcodes_match_the_kernel() {
+        let source = include_str!("../../cuda/expr.cu");
+        let start = source
+            .find("enum ExprOp {")
+            .expect("enum ExprOp in expr.cu");
+        let body = &source[start + "enum ExprOp {".len()..];
+        let body = &body[..body.find("};").expect("end of enum ExprOp")];
+        let kernel: Vec<String> = body
+            .split(',')
+            .map(|name| name.split('=').next().unwrap_or("").trim())
+            .filter(|name| !name.is_empty())
+            .map(|name| {
+                name.trim_start_matches("OP_")
+                    .split('_')
+                    .map(|w| {
+                        let w = w.to_ascii_lowercase();
+                        let (first, rest) = w.split_at(1);
+                        format!("{}{rest}", first.to_ascii_uppercase())
+                    })
+                    .collect::<String>()
+            })
+            .collect();
+        let host: Vec<String> = ALL_OPS.iter().map(|op| format!("{op:?}")).collect();
+        assert_eq!(kernel, host);
+        for (i, op) in ALL_OPS.iter().enumerate() {
+            assert_eq!(*op as usize, i + 1, "{op:?}");
+        }
+    }
 }
