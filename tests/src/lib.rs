@@ -4,6 +4,7 @@
 //! `(empty)`, every other value as Arrow displays it. Column types are `I` (integers),
 //! `R` (floats and decimals), `T` (strings) and `?` (anything else), and are checked.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use arrow::array::RecordBatch;
@@ -12,6 +13,21 @@ use async_trait::async_trait;
 use datafusion::error::DataFusionError;
 use sqllogictest::{AsyncDB, DBOutput, DefaultColumnType};
 use volley_engine::VolleyContext;
+
+/// Every `.slt` file below `dir`, recursively, appended to `out`.
+pub fn slt_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            slt_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "slt") {
+            out.push(path);
+        }
+    }
+}
 
 /// What a failing statement reports to the runner.
 #[derive(Debug, thiserror::Error)]

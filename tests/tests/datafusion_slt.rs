@@ -68,20 +68,6 @@ fn copy_dir(from: &Path, to: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-fn slt_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            slt_files(&path, out);
-        } else if path.extension().is_some_and(|e| e == "slt") {
-            out.push(path);
-        }
-    }
-}
-
 /// DataFusion's validator, reading `GpuXExec: device=D, ` as `XExec: `.
 fn validator(normalizer: Normalizer, actual: &[Vec<String>], expected: &[String]) -> bool {
     let actual: Vec<Vec<String>> = actual
@@ -231,7 +217,7 @@ fn main() -> ExitCode {
         .and_then(|v| v.parse().ok())
         .unwrap_or(usize::MAX);
     let mut files = Vec::new();
-    slt_files(Path::new("test_files"), &mut files);
+    volley_tests::slt_files(Path::new("test_files"), &mut files);
     files.sort();
     files.retain(|f| {
         let name = f.to_string_lossy();

@@ -10,27 +10,13 @@
 //! `cargo test -p volley-tests --test slt -- NAME` runs only the files whose path contains
 //! NAME. The run ends with a line `N passed, M failed`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 
 use sqllogictest::{Runner, strict_column_validator};
 use volley_engine::physical_plan::gpu_stream::run_counts;
 use volley_engine::{GpuMode, VolleyConfig, VolleyContext};
 use volley_tests::VolleyDb;
-
-fn slt_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            slt_files(&path, out);
-        } else if path.extension().is_some_and(|e| e == "slt") {
-            out.push(path);
-        }
-    }
-}
 
 /// The settings of the forced-GPU run.
 fn forced_gpu() -> VolleyConfig {
@@ -91,7 +77,7 @@ fn main() -> ExitCode {
     let complete = std::env::args().any(|a| a == "--complete");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("slt");
     let mut files = Vec::new();
-    slt_files(&root, &mut files);
+    volley_tests::slt_files(&root, &mut files);
     files.sort();
     files.retain(|f| {
         filter

@@ -2,54 +2,31 @@
 //! expression program, the selection is compacted into row indices on the device, and the
 //! kept rows are gathered there; only the filter's output comes back.
 //!
-//! One file rather than an `exec.rs` / `stream.rs` folder: the stream is the shared
-//! [`GpuStream`](super::gpu_stream::GpuStream), and what is left is small.
+//! The plan node is the shared [`GpuBatchExec`] and the stream the shared
+//! [`GpuStream`](super::gpu_stream::GpuStream); this file holds the filter's work.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use datafusion::arrow::array::RecordBatch;
 use datafusion::arrow::datatypes::SchemaRef;
-use datafusion::common::internal_datafusion_err;
-use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::Result;
-use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::PhysicalExpr;
-use datafusion::physical_plan::display::DisplayableExecutionPlan;
-use datafusion::physical_plan::distribution_requirements::InputDistributionRequirements;
-use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
+use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::filter::{FilterExec, batch_filter};
-use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricsSet};
-use datafusion::physical_plan::{
-    ChildStats, DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties, Statistics,
-    StatisticsArgs,
-};
 use volley_kernels::ops::{compact, expr, gather};
 use volley_kernels::{Device, DeviceColumn, KernelError};
 
-use super::gpu_stream::{
-    BatchWork, GpuMetrics, GpuStream, OperatorKind, count_operator, device_for, make_batch,
-};
+use super::gpu_batch_exec::GpuBatchExec;
+use super::gpu_stream::{BatchWork, GpuMetrics, OperatorKind, make_batch};
 use crate::gpu::compile::{CompiledExprs, Reason, compile};
-use crate::gpu::devices::describe;
 
-/// A filter whose predicate runs on a GPU. Wraps the `FilterExec` it replaces, which
-/// keeps its plan properties and statistics.
-#[derive(Debug)]
-pub struct GpuFilterExec {
-    inner: Arc<dyn ExecutionPlan>,
-    work: Arc<FilterWork>,
-    devices: Arc<Vec<Device>>,
-    batch_rows: usize,
-    fetch: Option<usize>,
-    metrics: ExecutionPlanMetricsSet,
-    executed: AtomicBool,
-}
+/// A filter whose predicate runs on a GPU.
+pub type GpuFilterExec = GpuBatchExec<FilterWork>;
 
+/// What a `GpuFilterExec` does with each batch.
 #[derive(Debug)]
-struct FilterWork {
+pub struct FilterWork {
     predicate: Arc<dyn PhysicalExpr>,
     program: CompiledExprs,
     /// Input columns the filter outputs.
@@ -58,19 +35,14 @@ struct FilterWork {
     schema: SchemaRef,
 }
 
-impl GpuFilterExec {
-    /// The GPU twin of `filter` (a `FilterExec`), or why there is none.
-    pub fn try_new(
-        filter: Arc<dyn ExecutionPlan>,
-        devices: Arc<Vec<Device>>,
-        batch_rows: usize,
-    ) -> Result<Self, Reason> {
+impl BatchWork for FilterWork {
+    const NAME: &'static str = "GpuFilterExec";
+    const KIND: OperatorKind = OperatorKind::Filter;
+
+    fn plan(filter: &Arc<dyn ExecutionPlan>) -> Result<Self, Reason> {
         let Some(cpu) = filter.downcast_ref::<FilterExec>() else {
             return Err("not a FilterExec".into());
         };
-        if devices.is_empty() {
-            return Err("no device".into());
-        }
         let input_schema = cpu.input().schema();
         let program = compile(std::slice::from_ref(cpu.predicate()), &input_schema)?;
         let projection: Option<Vec<usize>> = cpu.projection().as_ref().map(|p| p.to_vec());
@@ -87,31 +59,15 @@ impl GpuFilterExec {
                 ));
             }
         }
-        let work = FilterWork {
+        Ok(Self {
             predicate: Arc::clone(cpu.predicate()),
             program,
             outputs,
             projection,
             schema: filter.schema(),
-        };
-        Ok(Self {
-            fetch: filter.fetch(),
-            inner: filter,
-            work: Arc::new(work),
-            devices,
-            batch_rows,
-            metrics: ExecutionPlanMetricsSet::new(),
-            executed: AtomicBool::new(false),
         })
     }
 
-    /// The devices its partitions run on.
-    pub fn devices(&self) -> &[Device] {
-        &self.devices
-    }
-}
-
-impl BatchWork for FilterWork {
     fn gpu(
         &self,
         device: &Device,
@@ -161,116 +117,5 @@ impl BatchWork for FilterWork {
             Some(p) => Ok(filtered.project(p)?),
             None => Ok(filtered),
         }
-    }
-}
-
-impl DisplayAs for GpuFilterExec {
-    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        match t {
-            // The tree's box is titled with name(); its lines are the CPU operator's.
-            DisplayFormatType::TreeRender => self.inner.fmt_as(t, f),
-            _ => {
-                let cpu = DisplayableExecutionPlan::new(self.inner.as_ref())
-                    .one_line()
-                    .to_string();
-                let rest = cpu.trim_end().trim_start_matches("FilterExec: ");
-                write!(
-                    f,
-                    "GpuFilterExec: device={}, {rest}",
-                    describe(&self.devices)
-                )
-            }
-        }
-    }
-}
-
-impl ExecutionPlan for GpuFilterExec {
-    fn name(&self) -> &str {
-        "GpuFilterExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        self.inner.properties()
-    }
-
-    fn input_distribution_requirements(&self) -> InputDistributionRequirements {
-        self.inner.input_distribution_requirements()
-    }
-
-    fn maintains_input_order(&self) -> Vec<bool> {
-        self.inner.maintains_input_order()
-    }
-
-    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
-        self.inner.benefits_from_input_partitioning()
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        self.inner.children()
-    }
-
-    fn apply_expressions(
-        &self,
-        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
-    ) -> Result<TreeNodeRecursion> {
-        self.inner.apply_expressions(f)
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        let recompute = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
-        let inner = Arc::clone(&self.inner).replace_children(children, recompute)?;
-        let gpu = Self::try_new(inner, Arc::clone(&self.devices), self.batch_rows)
-            .map_err(|reason| internal_datafusion_err!("GpuFilterExec: {reason}"))?;
-        Ok(Arc::new(gpu))
-    }
-
-    fn execute(
-        &self,
-        partition: usize,
-        context: Arc<TaskContext>,
-    ) -> Result<SendableRecordBatchStream> {
-        let device = device_for(&self.devices, partition)
-            .ok_or_else(|| internal_datafusion_err!("GpuFilterExec without a device"))?;
-        let output_rows = context.session_config().batch_size();
-        let input = self.inner.children()[0].execute(partition, context)?;
-        let metrics = GpuMetrics::new(&self.metrics, partition, &device);
-        count_operator(&self.executed, OperatorKind::Filter);
-        Ok(Box::pin(GpuStream::new(
-            self.schema(),
-            input,
-            Arc::clone(&self.work),
-            device,
-            self.batch_rows,
-            output_rows,
-            self.fetch,
-            metrics,
-        )))
-    }
-
-    fn metrics(&self) -> Option<MetricsSet> {
-        Some(self.metrics.clone_inner())
-    }
-
-    fn statistics_from_inputs(
-        &self,
-        input_stats: &[Arc<Statistics>],
-        args: &StatisticsArgs,
-    ) -> Result<Arc<Statistics>> {
-        self.inner.statistics_from_inputs(input_stats, args)
-    }
-
-    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
-        self.inner.child_stats_requests(partition)
-    }
-
-    fn fetch(&self) -> Option<usize> {
-        self.fetch
-    }
-
-    fn cardinality_effect(&self) -> datafusion::physical_plan::execution_plan::CardinalityEffect {
-        self.inner.cardinality_effect()
     }
 }

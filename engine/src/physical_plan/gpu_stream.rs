@@ -10,6 +10,7 @@
 //! ```
 
 use std::collections::VecDeque;
+use std::fmt;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,11 +22,14 @@ use datafusion::arrow::compute::{cast, concat_batches};
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{RecordBatchStream, SendableRecordBatchStream};
+use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::metrics::{
     BaselineMetrics, Count, ExecutionPlanMetricsSet, Label, MetricBuilder, Time,
 };
 use futures::{Stream, StreamExt};
 use volley_kernels::{Device, DeviceColumn, KernelError};
+
+use crate::gpu::compile::Reason;
 
 /// Metrics of one partition of a GPU operator, labelled with its device; EXPLAIN ANALYZE
 /// shows them.
@@ -159,7 +163,15 @@ pub fn run_counts() -> RunCounts {
 }
 
 /// One operator's work on a batch, on the device and on the CPU.
-pub trait BatchWork: Send + Sync + 'static {
+pub trait BatchWork: fmt::Debug + Send + Sync + Sized + 'static {
+    /// The GPU operator's name (`GpuFilterExec`).
+    const NAME: &'static str;
+    /// Which operator it is, for [`run_counts`].
+    const KIND: OperatorKind;
+
+    /// The work of the CPU operator `cpu`, or why the GPU cannot do it.
+    fn plan(cpu: &Arc<dyn ExecutionPlan>) -> Result<Self, Reason>;
+
     /// Runs on `device`. `Ok(None)` means "some row is left to the CPU".
     fn gpu(
         &self,

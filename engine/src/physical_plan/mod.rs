@@ -1,6 +1,7 @@
 //! Volley's GPU operators: DataFusion's operators with a `Gpu` prefix, each keeping the
 //! CPU operator it replaces so that any batch can be redone on the CPU.
 
+pub mod gpu_batch_exec;
 pub mod gpu_filter;
 pub mod gpu_projection;
 pub mod gpu_stream;
