@@ -36,9 +36,9 @@ enum ExprOp {
     OP_ADD_D, OP_SUB_D, OP_MUL_D, OP_NEG_D, OP_DIV_D, OP_MOD_D,
     OP_CMP_I, OP_CMP_F, OP_CMP_D, OP_CMP_S,
     OP_AND, OP_OR, OP_NOT, OP_IS_NULL, OP_IS_NOT_NULL, OP_SELECT,
-    OP_CAST_I_I, OP_CAST_I_F, OP_CAST_F_I, OP_CAST_F_F, OP_CAST_I_D, OP_CAST_D_D, OP_CAST_D_F,
+    OP_CAST_I_I, OP_CAST_I_F, OP_CAST_F_I, OP_CAST_F_F, OP_CAST_I_D, OP_CAST_D_D, OP_CAST_D_F, OP_CAST_F_D,
     OP_CAST_DATE_TS, OP_CAST_TS_DATE, OP_CAST_TS_TS,
-    OP_STR_PREFIX, OP_STR_SUFFIX, OP_STR_CONTAINS, OP_SUBSTR,
+    OP_STR_PREFIX, OP_STR_SUFFIX, OP_STR_CONTAINS, OP_STR_LIKE, OP_SUBSTR,
     OP_DATE_PART, OP_DATE_TRUNC,
     OP_OUT,
 };
@@ -157,6 +157,39 @@ __device__ __forceinline__ bool cmp_result(int kind, int c) {
         case CMP_LE: return c <= 0;
         case CMP_GT: return c > 0;
         default: return c >= 0;
+    }
+}
+
+// Whether `s` matches a LIKE pattern whose only wildcard is '%' (no '_', no escapes):
+// the pieces between '%'s must appear in order, the first at the start unless the pattern
+// starts with '%', the last at the end unless it ends with '%'. Leftmost matching of each
+// middle piece is enough for patterns of '%' alone.
+__device__ __forceinline__ bool like_percent(const uint8_t* s, int64_t n, const uint8_t* p, int64_t m) {
+    int64_t pos = 0;  // first byte of s not yet consumed
+    int64_t i = 0;    // start of the current piece in p
+    bool anchored = true;
+    while (true) {
+        int64_t j = i;
+        while (j < m && p[j] != '%') ++j;
+        const int64_t len = j - i;
+        const bool last = j == m;
+        if (anchored && last) {
+            return len == n - pos && compare_bytes(s + pos, len, p + i, len) == 0;
+        }
+        if (last) {
+            return len <= n - pos && compare_bytes(s + n - len, len, p + i, len) == 0;
+        }
+        if (anchored) {
+            if (len > n - pos || compare_bytes(s + pos, len, p + i, len) != 0) return false;
+            pos += len;
+        } else if (len > 0) {
+            int64_t at = pos;
+            while (at + len <= n && compare_bytes(s + at, len, p + i, len) != 0) ++at;
+            if (at + len > n) return false;
+            pos = at + len;
+        }
+        anchored = false;
+        i = j + 1;
     }
 }
 
@@ -505,6 +538,27 @@ VOLLEY_KERNEL expr_eval(const int64_t* code, uint64_t code_len, const int64_t* c
                         x.b = 0;
                         break;
                     }
+                    case OP_CAST_F_D: {
+                        // arrow: (10^scale * v).round() as i128, then the precision check;
+                        // 10^scale is exact for the scales the compiler allows (≤ 22).
+                        Val& x = st[sp - 1];
+                        if (!x.valid) {
+                            set_dec(x, 0);
+                            break;
+                        }
+                        double mul = 1.0;
+                        for (int64_t j = 0; j < arg; ++j) mul *= 10.0;
+                        double r = round(mul * x.a.f);
+                        if (!(r > -1e38 && r < 1e38)) {
+                            failed = true;  // also NaN and infinities
+                            set_dec(x, 0);
+                            break;
+                        }
+                        i128 out = (i128)r;
+                        if (!dec_fits(out, aux)) failed = true;
+                        set_dec(x, out);
+                        break;
+                    }
                     case OP_CAST_DATE_TS: {
                         Val& x = st[sp - 1];
                         if (!x.valid) break;
@@ -549,6 +603,16 @@ VOLLEY_KERNEL expr_eval(const int64_t* code, uint64_t code_len, const int64_t* c
                                 }
                             }
                         }
+                        s.a.i = found ? 1 : 0;
+                        s.b = 0;
+                        s.valid = valid;
+                        break;
+                    }
+                    case OP_STR_LIKE: {
+                        Val pat = st[--sp];
+                        Val& s = st[sp - 1];
+                        bool valid = s.valid && pat.valid;
+                        bool found = valid && like_percent(s.a.p, s.b, pat.a.p, pat.b);
                         s.a.i = found ? 1 : 0;
                         s.b = 0;
                         s.valid = valid;

@@ -4,9 +4,10 @@
 //! (`cuda:0` with `VOLLEY_TEST_DEVICE=cuda`).
 //!
 //! The rule: every file that passes with the GPU off passes with it forced. Each file runs
-//! forced first; a file that fails then runs again with the GPU off: passing there is a
-//! GPU regression (this test fails), failing there too means the file cannot run here (it
-//! needs data or features this build lacks) and it is counted, not failed. Files in
+//! forced first; a file that fails then runs again with the GPU off: failing there too
+//! means the file cannot run here (it needs data or features this build lacks) and it is
+//! counted, not failed; passing there is a GPU regression (this test fails) unless more
+//! runs show that the file's own answers vary from session to session. Files in
 //! [`EXCLUDED`] are left out, each with its reason (tests/README.md lists them too).
 //!
 //! Plans print `GpuFilterExec: device=emulated:0, …` where DataFusion expects
@@ -231,6 +232,7 @@ fn main() -> ExitCode {
         .expect("a tokio runtime for the test");
     let started = Instant::now();
     let (mut passed, mut not_here, mut regressions) = (0, Vec::new(), Vec::new());
+    let mut varies = Vec::new();
     for file in &files {
         let relative = file
             .strip_prefix("test_files")
@@ -249,26 +251,37 @@ fn main() -> ExitCode {
                 );
             }
             Err(forced) => match runtime.block_on(run_file(file, &relative, Mode::Off)) {
-                // Passing with the GPU off: a regression, unless a second forced run passes
-                // (a file whose own answers vary between runs), which is reported.
-                Ok(())
-                    if runtime
-                        .block_on(run_file(file, &relative, Mode::Forced))
-                        .is_ok() =>
-                {
-                    passed += 1;
-                    println!(
-                        "df-slt {} ... ok on a second run with the GPU forced (the first \
-                         failed: this file's answers vary)\n{forced}",
-                        relative.display()
-                    );
-                }
+                // Passing with the GPU off. Some of DataFusion's files answer differently
+                // from one session to the next (two registered functions of one name,
+                // resolved in hash order); such a file is told apart from a regression by
+                // more runs: a regression fails every forced run while every run with the
+                // GPU off passes.
                 Ok(()) => {
-                    println!(
-                        "df-slt {} ... FAILED with the GPU forced\n{forced}",
-                        relative.display()
-                    );
-                    regressions.push(relative);
+                    let off_varies = (0..3).any(|_| {
+                        runtime
+                            .block_on(run_file(file, &relative, Mode::Off))
+                            .is_err()
+                    });
+                    let forced_passes = !off_varies
+                        && (0..2).any(|_| {
+                            runtime
+                                .block_on(run_file(file, &relative, Mode::Forced))
+                                .is_ok()
+                        });
+                    if off_varies || forced_passes {
+                        varies.push(relative.clone());
+                        println!(
+                            "df-slt {} ... answers vary from run to run, with the GPU off too \
+                             (not counted)",
+                            relative.display()
+                        );
+                    } else {
+                        println!(
+                            "df-slt {} ... FAILED with the GPU forced\n{forced}",
+                            relative.display()
+                        );
+                        regressions.push(relative);
+                    }
                 }
                 Err(off) => {
                     let first = if std::env::var_os("VOLLEY_DF_SLT_VERBOSE").is_some() {
@@ -297,9 +310,10 @@ fn main() -> ExitCode {
     );
     println!(
         "{passed} passed with the GPU forced, {} GPU regressions, {} fail with the GPU off too, \
-         {} excluded; {:.0} s",
+         {} vary from run to run, {} excluded; {:.0} s",
         regressions.len(),
         not_here.len(),
+        varies.len(),
         EXCLUDED.len(),
         started.elapsed().as_secs_f64()
     );

@@ -587,6 +587,9 @@ impl Compiler<'_> {
             (Class::Decimal { scale, .. }, Class::Float { f32 }) => {
                 self.emit(Op::CastDF, i64::from(f32), scale as i64, 1)
             }
+            (Class::Float { .. }, Class::Decimal { precision, scale }) if scale <= 22 => {
+                self.emit(Op::CastFD, precision as i64, scale as i64, 1)
+            }
             (Class::Date, Class::Timestamp(unit, false)) => {
                 self.emit(Op::CastDateTs, 0, 86_400 * units_per_second(unit), 1)
             }
@@ -626,29 +629,29 @@ impl Compiler<'_> {
         if pattern.contains(['_', '\\']) {
             return unsupported(format!("LIKE '{pattern}' (with _ or an escape)"));
         }
-        let starts = pattern.starts_with('%');
-        let ends = pattern.len() > 1 && pattern.ends_with('%') || pattern == "%";
-        let core = pattern.trim_start_matches('%').trim_end_matches('%');
-        if core.contains('%') {
-            return unsupported(format!("LIKE '{pattern}' (a % inside the pattern)"));
-        }
         let class = self.expr(like.expr())?;
         if !matches!(class, Class::Str { .. }) {
             return unsupported(format!("LIKE on {class:?}"));
         }
-        let k = self.program.string_constant(core.as_bytes());
-        self.emit(Op::StrConst, 0, k, 0);
-        let op = match (starts, ends) {
-            (false, false) => {
-                self.emit(Op::CmpS, Cmp::Eq as i64, 0, 2);
-                None
-            }
-            (false, true) => Some(Op::StrPrefix),
-            (true, false) => Some(Op::StrSuffix),
-            (true, true) => Some(Op::StrContains),
+        let starts = pattern.starts_with('%');
+        let ends = pattern.len() > 1 && pattern.ends_with('%') || pattern == "%";
+        let core = pattern.trim_start_matches('%').trim_end_matches('%');
+        let (op, text) = if core.contains('%') {
+            (Some(Op::StrLike), pattern.as_str())
+        } else {
+            let op = match (starts, ends) {
+                (false, false) => None,
+                (false, true) => Some(Op::StrPrefix),
+                (true, false) => Some(Op::StrSuffix),
+                (true, true) => Some(Op::StrContains),
+            };
+            (op, core)
         };
-        if let Some(op) = op {
-            self.emit(op, 0, 0, 2);
+        let k = self.program.string_constant(text.as_bytes());
+        self.emit(Op::StrConst, 0, k, 0);
+        match op {
+            Some(op) => self.emit(op, 0, 0, 2),
+            None => self.emit(Op::CmpS, Cmp::Eq as i64, 0, 2),
         }
         if like.negated() {
             self.emit(Op::Not, 0, 0, 1);

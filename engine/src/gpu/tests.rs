@@ -197,6 +197,7 @@ mod properties {
             (-3.0f64..3.0).prop_map(|v| format!("{v:.3}")),
             Just("CAST(a AS DOUBLE)".to_string()),
             Just("CAST(d AS DOUBLE)".to_string()),
+            Just("CAST(CAST(c AS DECIMAL(12, 3)) AS DOUBLE)".to_string()),
         ];
         leaf.prop_recursive(2, 8, 2, |inner| {
             (inner.clone(), one_of(&["+", "-", "*", "/", "%"]), inner)
@@ -254,7 +255,11 @@ mod properties {
             (decimal_expr(), cmp.clone(), decimal_expr())
                 .prop_map(|(l, op, r)| format!("({l} {op} {r})")),
             (string_expr(), cmp, string_expr()).prop_map(|(l, op, r)| format!("({l} {op} {r})")),
-            (string_expr(), "%?[a-c]{0,2}%?", any::<bool>())
+            (
+                string_expr(),
+                "%?[a-c]{0,2}(%[a-c]{0,2}){0,2}%?",
+                any::<bool>()
+            )
                 .prop_map(|(s, p, n)| format!("({s} {}LIKE '{p}')", if n { "NOT " } else { "" })),
             (
                 int_expr(),

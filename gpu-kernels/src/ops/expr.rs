@@ -76,12 +76,14 @@ pub enum Op {
     CastID,
     CastDD,
     CastDF,
+    CastFD,
     CastDateTs,
     CastTsDate,
     CastTsTs,
     StrPrefix,
     StrSuffix,
     StrContains,
+    StrLike,
     Substr,
     DatePart,
     DateTrunc,
@@ -99,9 +101,9 @@ impl Op {
             }
             AddI | SubI | MulI | DivI | ModI | AddF | SubF | MulF | DivF | ModF | AddD | SubD
             | MulD | DivD | ModD | CmpI | CmpF | CmpD | CmpS | And | Or | StrPrefix | StrSuffix
-            | StrContains => (2, 1),
+            | StrContains | StrLike => (2, 1),
             NegI | NegF | NegD | Not | IsNull | IsNotNull | CastII | CastIF | CastFI | CastFF
-            | CastID | CastDD | CastDF | CastDateTs | CastTsDate | CastTsTs | DatePart
+            | CastID | CastDD | CastDF | CastFD | CastDateTs | CastTsDate | CastTsTs | DatePart
             | DateTrunc => (1, 1),
             Select => (3, 1),
             Substr => (aux.clamp(2, 3) as usize, 1),
@@ -384,12 +386,14 @@ pub const ALL_OPS: &[Op] = &[
     Op::CastID,
     Op::CastDD,
     Op::CastDF,
+    Op::CastFD,
     Op::CastDateTs,
     Op::CastTsDate,
     Op::CastTsTs,
     Op::StrPrefix,
     Op::StrSuffix,
     Op::StrContains,
+    Op::StrLike,
     Op::Substr,
     Op::DatePart,
     Op::DateTrunc,
