@@ -9,14 +9,17 @@
 
 use std::sync::Arc;
 
+use datafusion::arrow::array::RecordBatch;
 use datafusion::arrow::datatypes::{DataType, Schema, TimeUnit};
 use datafusion::common::ScalarValue;
+use datafusion::logical_expr::ColumnarValue;
 use datafusion::logical_expr::Operator;
 use datafusion::physical_expr::ScalarFunctionExpr;
 use datafusion::physical_expr::expressions::{
     BinaryExpr, CaseExpr, CastExpr, Column, InListExpr, IsNotNullExpr, IsNullExpr, LikeExpr,
     Literal, NegativeExpr, NotExpr,
 };
+use datafusion::physical_expr::scalar_subquery::ScalarSubqueryExpr;
 use datafusion::physical_plan::PhysicalExpr;
 use volley_kernels::ops::expr::{
     CMP_NULL_SAFE, Cmp, IntKind, MAX_OUTPUTS, MAX_STACK, Op, OutKind, Program,
@@ -32,6 +35,56 @@ pub struct CompiledExprs {
     pub program: Program,
     /// Batch column index of each load slot.
     pub inputs: Vec<usize>,
+    /// Constants known only when a batch runs (scalar subqueries): the constant's index
+    /// and the expression that gives it.
+    pub runtime_constants: Vec<(i64, Arc<dyn PhysicalExpr>)>,
+}
+
+impl CompiledExprs {
+    /// The program with its runtime constants filled in for `batch`, or why not (the
+    /// batch then runs on the CPU).
+    pub fn bind(&self, batch: &RecordBatch) -> Result<std::borrow::Cow<'_, Program>, Reason> {
+        if self.runtime_constants.is_empty() {
+            return Ok(std::borrow::Cow::Borrowed(&self.program));
+        }
+        let mut program = self.program.clone();
+        for (k, expr) in &self.runtime_constants {
+            let value = match expr.evaluate(batch).map_err(|e| e.to_string())? {
+                ColumnarValue::Scalar(v) => v,
+                ColumnarValue::Array(_) => return Err(format!("{expr} gave a column")),
+            };
+            let words = scalar_words(&value).ok_or_else(|| format!("value {value}"))?;
+            program.set_constant(*k, words);
+        }
+        Ok(std::borrow::Cow::Owned(program))
+    }
+}
+
+/// A scalar as the kernel's constant words: `Some(None)` for NULL, `None` when the program
+/// cannot hold it (strings go through `Program::string_constant`).
+fn scalar_words(value: &ScalarValue) -> Option<Option<(i64, i64)>> {
+    use ScalarValue::*;
+    if value.is_null() {
+        return Some(None);
+    }
+    Some(Some(match value {
+        Int8(Some(v)) => (*v as i64, 0),
+        Int16(Some(v)) => (*v as i64, 0),
+        Int32(Some(v)) | Date32(Some(v)) => (*v as i64, 0),
+        Int64(Some(v)) => (*v, 0),
+        UInt8(Some(v)) => (*v as i64, 0),
+        UInt16(Some(v)) => (*v as i64, 0),
+        UInt32(Some(v)) => (*v as i64, 0),
+        Boolean(Some(v)) => (*v as i64, 0),
+        Float32(Some(v)) => ((*v as f64).to_bits() as i64, 0),
+        Float64(Some(v)) => (v.to_bits() as i64, 0),
+        Decimal128(Some(v), _, _) => (*v as u128 as u64 as i64, (*v >> 64) as i64),
+        TimestampSecond(Some(v), _)
+        | TimestampMillisecond(Some(v), _)
+        | TimestampMicrosecond(Some(v), _)
+        | TimestampNanosecond(Some(v), _) => (*v, 0),
+        _ => return None,
+    }))
 }
 
 /// How values of a type live in the program's registers.
@@ -132,6 +185,7 @@ pub fn compile(exprs: &[Arc<dyn PhysicalExpr>], schema: &Schema) -> Result<Compi
         schema,
         program: Program::new(),
         inputs: Vec::new(),
+        runtime_constants: Vec::new(),
         depth: 0,
         max_depth: 0,
     };
@@ -152,6 +206,7 @@ pub fn compile(exprs: &[Arc<dyn PhysicalExpr>], schema: &Schema) -> Result<Compi
     Ok(CompiledExprs {
         program: compiler.program,
         inputs: compiler.inputs,
+        runtime_constants: compiler.runtime_constants,
     })
 }
 
@@ -159,6 +214,7 @@ struct Compiler<'a> {
     schema: &'a Schema,
     program: Program,
     inputs: Vec<usize>,
+    runtime_constants: Vec<(i64, Arc<dyn PhysicalExpr>)>,
     depth: usize,
     max_depth: usize,
 }
@@ -257,6 +313,19 @@ impl Compiler<'_> {
         if let Some(function) = any.downcast_ref::<ScalarFunctionExpr>() {
             return self.function(function);
         }
+        if any.downcast_ref::<ScalarSubqueryExpr>().is_some() {
+            // One value for the whole query, known once the subquery has run: a constant
+            // filled in per batch.
+            let data_type = expr.data_type(self.schema).map_err(|e| e.to_string())?;
+            let class = class_of(&data_type).filter(|c| !matches!(c, Class::Str { .. }));
+            let Some(class) = class else {
+                return unsupported(format!("a scalar subquery of type {data_type}"));
+            };
+            let k = self.program.constant(None);
+            self.runtime_constants.push((k, Arc::clone(expr)));
+            self.emit(Op::Const, 0, k, 0);
+            return Ok(class);
+        }
         unsupported(expr_name(expr))
     }
 
@@ -319,28 +388,13 @@ impl Compiler<'_> {
             self.emit(Op::Null, 0, 0, 0);
             return Ok(class);
         }
-        let words: (i64, i64) = match value {
-            Int8(Some(v)) => (*v as i64, 0),
-            Int16(Some(v)) => (*v as i64, 0),
-            Int32(Some(v)) | Date32(Some(v)) => (*v as i64, 0),
-            Int64(Some(v)) => (*v, 0),
-            UInt8(Some(v)) => (*v as i64, 0),
-            UInt16(Some(v)) => (*v as i64, 0),
-            UInt32(Some(v)) => (*v as i64, 0),
-            Boolean(Some(v)) => (*v as i64, 0),
-            Float32(Some(v)) => ((*v as f64).to_bits() as i64, 0),
-            Float64(Some(v)) => (v.to_bits() as i64, 0),
-            Decimal128(Some(v), _, _) => (*v as u128 as u64 as i64, (*v >> 64) as i64),
-            TimestampSecond(Some(v), _)
-            | TimestampMillisecond(Some(v), _)
-            | TimestampMicrosecond(Some(v), _)
-            | TimestampNanosecond(Some(v), _) => (*v, 0),
-            Utf8(Some(s)) | LargeUtf8(Some(s)) | Utf8View(Some(s)) => {
-                let k = self.program.string_constant(s.as_bytes());
-                self.emit(Op::StrConst, 0, k, 0);
-                return Ok(class);
-            }
-            other => return unsupported(format!("literal {other}")),
+        if let Utf8(Some(s)) | LargeUtf8(Some(s)) | Utf8View(Some(s)) = value {
+            let k = self.program.string_constant(s.as_bytes());
+            self.emit(Op::StrConst, 0, k, 0);
+            return Ok(class);
+        }
+        let Some(Some(words)) = scalar_words(value) else {
+            return unsupported(format!("literal {value}"));
         };
         let k = self.program.constant(Some(words));
         self.emit(Op::Const, 0, k, 0);

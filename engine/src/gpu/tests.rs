@@ -1,6 +1,9 @@
 //! Placement and results of GPU filters and projections on the emulated device.
 
+use std::sync::Arc;
+
 use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::physical_plan::displayable;
 
 use crate::config::GpuMode;
@@ -536,9 +539,20 @@ async fn tpch_answers_are_unchanged_with_filters_and_projections_on_the_gpu() {
                 reasons.push(format!("Q{}: {line}", i + 1));
             }
         }
-        let got = pretty_format_batches(&frame.collect().await.unwrap())
-            .unwrap()
-            .to_string();
+        let task = gpu.session_context().task_ctx();
+        let batches = datafusion::physical_plan::collect(Arc::clone(&plan), task)
+            .await
+            .unwrap();
+        let got = pretty_format_batches(&batches).unwrap().to_string();
+        // No batch of any GPU operator fell back to the CPU.
+        let mut fallbacks = 0;
+        let _ = plan.apply(|node| {
+            if let Some(m) = node.metrics() {
+                fallbacks += m.sum_by_name("cpu_batches").map_or(0, |v| v.as_usize());
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
+        assert_eq!(fallbacks, 0, "Q{} redid batches on the CPU", i + 1);
         let (_, want) = run(&cpu, sql).await;
         assert_eq!(got, want, "Q{}", i + 1);
     }

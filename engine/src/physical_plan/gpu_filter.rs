@@ -75,6 +75,7 @@ impl BatchWork for FilterWork {
         metrics: &GpuMetrics,
     ) -> Result<Option<RecordBatch>, KernelError> {
         let n = batch.num_rows();
+        let program = self.program.bind(batch).map_err(KernelError::Unsupported)?;
         let mut on_device: HashMap<usize, DeviceColumn> = HashMap::new();
         for &c in self.program.inputs.iter().chain(&self.outputs) {
             if let std::collections::hash_map::Entry::Vacant(slot) = on_device.entry(c) {
@@ -84,8 +85,7 @@ impl BatchWork for FilterWork {
         let inputs: Vec<&DeviceColumn> =
             self.program.inputs.iter().map(|c| &on_device[c]).collect();
         let kept = metrics.kernel(|| -> Result<_, KernelError> {
-            let Some(mut predicate) = expr::evaluate(device, &self.program.program, &inputs, n)?
-            else {
+            let Some(mut predicate) = expr::evaluate(device, &program, &inputs, n)? else {
                 return Ok(None);
             };
             let predicate = predicate.remove(0);

@@ -87,6 +87,7 @@ impl BatchWork for ProjectionWork {
         metrics: &GpuMetrics,
     ) -> Result<Option<RecordBatch>, KernelError> {
         let n = batch.num_rows();
+        let program = self.program.bind(batch).map_err(KernelError::Unsupported)?;
         let inputs = self
             .program
             .inputs
@@ -94,9 +95,7 @@ impl BatchWork for ProjectionWork {
             .map(|&c| metrics.upload(device, batch.column(c).as_ref()))
             .collect::<Result<Vec<_>, _>>()?;
         let inputs: Vec<&DeviceColumn> = inputs.iter().collect();
-        let Some(outputs) =
-            metrics.kernel(|| expr::evaluate(device, &self.program.program, &inputs, n))?
-        else {
+        let Some(outputs) = metrics.kernel(|| expr::evaluate(device, &program, &inputs, n))? else {
             return Ok(None);
         };
         let computed = outputs

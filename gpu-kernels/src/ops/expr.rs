@@ -229,6 +229,18 @@ impl Program {
         (self.consts.len() / 3 - 1) as i64
     }
 
+    /// Replaces constant `k` (a value known only when the batch runs, such as a scalar
+    /// subquery's result). An index out of range changes nothing.
+    pub fn set_constant(&mut self, k: i64, value: Option<(i64, i64)>) {
+        let (lo, hi) = value.unwrap_or((0, 0));
+        if let Some(slot) = usize::try_from(k)
+            .ok()
+            .and_then(|k| self.consts.get_mut(3 * k..3 * k + 3))
+        {
+            slot.copy_from_slice(&[lo, hi, i64::from(value.is_some())]);
+        }
+    }
+
     /// Adds a string constant and returns its index for `Op::StrConst`.
     pub fn string_constant(&mut self, bytes: &[u8]) -> i64 {
         let at = self.strings.len() as i64;
