@@ -299,15 +299,7 @@ fn main() -> ExitCode {
         }
     }
     let counts = run_counts();
-    println!(
-        "GPU operators: {} filters and {} projections ran on a device ({} partitions), {} batches \
-         on the device, {} redone on the CPU",
-        counts.filters,
-        counts.projections,
-        counts.partitions,
-        counts.gpu_batches,
-        counts.cpu_batches
-    );
+    println!("GPU operators: {counts}");
     println!(
         "{passed} passed with the GPU forced, {} GPU regressions, {} fail with the GPU off too, \
          {} vary from run to run, {} excluded; {:.0} s",

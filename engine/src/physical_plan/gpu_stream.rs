@@ -126,6 +126,17 @@ pub struct RunCounts {
     pub cpu_batches: u64,
 }
 
+impl fmt::Display for RunCounts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} filters and {} projections ran on a device ({} partitions), {} batches on the \
+             device, {} redone on the CPU",
+            self.filters, self.projections, self.partitions, self.gpu_batches, self.cpu_batches
+        )
+    }
+}
+
 static FILTERS: AtomicU64 = AtomicU64::new(0);
 static PROJECTIONS: AtomicU64 = AtomicU64::new(0);
 static PARTITIONS: AtomicU64 = AtomicU64::new(0);
