@@ -17,6 +17,7 @@ pub mod tpch;
 pub use config::{GpuMode, VolleyConfig};
 pub use context::{TableFormat, VolleyContext};
 pub use error::EngineError;
+pub use volley_kernels::DeviceSelection;
 
 /// Re-exported so that users of the library need not pin DataFusion themselves.
 pub use datafusion;

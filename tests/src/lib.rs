@@ -12,7 +12,21 @@ use arrow::datatypes::DataType;
 use async_trait::async_trait;
 use datafusion::error::DataFusionError;
 use sqllogictest::{AsyncDB, DBOutput, DefaultColumnType};
-use volley_engine::VolleyContext;
+use volley_engine::{DeviceSelection, GpuMode, VolleyConfig, VolleyContext};
+
+/// The settings of forced-GPU test runs: `volley.gpu.mode = force` on `cuda:0` when
+/// `VOLLEY_TEST_DEVICE=cuda`, else on one emulated device.
+pub fn forced_gpu_config() -> VolleyConfig {
+    let devices = match std::env::var("VOLLEY_TEST_DEVICE").as_deref() {
+        Ok("cuda") => DeviceSelection::Cuda(vec![0]),
+        _ => DeviceSelection::Emulated(1),
+    };
+    VolleyConfig {
+        devices,
+        gpu_mode: GpuMode::Force,
+        ..VolleyConfig::default()
+    }
+}
 
 /// Every `.slt` file below `dir`, recursively, appended to `out`.
 pub fn slt_files(dir: &Path, out: &mut Vec<PathBuf>) {

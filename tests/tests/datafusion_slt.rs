@@ -30,7 +30,6 @@ use indicatif::ProgressBar;
 use sqllogictest::{Normalizer, strict_column_validator};
 use volley_engine::gpu::GpuOverrides;
 use volley_engine::physical_plan::gpu_stream::run_counts;
-use volley_engine::{GpuMode, VolleyConfig};
 
 /// Files left out of the forced run, with the reason.
 const EXCLUDED: &[(&str, &str)] = &[(
@@ -153,15 +152,7 @@ async fn run_file(path: &Path, relative: &Path, mode: Mode) -> Result<(), String
         let mut state = state_ref.write();
         let mut builder = SessionStateBuilder::new_from_existing(state.clone());
         if mode == Mode::Forced {
-            let device = match std::env::var("VOLLEY_TEST_DEVICE").as_deref() {
-                Ok("cuda") => "cuda:0",
-                _ => "emulated:1",
-            };
-            let volley = VolleyConfig {
-                devices: device.parse().map_err(|e| format!("{e}"))?,
-                gpu_mode: GpuMode::Force,
-                ..VolleyConfig::default()
-            };
+            let volley = volley_tests::forced_gpu_config();
             builder = builder.with_physical_optimizer_rule(Arc::new(GpuOverrides::new()));
             if let Some(config) = builder.config() {
                 config.options_mut().extensions.insert(volley);

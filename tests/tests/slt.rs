@@ -15,21 +15,8 @@ use std::process::ExitCode;
 
 use sqllogictest::{Runner, strict_column_validator};
 use volley_engine::physical_plan::gpu_stream::run_counts;
-use volley_engine::{GpuMode, VolleyConfig, VolleyContext};
+use volley_engine::{VolleyConfig, VolleyContext};
 use volley_tests::VolleyDb;
-
-/// The settings of the forced-GPU run.
-fn forced_gpu() -> VolleyConfig {
-    let device = match std::env::var("VOLLEY_TEST_DEVICE").as_deref() {
-        Ok("cuda") => "cuda:0",
-        _ => "emulated:1",
-    };
-    VolleyConfig {
-        devices: device.parse().expect("a valid device selection"),
-        gpu_mode: GpuMode::Force,
-        ..VolleyConfig::default()
-    }
-}
 
 fn skips_forced_gpu(path: &Path) -> bool {
     std::fs::read_to_string(path).is_ok_and(|text| {
@@ -97,7 +84,7 @@ fn main() -> ExitCode {
             .to_string();
         let mut modes = vec![("defaults", VolleyConfig::default())];
         if !complete && !skips_forced_gpu(file) {
-            modes.push(("gpu forced", forced_gpu()));
+            modes.push(("gpu forced", volley_tests::forced_gpu_config()));
         }
         for (mode, config) in modes {
             match runtime.block_on(run_file(file, config, complete)) {

@@ -186,8 +186,6 @@ pub fn compile(exprs: &[Arc<dyn PhysicalExpr>], schema: &Schema) -> Result<Compi
         program: Program::new(),
         inputs: Vec::new(),
         runtime_constants: Vec::new(),
-        depth: 0,
-        max_depth: 0,
     };
     for expr in exprs {
         let data_type = expr.data_type(schema).map_err(|e| e.to_string())?;
@@ -196,9 +194,8 @@ pub fn compile(exprs: &[Arc<dyn PhysicalExpr>], schema: &Schema) -> Result<Compi
         let class = compiler.expr(expr)?;
         compiler.expect(class, &data_type, expr)?;
         compiler.program.output(kind, data_type);
-        compiler.depth -= 1;
     }
-    if compiler.max_depth > MAX_STACK {
+    if compiler.program.max_depth() > MAX_STACK {
         return Err(format!(
             "expression nests deeper than the GPU interpreter's {MAX_STACK} values"
         ));
@@ -215,8 +212,6 @@ struct Compiler<'a> {
     program: Program,
     inputs: Vec<usize>,
     runtime_constants: Vec<(i64, Arc<dyn PhysicalExpr>)>,
-    depth: usize,
-    max_depth: usize,
 }
 
 fn unsupported<T>(what: impl std::fmt::Display) -> Result<T, Reason> {
@@ -224,11 +219,9 @@ fn unsupported<T>(what: impl std::fmt::Display) -> Result<T, Reason> {
 }
 
 impl Compiler<'_> {
-    /// Emits an op and tracks the stack depth (pops, pushes).
-    fn emit(&mut self, op: Op, aux: i64, arg: i64, pops: usize) {
+    /// Emits an op (the program tracks its stack depth).
+    fn emit(&mut self, op: Op, aux: i64, arg: i64) {
         self.program.push(op, aux, arg);
-        self.depth = self.depth + 1 - pops;
-        self.max_depth = self.max_depth.max(self.depth);
     }
 
     /// Checks that a compiled value has the representation `data_type` expects.
@@ -272,25 +265,25 @@ impl Compiler<'_> {
             if !matches!(class, Class::Bool | Class::Null) {
                 return unsupported(format!("NOT of {class:?}"));
             }
-            self.emit(Op::Not, 0, 0, 1);
+            self.emit(Op::Not, 0, 0);
             return Ok(Class::Bool);
         }
         if let Some(is_null) = any.downcast_ref::<IsNullExpr>() {
             self.expr(is_null.arg())?;
-            self.emit(Op::IsNull, 0, 0, 1);
+            self.emit(Op::IsNull, 0, 0);
             return Ok(Class::Bool);
         }
         if let Some(is_not_null) = any.downcast_ref::<IsNotNullExpr>() {
             self.expr(is_not_null.arg())?;
-            self.emit(Op::IsNotNull, 0, 0, 1);
+            self.emit(Op::IsNotNull, 0, 0);
             return Ok(Class::Bool);
         }
         if let Some(negative) = any.downcast_ref::<NegativeExpr>() {
             let class = self.expr(negative.arg())?;
             match class {
-                Class::Int(k) => self.emit(Op::NegI, k as i64, 0, 1),
-                Class::Float { .. } => self.emit(Op::NegF, 0, 0, 1),
-                Class::Decimal { .. } => self.emit(Op::NegD, 0, 0, 1),
+                Class::Int(k) => self.emit(Op::NegI, k as i64, 0),
+                Class::Float { .. } => self.emit(Op::NegF, 0, 0),
+                Class::Decimal { .. } => self.emit(Op::NegD, 0, 0),
                 other => return unsupported(format!("negation of {other:?}")),
             }
             return Ok(class);
@@ -323,7 +316,7 @@ impl Compiler<'_> {
             };
             let k = self.program.constant(None);
             self.runtime_constants.push((k, Arc::clone(expr)));
-            self.emit(Op::Const, 0, k, 0);
+            self.emit(Op::Const, 0, k);
             return Ok(class);
         }
         unsupported(expr_name(expr))
@@ -342,8 +335,8 @@ impl Compiler<'_> {
                 field.name()
             )
         })?;
-        let op = match (class, data_type) {
-            (Class::Int(k), _) => match k {
+        let op = match class {
+            Class::Int(k) => match k {
                 IntKind::I8 => Op::LoadI8,
                 IntKind::I16 => Op::LoadI16,
                 IntKind::I32 => Op::LoadI32,
@@ -352,16 +345,16 @@ impl Compiler<'_> {
                 IntKind::U16 => Op::LoadU16,
                 IntKind::U32 => Op::LoadU32,
             },
-            (Class::Float { f32: true }, _) => Op::LoadF32,
-            (Class::Float { f32: false }, _) => Op::LoadF64,
-            (Class::Decimal { .. }, _) => Op::LoadDec,
-            (Class::Bool, _) => Op::LoadBool,
-            (Class::Str { large: false }, _) => Op::LoadStr32,
-            (Class::Str { large: true }, _) => Op::LoadStr64,
-            (Class::Date, _) => Op::LoadI32,
-            (Class::Timestamp(..), _) => Op::LoadI64,
-            (Class::Null, _) => {
-                self.emit(Op::Null, 0, 0, 0);
+            Class::Float { f32: true } => Op::LoadF32,
+            Class::Float { f32: false } => Op::LoadF64,
+            Class::Decimal { .. } => Op::LoadDec,
+            Class::Bool => Op::LoadBool,
+            Class::Str { large: false } => Op::LoadStr32,
+            Class::Str { large: true } => Op::LoadStr64,
+            Class::Date => Op::LoadI32,
+            Class::Timestamp(..) => Op::LoadI64,
+            Class::Null => {
+                self.emit(Op::Null, 0, 0);
                 return Ok(Class::Null);
             }
         };
@@ -372,7 +365,7 @@ impl Compiler<'_> {
                 self.inputs.len() - 1
             }
         };
-        self.emit(op, 0, slot as i64, 0);
+        self.emit(op, 0, slot as i64);
         Ok(class)
     }
 
@@ -385,19 +378,19 @@ impl Compiler<'_> {
             )
         })?;
         if value.is_null() {
-            self.emit(Op::Null, 0, 0, 0);
+            self.emit(Op::Null, 0, 0);
             return Ok(class);
         }
         if let Utf8(Some(s)) | LargeUtf8(Some(s)) | Utf8View(Some(s)) = value {
             let k = self.program.string_constant(s.as_bytes());
-            self.emit(Op::StrConst, 0, k, 0);
+            self.emit(Op::StrConst, 0, k);
             return Ok(class);
         }
         let Some(Some(words)) = scalar_words(value) else {
             return unsupported(format!("literal {value}"));
         };
         let k = self.program.constant(Some(words));
-        self.emit(Op::Const, 0, k, 0);
+        self.emit(Op::Const, 0, k);
         Ok(class)
     }
 
@@ -416,7 +409,7 @@ impl Compiler<'_> {
                         return unsupported(format!("{op} of {class:?}"));
                     }
                 }
-                self.emit(if op == And { Op::And } else { Op::Or }, 0, 0, 2);
+                self.emit(if op == And { Op::And } else { Op::Or }, 0, 0);
                 Ok(Class::Bool)
             }
             Eq | NotEq | Lt | LtEq | Gt | GtEq | IsDistinctFrom | IsNotDistinctFrom => {
@@ -458,7 +451,7 @@ impl Compiler<'_> {
                             Divide => Op::DivI,
                             _ => Op::ModI,
                         };
-                        self.emit(code, k as i64, 0, 2);
+                        self.emit(code, k as i64, 0);
                     }
                     (Class::Float { f32 }, Class::Float { .. }, Class::Float { .. }) => {
                         self.expr(binary.left())?;
@@ -470,7 +463,7 @@ impl Compiler<'_> {
                             Divide => Op::DivF,
                             _ => Op::ModF,
                         };
-                        self.emit(code, i64::from(f32), 0, 2);
+                        self.emit(code, i64::from(f32), 0);
                     }
                     (
                         Class::Decimal { precision, scale },
@@ -481,16 +474,16 @@ impl Compiler<'_> {
                             for (side, s) in [(binary.left(), ls), (binary.right(), rs)] {
                                 self.expr(side)?;
                                 if s < scale {
-                                    self.emit(Op::CastDD, 38, (scale - s) as i64, 1);
+                                    self.emit(Op::CastDD, 38, (scale - s) as i64);
                                 }
                             }
                             let code = if op == Plus { Op::AddD } else { Op::SubD };
-                            self.emit(code, precision as i64, 0, 2);
+                            self.emit(code, precision as i64, 0);
                         }
                         Multiply if scale as i16 == ls as i16 + rs as i16 => {
                             self.expr(binary.left())?;
                             self.expr(binary.right())?;
-                            self.emit(Op::MulD, precision as i64, 0, 2);
+                            self.emit(Op::MulD, precision as i64, 0);
                         }
                         // arrow: scale s1 + 4 (at most 38); the dividend is multiplied by
                         // 10^(scale - s1 + s2), or the divisor by its inverse.
@@ -498,22 +491,22 @@ impl Compiler<'_> {
                             let shift = scale as i64 - ls as i64 + rs as i64;
                             self.expr(binary.left())?;
                             if shift > 0 {
-                                self.emit(Op::CastDD, 38, shift, 1);
+                                self.emit(Op::CastDD, 38, shift);
                             }
                             self.expr(binary.right())?;
                             if shift < 0 {
-                                self.emit(Op::CastDD, 38, -shift, 1);
+                                self.emit(Op::CastDD, 38, -shift);
                             }
-                            self.emit(Op::DivD, precision as i64, 0, 2);
+                            self.emit(Op::DivD, precision as i64, 0);
                         }
                         Modulo if scale == ls.max(rs) => {
                             for (side, s) in [(binary.left(), ls), (binary.right(), rs)] {
                                 self.expr(side)?;
                                 if s < scale {
-                                    self.emit(Op::CastDD, 38, (scale - s) as i64, 1);
+                                    self.emit(Op::CastDD, 38, (scale - s) as i64);
                                 }
                             }
-                            self.emit(Op::ModD, precision as i64, 0, 2);
+                            self.emit(Op::ModD, precision as i64, 0);
                         }
                         _ => return unsupported(format!("decimal {op} giving {result}")),
                     },
@@ -546,12 +539,12 @@ impl Compiler<'_> {
         let op = comparison_op(class).filter(|_| comparable);
         match op {
             Some(op) => {
-                self.emit(op, cmp, 0, 2);
+                self.emit(op, cmp, 0);
                 Ok(Class::Bool)
             }
             None if class == Class::Null => {
                 // NULL compared with NULL: the answer does not depend on a type.
-                self.emit(Op::CmpI, cmp, 0, 2);
+                self.emit(Op::CmpI, cmp, 0);
                 Ok(Class::Bool)
             }
             None => unsupported(format!("comparing {l:?} with {r:?}")),
@@ -569,7 +562,7 @@ impl Compiler<'_> {
                 let c = self.expr(e)?;
                 self.expect(c, &result, e)?;
             }
-            None => self.emit(Op::Null, 0, 0, 0),
+            None => self.emit(Op::Null, 0, 0),
         }
         for (when, then) in case.when_then_expr().iter().rev() {
             match case.expr() {
@@ -585,7 +578,7 @@ impl Compiler<'_> {
             }
             let c = self.expr(then)?;
             self.expect(c, &result, then)?;
-            self.emit(Op::Select, 0, 0, 3);
+            self.emit(Op::Select, 0, 0);
         }
         Ok(class)
     }
@@ -597,11 +590,11 @@ impl Compiler<'_> {
         for (i, item) in in_list.list().iter().enumerate() {
             self.comparison(in_list.expr(), item, Cmp::Eq as i64)?;
             if i > 0 {
-                self.emit(Op::Or, 0, 0, 2);
+                self.emit(Op::Or, 0, 0);
             }
         }
         if in_list.negated() {
-            self.emit(Op::Not, 0, 0, 1);
+            self.emit(Op::Not, 0, 0);
         }
         Ok(Class::Bool)
     }
@@ -617,18 +610,18 @@ impl Compiler<'_> {
             (Class::Null, _) => {}
             (a, b) if a == b => {}
             (Class::Str { .. }, Class::Str { .. }) => {}
-            (Class::Int(_) | Class::Bool, Class::Int(k)) => self.emit(Op::CastII, k as i64, 0, 1),
+            (Class::Int(_) | Class::Bool, Class::Int(k)) => self.emit(Op::CastII, k as i64, 0),
             (Class::Int(_), Class::Bool) => {
                 let zero = self.program.constant(Some((0, 0)));
-                self.emit(Op::Const, 0, zero, 0);
-                self.emit(Op::CmpI, Cmp::Ne as i64, 0, 2);
+                self.emit(Op::Const, 0, zero);
+                self.emit(Op::CmpI, Cmp::Ne as i64, 0);
             }
-            (Class::Int(_), Class::Float { f32 }) => self.emit(Op::CastIF, i64::from(f32), 0, 1),
-            (Class::Float { .. }, Class::Int(k)) => self.emit(Op::CastFI, k as i64, 0, 1),
-            (Class::Float { .. }, Class::Float { f32: true }) => self.emit(Op::CastFF, 1, 0, 1),
+            (Class::Int(_), Class::Float { f32 }) => self.emit(Op::CastIF, i64::from(f32), 0),
+            (Class::Float { .. }, Class::Int(k)) => self.emit(Op::CastFI, k as i64, 0),
+            (Class::Float { .. }, Class::Float { f32: true }) => self.emit(Op::CastFF, 1, 0),
             (Class::Float { f32: true }, Class::Float { f32: false }) => {}
             (Class::Int(_), Class::Decimal { precision, scale }) => {
-                self.emit(Op::CastID, precision as i64, scale as i64, 1)
+                self.emit(Op::CastID, precision as i64, scale as i64)
             }
             (
                 Class::Decimal {
@@ -636,19 +629,19 @@ impl Compiler<'_> {
                 },
                 Class::Decimal { precision, scale },
             ) if scale >= from_scale => {
-                self.emit(Op::CastDD, precision as i64, (scale - from_scale) as i64, 1)
+                self.emit(Op::CastDD, precision as i64, (scale - from_scale) as i64)
             }
             (Class::Decimal { scale, .. }, Class::Float { f32 }) => {
-                self.emit(Op::CastDF, i64::from(f32), scale as i64, 1)
+                self.emit(Op::CastDF, i64::from(f32), scale as i64)
             }
             (Class::Float { .. }, Class::Decimal { precision, scale }) if scale <= 22 => {
-                self.emit(Op::CastFD, precision as i64, scale as i64, 1)
+                self.emit(Op::CastFD, precision as i64, scale as i64)
             }
             (Class::Date, Class::Timestamp(unit, false)) => {
-                self.emit(Op::CastDateTs, 0, 86_400 * units_per_second(unit), 1)
+                self.emit(Op::CastDateTs, 0, 86_400 * units_per_second(unit))
             }
             (Class::Timestamp(unit, false), Class::Date) => {
-                self.emit(Op::CastTsDate, 0, 86_400 * units_per_second(unit), 1)
+                self.emit(Op::CastTsDate, 0, 86_400 * units_per_second(unit))
             }
             (Class::Timestamp(from_unit, a), Class::Timestamp(to_unit, b)) if a == b => {
                 let (f, t) = (units_per_second(from_unit), units_per_second(to_unit));
@@ -656,7 +649,7 @@ impl Compiler<'_> {
                     // Arrow truncates toward zero here; the kernel floors. Not yet on GPU.
                     return no();
                 }
-                self.emit(Op::CastTsTs, 0, t / f, 1);
+                self.emit(Op::CastTsTs, 0, t / f);
             }
             _ => return no(),
         }
@@ -702,13 +695,13 @@ impl Compiler<'_> {
             (op, core)
         };
         let k = self.program.string_constant(text.as_bytes());
-        self.emit(Op::StrConst, 0, k, 0);
+        self.emit(Op::StrConst, 0, k);
         match op {
-            Some(op) => self.emit(op, 0, 0, 2),
-            None => self.emit(Op::CmpS, Cmp::Eq as i64, 0, 2),
+            Some(op) => self.emit(op, 0, 0),
+            None => self.emit(Op::CmpS, Cmp::Eq as i64, 0),
         }
         if like.negated() {
-            self.emit(Op::Not, 0, 0, 1);
+            self.emit(Op::Not, 0, 0);
         }
         Ok(Class::Bool)
     }
@@ -746,7 +739,7 @@ impl Compiler<'_> {
                     Class::Timestamp(unit, false) => units_per_second(unit),
                     other => return unsupported(format!("date_part of {other:?}")),
                 };
-                self.emit(Op::DatePart, code, arg, 1);
+                self.emit(Op::DatePart, code, arg);
                 self.int_result(function.return_type())
             }
             ("date_trunc", 2) => {
@@ -771,7 +764,7 @@ impl Compiler<'_> {
                 if class_of(function.return_type()) != Some(class) {
                     return unsupported(format!("date_trunc giving {}", function.return_type()));
                 }
-                self.emit(Op::DateTrunc, code, units_per_second(unit), 1);
+                self.emit(Op::DateTrunc, code, units_per_second(unit));
                 Ok(class)
             }
             ("substr", 2 | 3) => {
@@ -784,7 +777,7 @@ impl Compiler<'_> {
                         return unsupported("substr with non-integer positions");
                     }
                 }
-                self.emit(Op::Substr, args.len() as i64, 0, args.len());
+                self.emit(Op::Substr, args.len() as i64, 0);
                 Ok(class)
             }
             ("starts_with" | "ends_with" | "contains", 2) => {
@@ -798,7 +791,7 @@ impl Compiler<'_> {
                     "ends_with" => Op::StrSuffix,
                     _ => Op::StrContains,
                 };
-                self.emit(op, 0, 0, 2);
+                self.emit(op, 0, 0);
                 Ok(Class::Bool)
             }
             _ => unsupported(name),
@@ -809,7 +802,7 @@ impl Compiler<'_> {
     fn int_result(&mut self, data_type: &DataType) -> Result<Class, Reason> {
         match class_of(data_type) {
             Some(Class::Int(k)) => {
-                self.emit(Op::CastII, k as i64, 0, 1);
+                self.emit(Op::CastII, k as i64, 0);
                 Ok(Class::Int(k))
             }
             _ => unsupported(format!("a date part of type {data_type}")),

@@ -13,17 +13,19 @@ use std::time::Instant;
 use volley_kernels::ops::{RowIndices, compact, gather};
 use volley_kernels::{Device, DeviceColumn, EmulatorOptions};
 
-fn median_ms(iterations: usize, mut run: impl FnMut()) -> f64 {
-    run(); // warm-up: compiles and loads kernels, fills the memory pool
-    let mut times: Vec<f64> = (0..iterations)
-        .map(|_| {
-            let start = Instant::now();
-            run();
-            start.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
+fn median_ms(
+    iterations: usize,
+    mut run: impl FnMut() -> volley_kernels::Result<()>,
+) -> volley_kernels::Result<f64> {
+    run()?; // warm-up: compiles and loads kernels, fills the memory pool
+    let mut times = Vec::with_capacity(iterations.max(1));
+    for _ in 0..iterations.max(1) {
+        let start = Instant::now();
+        run()?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
     times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+    Ok(times[times.len() / 2])
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -62,7 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let bytes = rows * 8;
     let src = device.alloc(bytes)?;
     let dst = device.alloc(bytes)?;
-    let copy_ms = median_ms(iterations, || device.copy(&dst, &src).expect("copy"));
+    let copy_ms = median_ms(iterations, || device.copy(&dst, &src))?;
     let copy_gbs = 2.0 * bytes as f64 / copy_ms / 1e6;
     drop((src, dst));
 
@@ -71,10 +73,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let column = DeviceColumn::upload(&device, &values)?;
     let predicate = DeviceColumn::upload(&device, &keep)?;
     let filter_ms = median_ms(iterations, || {
-        let idx =
-            compact::selection_indices(&device, predicate.values(), None, rows).expect("select");
-        gather::gather_column(&column, &idx).expect("gather");
-    });
+        let idx = compact::selection_indices(&device, predicate.values(), None, rows)?;
+        gather::gather_column(&column, &idx).map(drop)
+    })?;
     // Reads the bitmap and the values, writes indices then the kept values.
     let kept = rows / 2;
     let filter_bytes = rows / 8 + kept * 4 * 2 + kept * 8 + kept * 8;
@@ -90,8 +91,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let indices = RowIndices::upload(&device, &random, rows)?;
     let gather_ms = median_ms(iterations, || {
-        gather::gather_column(&column, &indices).expect("gather");
-    });
+        gather::gather_column(&column, &indices).map(drop)
+    })?;
     let gather_bytes = rows * (4 + 8 + 8);
 
     println!();

@@ -161,14 +161,10 @@ pub enum OutKind {
 impl OutKind {
     /// Bytes of values for `n` rows.
     fn value_bytes(self, n: usize) -> usize {
-        let words = n.div_ceil(32) * 4;
-        match self {
-            Self::I8 | Self::U8 => n,
-            Self::I16 | Self::U16 => 2 * n,
-            Self::I32 | Self::U32 | Self::F32 => 4 * n,
-            Self::I64 | Self::F64 => 8 * n,
-            Self::Bool => words,
-            Self::Decimal => 16 * n,
+        match self.layout() {
+            Layout::Fixed(width) => width * n,
+            // Written one 32-bit word per warp.
+            Layout::Bits | Layout::Var(_) => n.div_ceil(32) * 4,
         }
     }
 
@@ -207,6 +203,9 @@ pub struct Program {
     consts: Vec<i64>,
     strings: Vec<u8>,
     outputs: Vec<(OutKind, DataType)>,
+    /// Values on the stack after the last instruction, and the most at any point.
+    depth: usize,
+    max_depth: usize,
 }
 
 impl Program {
@@ -219,6 +218,15 @@ impl Program {
     pub fn push(&mut self, op: Op, aux: i64, arg: i64) {
         self.code.push(op as i64 | (aux << 8));
         self.code.push(arg);
+        let (pops, pushes) = op.stack_effect(aux);
+        self.depth = self.depth.saturating_sub(pops) + pushes;
+        self.max_depth = self.max_depth.max(self.depth);
+    }
+
+    /// The most values the program holds on its stack at once (at most [`MAX_STACK`] for
+    /// the kernel to run it; `validate` checks).
+    pub fn max_depth(&self) -> usize {
+        self.max_depth
     }
 
     /// Adds a constant (`lo`, `hi` as the kernel reads them; `None` is NULL) and returns
@@ -510,11 +518,7 @@ pub fn evaluate(
     Ok(Some(
         outputs
             .into_iter()
-            .map(|(values, validity, kind, data_type)| {
-                debug_assert_eq!(
-                    kind.layout(),
-                    crate::column::layout_of(&data_type).unwrap_or(kind.layout())
-                );
+            .map(|(values, validity, _, data_type)| {
                 DeviceColumn::from_parts(data_type, n, values, None, Some(validity))
             })
             .collect(),
