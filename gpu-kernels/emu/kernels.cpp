@@ -2,6 +2,7 @@
 #define VOLLEY_EMULATOR 1
 #include "runtime.h"
 
+#include "../cuda/agg.cu"
 #include "../cuda/compact.cu"
 #include "../cuda/expr.cu"
 #include "../cuda/gather.cu"

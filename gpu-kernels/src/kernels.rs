@@ -5,6 +5,7 @@ use crate::emu::EmuEntry;
 
 /// The kernel sources, by file name, as compiled by NVRTC (`volley.cuh` is inlined).
 pub const SOURCES: &[(&str, &str)] = &[
+    ("agg.cu", include_str!("../cuda/agg.cu")),
     ("compact.cu", include_str!("../cuda/compact.cu")),
     ("expr.cu", include_str!("../cuda/expr.cu")),
     ("gather.cu", include_str!("../cuda/gather.cu")),
@@ -59,6 +60,16 @@ macro_rules! kernels {
 }
 
 kernels! {
+    agg_find_or_insert => volley_emu_launch_agg_find_or_insert in "agg.cu",
+    agg_first_rows => volley_emu_launch_agg_first_rows in "agg.cu",
+    agg_leader_flags => volley_emu_launch_agg_leader_flags in "agg.cu",
+    agg_resolve => volley_emu_launch_agg_resolve in "agg.cu",
+    agg_fix_slots => volley_emu_launch_agg_fix_slots in "agg.cu",
+    agg_rollback => volley_emu_launch_agg_rollback in "agg.cu",
+    agg_rehash => volley_emu_launch_agg_rehash in "agg.cu",
+    agg_fill_u64 => volley_emu_launch_agg_fill_u64 in "agg.cu",
+    agg_init_state => volley_emu_launch_agg_init_state in "agg.cu",
+    agg_update => volley_emu_launch_agg_update in "agg.cu",
     select_word_counts => volley_emu_launch_select_word_counts in "compact.cu",
     select_scatter => volley_emu_launch_select_scatter in "compact.cu",
     expr_eval => volley_emu_launch_expr_eval in "expr.cu",

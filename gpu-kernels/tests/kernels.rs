@@ -699,3 +699,242 @@ fn every_kernel_compiles_to_a_cached_cubin_for_exact_architectures() {
     assert_eq!(cached, 2 * volley_kernels::kernels::SOURCES.len());
     let _ = std::fs::remove_dir_all(&cache);
 }
+
+/// The host reference of a group table: groups in first-seen order, with each group's
+/// (count(*), count(v), sum(v), min(v), max(v)) over the rows whose filter is true, and
+/// the decimal sum, min and max over `d`.
+#[derive(Debug, Default, Clone, PartialEq)]
+struct RefGroup {
+    rows: u64,
+    count: u64,
+    sum: i64,
+    min: Option<i64>,
+    max: Option<i64>,
+    fsum_count: u64,
+    fmin: Option<f64>,
+    fmax: Option<f64>,
+    dsum: i128,
+    dmin: Option<i128>,
+    dmax: Option<i128>,
+}
+
+fn check_group_table(d: &Device, batches: usize, n: usize, distinct: u64, seed: u64, locked: bool) {
+    use volley_kernels::ops::aggregate::{AccInput, AccOp, AccValues, GroupTable};
+    let ops = [
+        AccOp::Count,
+        AccOp::Count,
+        AccOp::SumInt,
+        AccOp::MinInt,
+        AccOp::MaxInt,
+        AccOp::SumFloat,
+        AccOp::MinFloat,
+        AccOp::MaxFloat,
+        AccOp::SumDecimal,
+        // Decimal minimum and maximum take per-group locks, and with them the update
+        // leaves the shared-memory strategy: without them, few groups use it.
+        if locked {
+            AccOp::MinDecimal
+        } else {
+            AccOp::Count
+        },
+        if locked {
+            AccOp::MaxDecimal
+        } else {
+            AccOp::Count
+        },
+    ];
+    let mut table = GroupTable::new(d, &[DataType::Int32, DataType::Utf8], &ops).unwrap();
+    let mut order: Vec<(Option<i32>, Option<String>)> = Vec::new();
+    let mut groups: std::collections::HashMap<(Option<i32>, Option<String>), RefGroup> =
+        Default::default();
+    let mut r = Lcg(seed);
+    for _ in 0..batches {
+        let k1: Int32Array = (0..n)
+            .map(|_| (!r.chance(5)).then(|| (r.next() % distinct) as i32))
+            .collect();
+        let k2: StringArray = (0..n)
+            .map(|_| (!r.chance(5)).then(|| format!("k{}", r.next() % 3)))
+            .collect();
+        let v: Int32Array = (0..n)
+            .map(|_| (!r.chance(10)).then(|| (r.next() % 2001) as i32 - 1000))
+            .collect();
+        let f: Float64Array = (0..n)
+            .map(|_| (!r.chance(10)).then(|| ((r.next() % 64) as f64 - 32.0) / 4.0))
+            .collect();
+        let dec: Decimal128Array = (0..n)
+            .map(|_| (!r.chance(10)).then(|| (r.next() as i128 - (1 << 46)) << 70))
+            .collect::<Decimal128Array>()
+            .with_precision_and_scale(38, 2)
+            .unwrap();
+        let keep: BooleanArray = (0..n)
+            .map(|_| (!r.chance(5)).then(|| r.chance(80)))
+            .collect();
+        for i in 0..n {
+            let key = (
+                k1.is_valid(i).then(|| k1.value(i)),
+                k2.is_valid(i).then(|| k2.value(i).to_string()),
+            );
+            let g = groups.entry(key.clone()).or_insert_with(|| {
+                order.push(key);
+                RefGroup::default()
+            });
+            if !(keep.is_valid(i) && keep.value(i)) {
+                continue;
+            }
+            g.rows += 1;
+            if v.is_valid(i) {
+                let x = v.value(i) as i64;
+                g.count += 1;
+                g.sum += x;
+                g.min = Some(g.min.map_or(x, |m| m.min(x)));
+                g.max = Some(g.max.map_or(x, |m| m.max(x)));
+            }
+            if f.is_valid(i) {
+                let x = f.value(i);
+                g.fsum_count += 1;
+                g.fmin = Some(g.fmin.map_or(x, |m| m.min(x)));
+                g.fmax = Some(g.fmax.map_or(x, |m| m.max(x)));
+            }
+            if dec.is_valid(i) {
+                let x = dec.value(i);
+                g.dsum = g.dsum.wrapping_add(x);
+                g.dmin = Some(g.dmin.map_or(x, |m| m.min(x)));
+                g.dmax = Some(g.dmax.map_or(x, |m| m.max(x)));
+            }
+        }
+        let up = |a: &dyn Array| DeviceColumn::upload(d, a).unwrap();
+        let (k1d, k2d, vd, fd, decd, keepd) =
+            (up(&k1), up(&k2), up(&v), up(&f), up(&dec), up(&keep));
+        fn with<'a>(values: Option<&'a DeviceColumn>, keep: &'a DeviceColumn) -> AccInput<'a> {
+            AccInput {
+                values,
+                filter: Some(keep),
+            }
+        }
+        let inputs = [
+            with(None, &keepd),
+            with(Some(&vd), &keepd),
+            with(Some(&vd), &keepd),
+            with(Some(&vd), &keepd),
+            with(Some(&vd), &keepd),
+            with(Some(&fd), &keepd),
+            with(Some(&fd), &keepd),
+            with(Some(&fd), &keepd),
+            with(Some(&decd), &keepd),
+            with(Some(&decd), &keepd),
+            with(Some(&decd), &keepd),
+        ];
+        table.update(&[&k1d, &k2d], &inputs, n).unwrap();
+    }
+    assert_eq!(table.groups(), order.len());
+    let keys = table.keys().unwrap();
+    let k1 = keys[0].as_primitive::<Int32Type>();
+    let k2 = keys[1].as_string::<i32>();
+    for (g, key) in order.iter().enumerate() {
+        let got = (
+            k1.is_valid(g).then(|| k1.value(g)),
+            k2.is_valid(g).then(|| k2.value(g).to_string()),
+        );
+        assert_eq!(&got, key, "group {g} is in first-seen order");
+    }
+    let states: Vec<_> = (0..ops.len()).map(|k| table.state(k).unwrap()).collect();
+    let int = |k: usize| match &states[k].values {
+        AccValues::Int(v) => v.clone(),
+        other => panic!("{other:?}"),
+    };
+    let float = |k: usize| match &states[k].values {
+        AccValues::Float(v) => v.clone(),
+        other => panic!("{other:?}"),
+    };
+    let dec = |k: usize| match &states[k].values {
+        AccValues::Decimal(v) => v.clone(),
+        other => panic!("{other:?}"),
+    };
+    for (g, key) in order.iter().enumerate() {
+        let want = &groups[key];
+        fn seen<T>(counts: &[u64], g: usize, v: T) -> Option<T> {
+            (counts[g] > 0).then_some(v)
+        }
+        assert_eq!(states[0].counts[g], want.rows, "count(*) of {key:?}");
+        assert_eq!(states[1].counts[g], want.count, "count(v) of {key:?}");
+        assert_eq!(int(2)[g], want.sum, "sum of {key:?}");
+        assert_eq!(seen(&states[3].counts, g, int(3)[g]), want.min);
+        assert_eq!(seen(&states[4].counts, g, int(4)[g]), want.max);
+        assert_eq!(states[5].counts[g], want.fsum_count);
+        assert_eq!(seen(&states[6].counts, g, float(6)[g]), want.fmin);
+        assert_eq!(seen(&states[7].counts, g, float(7)[g]), want.fmax);
+        assert_eq!(dec(8)[g], want.dsum, "decimal sum of {key:?}");
+        if locked {
+            assert_eq!(seen(&states[9].counts, g, dec(9)[g]), want.dmin);
+            assert_eq!(seen(&states[10].counts, g, dec(10)[g]), want.dmax);
+        } else {
+            assert_eq!(states[9].counts[g], states[8].counts[g]);
+        }
+    }
+    eprintln!(
+        "{} groups: {} shared-memory and {} global updates",
+        table.groups(),
+        table.shared_updates,
+        table.global_updates
+    );
+}
+
+#[test]
+fn group_table_aggregates_like_the_host_reference() {
+    let d = device();
+    // Few groups (shared-memory tables), many groups (one global table that grows past
+    // its first size within a batch and across batches), and empty and tiny batches.
+    for locked in [false, true] {
+        check_group_table(&d, 3, 5000, 4, 1, locked);
+        check_group_table(&d, 4, 3000, 1_000_000, 2, locked);
+        check_group_table(&d, 2, 1, 10, 3, locked);
+        check_group_table(&d, 2, 0, 10, 4, locked);
+    }
+}
+
+#[test]
+fn a_failed_group_table_update_leaves_the_table_as_it_was() {
+    use volley_kernels::ops::aggregate::{AccInput, AccOp, GroupTable};
+    let d = emulated();
+    let keys: Int64Array = (0..4000).map(|i| Some(i % 1500)).collect();
+    let keys = DeviceColumn::upload(&d, &keys).unwrap();
+    let mut clean = GroupTable::new(&d, &[DataType::Int64], &[AccOp::Count]).unwrap();
+    let input = [AccInput {
+        values: None,
+        filter: None,
+    }];
+    clean.update(&[&keys], &input, 4000).unwrap();
+    clean.update(&[&keys], &input, 4000).unwrap();
+    let want = clean.state(0).unwrap();
+    // Fail each allocation and each launch of the second update in turn: the update
+    // either fails and changes nothing (so that retrying it gives the clean answer) or
+    // succeeds.
+    for kind in ["allocation", "launch"] {
+        for k in 1.. {
+            let mut table = GroupTable::new(&d, &[DataType::Int64], &[AccOp::Count]).unwrap();
+            table.update(&[&keys], &input, 4000).unwrap();
+            let plan = if kind == "allocation" {
+                FaultPlan {
+                    fail_allocation: Some(k),
+                    fail_launch: None,
+                }
+            } else {
+                FaultPlan {
+                    fail_allocation: None,
+                    fail_launch: Some(k),
+                }
+            };
+            d.inject_faults(plan).unwrap();
+            let failed = table.update(&[&keys], &input, 4000).is_err();
+            d.inject_faults(FaultPlan::default()).unwrap();
+            if failed {
+                table.update(&[&keys], &input, 4000).unwrap();
+            }
+            assert_eq!(table.groups(), 1500, "{kind} {k}");
+            assert_eq!(table.state(0).unwrap(), want, "{kind} {k}");
+            if !failed {
+                break;
+            }
+        }
+    }
+}

@@ -2,6 +2,7 @@
 //! `Device::launch`. Each wrapper checks sizes and sets up buffers so that the kernel's
 //! contract (stated at the top of its `.cu` file) holds, and says so in a `SAFETY` comment.
 
+pub mod aggregate;
 pub mod compact;
 pub mod expr;
 pub mod gather;

@@ -1,0 +1,447 @@
+// Hash aggregation: every row of a batch gets the id of its group, new groups are numbered
+// in order of their first row, and the accumulators of all aggregates are updated by group
+// id in one pass.
+//
+// The group table is an open-addressing table of 64-bit slots, linear probing, atomicCAS:
+//   slot = (upper 32 bits of the row hash) << 32 | id,   EMPTY_SLOT when free
+// where id is a committed group id (< 2^31) or, while a batch is being inserted, PENDING | row
+// of that batch. Keys are compared for real (hashes only narrow the search): a pending id
+// points at a row of the batch's own key columns, a committed id at the key store, which
+// holds the keys of every committed group in chunks (one chunk per batch that added groups;
+// chunk c holds groups [starts[c], starts[c + 1])). A slot is written once, whole, by CAS, so
+// a reader never sees a slot whose key is not readable yet, and no thread waits for another.
+//
+//   agg_find_or_insert  (slots, mask, hashes, n, batch_keys, store_keys, starts, chunks,
+//                        ncols, limit, inserted, refs)
+//       refs[i] = the id of row i's group, inserting PENDING | i when its key is new. Gives up
+//       (every thread stops inserting) once more than `limit` slots were claimed, so that the
+//       table never fills: `inserted[0]` then exceeds `limit` and the host rolls back, grows
+//       the table and retries.
+//   agg_first_rows      (refs, n, first)      first[r] = min row i with refs[i] == PENDING | r
+//   agg_leader_flags    (refs, first, n, flags)  flags[i] = 1 when row i is its new group's
+//                                                  first row (u64, for the scan)
+//   agg_resolve         (refs, first, ranks, flags, hashes, n, g0, gids, leaders, group_hashes)
+//       gids[i]: committed id, or g0 + rank of the group's first row; leaders[rank] = row,
+//       group_hashes[g0 + rank] = that row's hash
+//   agg_fix_slots       (slots, capacity, first, ranks, g0)   pending ids → committed ids
+//   agg_rollback        (slots, capacity, g0)   every slot with id >= g0 (pending or this
+//                                               batch's) becomes EMPTY_SLOT. Removing the
+//                                               newest entries never breaks an older one's
+//                                               probe chain: older entries sit before them.
+//   agg_rehash          (slots, mask, group_hashes, groups)  re-inserts committed groups
+//                                               into a fresh (all EMPTY_SLOT) table
+//   agg_fill_u64        (buffer, n, value)
+//   agg_update          (accs, nacc, gids, n, groups, shared_groups)
+//       the accumulators (see AggAcc) of every row's group; gids == null means group 0 for
+//       every row. shared_groups != 0: each block first accumulates into per-block tables in
+//       dynamic shared memory (the host checks the size) and merges them into global memory
+//       once, so that a few groups do not serialise every row on a handful of addresses.
+#include "volley.cuh"
+
+typedef __int128 i128;
+
+union AggBits {
+    double f;
+    uint64_t u;
+};
+
+#define AGG_EMPTY 0xFFFFFFFFFFFFFFFFull
+#define AGG_PENDING 0x80000000u
+
+// Key column kinds (AggKeyCol.kind).
+enum AggKeyKind { AK_1 = 0, AK_2, AK_4, AK_8, AK_16, AK_F32, AK_F64, AK_S32, AK_S64 };
+
+struct AggKeyCol {
+    const uint8_t* values;
+    const uint8_t* validity;  // null: no NULLs
+    const uint8_t* offsets;   // strings only
+    uint64_t kind;
+};
+
+__device__ __forceinline__ uint32_t agg_f32_canon(uint32_t bits) { return (bits << 1) == 0 ? 0u : bits; }
+__device__ __forceinline__ uint64_t agg_f64_canon(uint64_t bits) { return (bits << 1) == 0 ? 0ull : bits; }
+
+// Whether row i of columns a equals row j of columns b, as GROUP BY means it: NULL equals
+// NULL, floats compare bit for bit after -0.0 becomes 0.0.
+__device__ bool agg_key_equal(const AggKeyCol* a, uint64_t i, const AggKeyCol* b, uint64_t j, uint32_t ncols) {
+    for (uint32_t c = 0; c < ncols; ++c) {
+        bool va = bit_is_set(a[c].validity, i), vb = bit_is_set(b[c].validity, j);
+        if (va != vb) return false;
+        if (!va) continue;
+        switch (a[c].kind) {
+            case AK_1: if (a[c].values[i] != b[c].values[j]) return false; break;
+            case AK_2: if (((const uint16_t*)a[c].values)[i] != ((const uint16_t*)b[c].values)[j]) return false; break;
+            case AK_4: if (((const uint32_t*)a[c].values)[i] != ((const uint32_t*)b[c].values)[j]) return false; break;
+            case AK_8: if (((const uint64_t*)a[c].values)[i] != ((const uint64_t*)b[c].values)[j]) return false; break;
+            case AK_16: {
+                const uint64_t* x = (const uint64_t*)a[c].values + 2 * i;
+                const uint64_t* y = (const uint64_t*)b[c].values + 2 * j;
+                if (x[0] != y[0] || x[1] != y[1]) return false;
+                break;
+            }
+            case AK_F32:
+                if (agg_f32_canon(((const uint32_t*)a[c].values)[i]) != agg_f32_canon(((const uint32_t*)b[c].values)[j]))
+                    return false;
+                break;
+            case AK_F64:
+                if (agg_f64_canon(((const uint64_t*)a[c].values)[i]) != agg_f64_canon(((const uint64_t*)b[c].values)[j]))
+                    return false;
+                break;
+            case AK_S32:
+            case AK_S64: {
+                int64_t sa, ea, sb, eb;
+                if (a[c].kind == AK_S32) {
+                    sa = ((const int32_t*)a[c].offsets)[i]; ea = ((const int32_t*)a[c].offsets)[i + 1];
+                    sb = ((const int32_t*)b[c].offsets)[j]; eb = ((const int32_t*)b[c].offsets)[j + 1];
+                } else {
+                    sa = ((const int64_t*)a[c].offsets)[i]; ea = ((const int64_t*)a[c].offsets)[i + 1];
+                    sb = ((const int64_t*)b[c].offsets)[j]; eb = ((const int64_t*)b[c].offsets)[j + 1];
+                }
+                if (ea - sa != eb - sb) return false;
+                for (int64_t k = 0; k < ea - sa; ++k)
+                    if (a[c].values[sa + k] != b[c].values[sb + k]) return false;
+                break;
+            }
+            default: return false;
+        }
+    }
+    return true;
+}
+
+// The key columns of committed group `gid` and its row in them.
+__device__ __forceinline__ const AggKeyCol* agg_store_row(const AggKeyCol* store, const uint64_t* starts,
+                                                          uint32_t chunks, uint32_t ncols, uint64_t gid,
+                                                          uint64_t* row) {
+    uint32_t lo = 0, hi = chunks - 1;  // the last chunk c with starts[c] <= gid
+    while (lo < hi) {
+        uint32_t mid = (lo + hi + 1) / 2;
+        if (starts[mid] <= gid) lo = mid; else hi = mid - 1;
+    }
+    *row = gid - starts[lo];
+    return store + (uint64_t)lo * ncols;
+}
+
+VOLLEY_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, const uint64_t* hashes, uint64_t n,
+                                 const AggKeyCol* batch_keys, const AggKeyCol* store_keys, const uint64_t* starts,
+                                 uint32_t chunks, uint32_t ncols, uint64_t limit, unsigned long long* inserted,
+                                 uint32_t* refs) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        uint64_t h = hashes[i];
+        uint64_t tag = h >> 32;
+        unsigned long long mine = (tag << 32) | (AGG_PENDING | (uint32_t)i);
+        uint64_t slot = h & mask;
+        uint32_t ref = AGG_PENDING | (uint32_t)i;
+        for (;;) {
+            unsigned long long seen = slots[slot];
+            if (seen == AGG_EMPTY) {
+                if (atomicAdd(inserted, 1ull) >= limit) break;  // table too full: the host grows it
+                seen = atomicCAS(&slots[slot], (unsigned long long)AGG_EMPTY, mine);
+                if (seen == AGG_EMPTY) break;  // a new group, first seen here
+                atomicAdd(inserted, ~0ull);  // gives the claim back
+            }
+            if ((seen >> 32) == tag) {
+                uint32_t id = (uint32_t)seen;
+                bool equal;
+                if (id & AGG_PENDING) {
+                    equal = agg_key_equal(batch_keys, i, batch_keys, id & ~AGG_PENDING, ncols);
+                } else {
+                    uint64_t row;
+                    const AggKeyCol* cols = agg_store_row(store_keys, starts, chunks, ncols, id, &row);
+                    equal = agg_key_equal(batch_keys, i, cols, row, ncols);
+                }
+                if (equal) {
+                    ref = id;
+                    break;
+                }
+            }
+            slot = (slot + 1) & mask;
+        }
+        refs[i] = ref;
+    }
+}
+
+VOLLEY_KERNEL agg_first_rows(const uint32_t* refs, uint64_t n, uint32_t* first) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        uint32_t r = refs[i];
+        if (r & AGG_PENDING) atomicMin(&first[r & ~AGG_PENDING], (uint32_t)i);
+    }
+}
+
+VOLLEY_KERNEL agg_leader_flags(const uint32_t* refs, const uint32_t* first, uint64_t n, uint64_t* flags) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        uint32_t r = refs[i];
+        flags[i] = (r & AGG_PENDING) && first[r & ~AGG_PENDING] == (uint32_t)i ? 1 : 0;
+    }
+}
+
+VOLLEY_KERNEL agg_resolve(const uint32_t* refs, const uint32_t* first, const uint64_t* ranks, const uint64_t* flags,
+                          const uint64_t* hashes, uint64_t n, uint64_t g0, uint32_t* gids, uint32_t* leaders,
+                          uint64_t* group_hashes) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        uint32_t r = refs[i];
+        gids[i] = (r & AGG_PENDING) ? (uint32_t)(g0 + ranks[first[r & ~AGG_PENDING]]) : r;
+        if (flags[i]) {
+            leaders[ranks[i]] = (uint32_t)i;
+            group_hashes[g0 + ranks[i]] = hashes[i];
+        }
+    }
+}
+
+VOLLEY_KERNEL agg_fix_slots(unsigned long long* slots, uint64_t capacity, const uint32_t* first, const uint64_t* ranks,
+                            uint64_t g0) {
+    for (uint64_t s = GRID_START; s < capacity; s += GRID_STRIDE) {
+        unsigned long long v = slots[s];
+        uint32_t id = (uint32_t)v;
+        if (v != AGG_EMPTY && (id & AGG_PENDING))
+            slots[s] = (v & 0xFFFFFFFF00000000ull) | (uint32_t)(g0 + ranks[first[id & ~AGG_PENDING]]);
+    }
+}
+
+VOLLEY_KERNEL agg_rollback(unsigned long long* slots, uint64_t capacity, uint64_t g0) {
+    for (uint64_t s = GRID_START; s < capacity; s += GRID_STRIDE) {
+        unsigned long long v = slots[s];
+        if (v != AGG_EMPTY && (uint32_t)v >= g0) slots[s] = AGG_EMPTY;
+    }
+}
+
+VOLLEY_KERNEL agg_rehash(unsigned long long* slots, uint64_t mask, const uint64_t* group_hashes, uint64_t groups) {
+    for (uint64_t g = GRID_START; g < groups; g += GRID_STRIDE) {
+        uint64_t h = group_hashes[g];
+        unsigned long long entry = ((h >> 32) << 32) | (uint32_t)g;
+        for (uint64_t slot = h & mask;; slot = (slot + 1) & mask)
+            if (atomicCAS(&slots[slot], (unsigned long long)AGG_EMPTY, entry) == AGG_EMPTY) break;
+    }
+}
+
+VOLLEY_KERNEL agg_fill_u64(uint64_t* buffer, uint64_t n, uint64_t value) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) buffer[i] = value;
+}
+
+// ---- accumulators ----
+
+// What an accumulator does with each row's value (AggAcc.op).
+enum AggOp { AO_COUNT = 0, AO_SUM_I, AO_SUM_F, AO_SUM_D, AO_MIN_I, AO_MAX_I, AO_MIN_F, AO_MAX_F, AO_MIN_D, AO_MAX_D };
+// How input values are stored (AggAcc.in_kind); all are widened to 64 bits (or 128, DEC).
+enum AggIn { AI_I8 = 0, AI_I16, AI_I32, AI_I64, AI_U8, AI_U16, AI_U32, AI_F32, AI_F64, AI_DEC, AI_NONE };
+
+// One accumulator, eight words. Its state per group: counts[g] (rows that contributed) and,
+// except for COUNT, values[g]: an int64 (SUM_I, MIN/MAX_I), a double (SUM_F), an order-
+// preserving uint64 image of a double (MIN/MAX_F), or two words lo, hi of an int128 (SUM_D,
+// MIN/MAX_D). MIN/MAX_D serialise each group's update on locks[g].
+struct AggAcc {
+    uint64_t op;
+    uint64_t in_kind;
+    const uint8_t* values;           // null for COUNT of rows
+    const uint8_t* validity;         // null: no NULLs
+    const uint8_t* filter;           // FILTER (WHERE …) as a boolean bitmap, null: none
+    const uint8_t* filter_validity;  // NULL filter results drop the row
+    unsigned long long* state;       // values[g] (1 or 2 words per group)
+    unsigned long long* counts;      // counts[g]
+};
+
+// The image of a double's bits under which unsigned order is IEEE total order.
+__device__ __forceinline__ uint64_t agg_order_f64(double v) {
+    AggBits b;
+    b.f = v;
+    uint64_t bits = b.u;
+    return (bits >> 63) ? ~bits : bits | 0x8000000000000000ull;
+}
+
+__device__ __forceinline__ int64_t agg_load_i(const AggAcc& a, uint64_t i) {
+    switch (a.in_kind) {
+        case AI_I8: return ((const int8_t*)a.values)[i];
+        case AI_I16: return ((const int16_t*)a.values)[i];
+        case AI_I32: return ((const int32_t*)a.values)[i];
+        case AI_I64: return ((const int64_t*)a.values)[i];
+        case AI_U8: return a.values[i];
+        case AI_U16: return ((const uint16_t*)a.values)[i];
+        case AI_U32: return ((const uint32_t*)a.values)[i];
+        default: return 0;
+    }
+}
+
+__device__ __forceinline__ double agg_load_f(const AggAcc& a, uint64_t i) {
+    switch (a.in_kind) {
+        case AI_F32: return (double)((const float*)a.values)[i];
+        case AI_F64: return ((const double*)a.values)[i];
+        default: return (double)agg_load_i(a, i);
+    }
+}
+
+// Whether row i contributes to accumulator a.
+__device__ __forceinline__ bool agg_takes(const AggAcc& a, uint64_t i) {
+    if (a.filter && !(bit_is_set(a.filter, i) && bit_is_set(a.filter_validity, i))) return false;
+    return a.values == nullptr || bit_is_set(a.validity, i);
+}
+
+__device__ __forceinline__ void agg_add128(unsigned long long* at, uint64_t lo, uint64_t hi) {
+    unsigned long long old = atomicAdd(&at[0], (unsigned long long)lo);
+    uint64_t carry = (uint64_t)old + lo < (uint64_t)old ? 1 : 0;
+    atomicAdd(&at[1], (unsigned long long)(hi + carry));
+}
+
+// Adds one row's value (or a block's partial state, when merging) to group state `at`.
+// For COUNT, `lo` is the count to add.
+__device__ __forceinline__ void agg_apply(uint64_t op, unsigned long long* state, unsigned long long* count,
+                                          uint32_t* lock, uint64_t lo, uint64_t hi, uint64_t n) {
+    atomicAdd(count, (unsigned long long)n);
+    switch (op) {
+        case AO_COUNT: break;
+        case AO_SUM_I: atomicAdd(state, (unsigned long long)lo); break;
+        case AO_SUM_F: {
+            AggBits b;
+            b.u = lo;
+            atomicAdd((double*)state, b.f);
+            break;
+        }
+        case AO_SUM_D: agg_add128(state, lo, hi); break;
+        case AO_MIN_I: atomicMin((long long*)state, (long long)lo); break;
+        case AO_MAX_I: atomicMax((long long*)state, (long long)lo); break;
+        case AO_MIN_F: atomicMin(state, (unsigned long long)lo); break;
+        case AO_MAX_F: atomicMax(state, (unsigned long long)lo); break;
+        case AO_MIN_D:
+        case AO_MAX_D: {
+            i128 v = (i128)(((unsigned __int128)hi << 64) | lo);
+            bool done = false;
+            while (!done) {
+                if (atomicCAS(lock, 0u, 1u) == 0u) {
+                    volatile unsigned long long* s = state;
+                    i128 cur = (i128)(((unsigned __int128)s[1] << 64) | s[0]);
+                    if (op == AO_MIN_D ? v < cur : v > cur) {
+                        s[0] = (uint64_t)v;
+                        s[1] = (uint64_t)((unsigned __int128)v >> 64);
+                    }
+                    __threadfence();
+                    atomicExch(lock, 0u);
+                    done = true;
+                }
+            }
+            break;
+        }
+    }
+}
+
+// One row's value of accumulator a as the two words agg_apply takes.
+__device__ __forceinline__ void agg_value(const AggAcc& a, uint64_t i, uint64_t* lo, uint64_t* hi) {
+    *hi = 0;
+    switch (a.op) {
+        case AO_COUNT: *lo = 0; break;
+        case AO_SUM_F: {
+            AggBits b;
+            b.f = agg_load_f(a, i);
+            *lo = b.u;
+            break;
+        }
+        case AO_MIN_F:
+        case AO_MAX_F: *lo = agg_order_f64(agg_load_f(a, i)); break;
+        case AO_SUM_D:
+        case AO_MIN_D:
+        case AO_MAX_D:
+            if (a.in_kind == AI_DEC) {
+                *lo = ((const uint64_t*)a.values)[2 * i];
+                *hi = ((const uint64_t*)a.values)[2 * i + 1];
+            } else {
+                int64_t v = agg_load_i(a, i);
+                *lo = (uint64_t)v;
+                *hi = v < 0 ? ~0ull : 0;
+            }
+            break;
+        default: *lo = (uint64_t)agg_load_i(a, i); break;
+    }
+}
+
+__device__ __forceinline__ uint64_t agg_state_words(uint64_t op) {
+    return op == AO_COUNT ? 0 : (op == AO_SUM_D || op == AO_MIN_D || op == AO_MAX_D) ? 2 : 1;
+}
+
+// The identity of an accumulator's state (what a group that saw nothing holds).
+__device__ __forceinline__ uint64_t agg_identity(uint64_t op, uint32_t word) {
+    switch (op) {
+        case AO_MIN_I: return 0x7FFFFFFFFFFFFFFFull;
+        case AO_MAX_I: return 0x8000000000000000ull;
+        case AO_MIN_F: return ~0ull;
+        case AO_MAX_F: return 0;
+        case AO_MIN_D: return word == 0 ? ~0ull : 0x7FFFFFFFFFFFFFFFull;
+        case AO_MAX_D: return word == 0 ? 0 : 0x8000000000000000ull;
+        default: return 0;
+    }
+}
+
+VOLLEY_KERNEL agg_init_state(unsigned long long* state, uint64_t op, uint64_t from, uint64_t to) {
+    uint64_t words = agg_state_words(op);
+    for (uint64_t g = from + GRID_START; g < to; g += GRID_STRIDE)
+        for (uint64_t w = 0; w < words; ++w) state[g * words + w] = agg_identity(op, (uint32_t)w);
+}
+
+VOLLEY_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids, uint64_t n, uint32_t* locks,
+                         uint64_t groups, uint32_t shared_groups) {
+    if (shared_groups) {
+        // Per-block tables: for each accumulator, counts[groups] then state[groups × words].
+        VOLLEY_DYNAMIC_SHARED(unsigned long long, tables);
+        uint64_t at = 0;
+        for (uint32_t k = 0; k < nacc; ++k) {
+            uint64_t words = agg_state_words(accs[k].op);
+            for (uint64_t g = threadIdx.x; g < groups; g += blockDim.x) {
+                tables[at + g] = 0;
+                for (uint64_t w = 0; w < words; ++w)
+                    tables[at + groups + g * words + w] = agg_identity(accs[k].op, (uint32_t)w);
+            }
+            at += groups * (1 + words);
+        }
+        __syncthreads();
+        uint64_t start = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+        for (uint64_t i = start; i < n; i += GRID_STRIDE) {
+            uint64_t g = gids ? gids[i] : 0;
+            uint64_t base = 0;
+            for (uint32_t k = 0; k < nacc; ++k) {
+                const AggAcc& a = accs[k];
+                uint64_t words = agg_state_words(a.op);
+                if (agg_takes(a, i)) {
+                    uint64_t lo, hi;
+                    agg_value(a, i, &lo, &hi);
+                    agg_apply(a.op, &tables[base + groups + g * words], &tables[base + g], nullptr, lo, hi, 1);
+                }
+                base += groups * (1 + words);
+            }
+        }
+        __syncthreads();
+        uint64_t base = 0;
+        for (uint32_t k = 0; k < nacc; ++k) {
+            const AggAcc& a = accs[k];
+            uint64_t words = agg_state_words(a.op);
+            for (uint64_t g = threadIdx.x; g < groups; g += blockDim.x) {
+                uint64_t count = tables[base + g];
+                if (count == 0) continue;
+                uint64_t lo = words ? tables[base + groups + g * words] : 0;
+                uint64_t hi = words == 2 ? tables[base + groups + g * words + 1] : 0;
+                agg_apply(a.op, &a.state[g * words], &a.counts[g], nullptr, lo, hi, count);
+            }
+            base += groups * (1 + words);
+        }
+        return;
+    }
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        uint64_t g = gids ? gids[i] : 0;
+        for (uint32_t k = 0; k < nacc; ++k) {
+            const AggAcc& a = accs[k];
+            if (!agg_takes(a, i)) continue;
+            uint64_t lo, hi;
+            agg_value(a, i, &lo, &hi);
+            agg_apply(a.op, &a.state[g * agg_state_words(a.op)], &a.counts[g], locks ? &locks[g] : nullptr, lo, hi,
+                      1);
+        }
+    }
+}
+
+#if defined(VOLLEY_EMULATOR)
+VOLLEY_EMU_EXPORT(agg_find_or_insert)
+VOLLEY_EMU_EXPORT(agg_first_rows)
+VOLLEY_EMU_EXPORT(agg_leader_flags)
+VOLLEY_EMU_EXPORT(agg_resolve)
+VOLLEY_EMU_EXPORT(agg_fix_slots)
+VOLLEY_EMU_EXPORT(agg_rollback)
+VOLLEY_EMU_EXPORT(agg_rehash)
+VOLLEY_EMU_EXPORT(agg_fill_u64)
+VOLLEY_EMU_EXPORT(agg_init_state)
+VOLLEY_EMU_EXPORT(agg_update)
+#endif

@@ -1,0 +1,823 @@
+//! Hash aggregation on a device (`cuda/agg.cu`): a [`GroupTable`] holds the groups seen so
+//! far (their keys, in first-seen order) and one accumulator per aggregate state, and takes
+//! batch after batch.
+//!
+//! Each [`GroupTable::update`] either applies the whole batch or leaves the table as it
+//! was: everything that can fail for lack of memory is allocated before the first kernel
+//! that changes the table runs, and a failed change is rolled back (the new slots of the
+//! batch are removed; grown accumulators are fresh copies, dropped on failure). A caller
+//! can therefore always download a consistent state and finish on the CPU.
+
+use arrow::array::{ArrayRef, new_empty_array};
+use arrow::datatypes::DataType;
+
+use super::{BLOCK, RowIndices, check_rows, gather, hash, scan};
+use crate::column::{DeviceColumn, Layout};
+use crate::device::{Arg, Device, LaunchConfig};
+use crate::kernels::Kernel;
+use crate::memory::DeviceBuffer;
+use crate::{KernelError, Result};
+
+/// Group ids are below this (the kernels mark pending slots with the top bit).
+pub const MAX_GROUPS: usize = 0x7FFF_FFFF - 1;
+
+/// Dynamic shared memory a few-groups update may use per block (the default limit of a
+/// launch without opting in to more).
+pub const SHARED_BYTES: usize = 48 * 1024;
+
+const EMPTY_SLOT: u64 = u64::MAX;
+
+/// What an accumulator does with the values of its group (`AggOp` in agg.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AccOp {
+    /// Counts the rows that contribute (non-NULL value and filter true).
+    Count,
+    /// Wrapping 64-bit integer sum.
+    SumInt,
+    /// Float sum (in an unspecified order).
+    SumFloat,
+    /// Wrapping 128-bit decimal sum.
+    SumDecimal,
+    /// Integer minimum.
+    MinInt,
+    /// Integer maximum.
+    MaxInt,
+    /// Float minimum in IEEE total order (as DataFusion's).
+    MinFloat,
+    /// Float maximum in IEEE total order.
+    MaxFloat,
+    /// Decimal minimum.
+    MinDecimal,
+    /// Decimal maximum.
+    MaxDecimal,
+}
+
+impl AccOp {
+    fn code(self) -> u64 {
+        self as u64
+    }
+
+    fn words(self) -> usize {
+        match self {
+            Self::Count => 0,
+            Self::SumDecimal | Self::MinDecimal | Self::MaxDecimal => 2,
+            _ => 1,
+        }
+    }
+
+    /// Decimal minimum and maximum update a group under a lock, so they take no part in
+    /// the shared-memory strategy.
+    fn locked(self) -> bool {
+        matches!(self, Self::MinDecimal | Self::MaxDecimal)
+    }
+}
+
+/// One accumulator's input for a batch.
+#[derive(Debug, Clone, Copy)]
+pub struct AccInput<'a> {
+    /// The values; `None` counts rows (`count(*)`).
+    pub values: Option<&'a DeviceColumn>,
+    /// A boolean column: only rows where it is true contribute (`FILTER (WHERE …)`).
+    pub filter: Option<&'a DeviceColumn>,
+}
+
+/// An accumulator's final state, per group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AccState {
+    /// Rows that contributed to each group (0: the group's value is NULL).
+    pub counts: Vec<u64>,
+    /// The values.
+    pub values: AccValues,
+}
+
+/// The values of an accumulator, per group.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AccValues {
+    /// `Count` keeps none.
+    None,
+    /// Integer sums, minima and maxima.
+    Int(Vec<i64>),
+    /// Float sums, minima and maxima.
+    Float(Vec<f64>),
+    /// Decimal sums, minima and maxima (unscaled).
+    Decimal(Vec<i128>),
+}
+
+/// How the kernels read an input column (`AggIn` in agg.cu).
+fn input_kind(column: &DeviceColumn) -> Result<u64> {
+    use DataType::*;
+    Ok(match column.data_type() {
+        Int8 => 0,
+        Int16 => 1,
+        Int32 | Date32 | Time32(_) => 2,
+        Int64 | Date64 | Time64(_) | Timestamp(_, _) | Duration(_) => 3,
+        UInt8 => 4,
+        UInt16 => 5,
+        UInt32 => 6,
+        Float32 => 7,
+        Float64 => 8,
+        Decimal128(_, _) => 9,
+        other => {
+            return Err(KernelError::Unsupported(format!(
+                "aggregating {other} values"
+            )));
+        }
+    })
+}
+
+const INPUT_NONE: u64 = 10;
+
+/// How the kernels compare a key column (`AggKeyKind` in agg.cu).
+fn key_kind(column: &DeviceColumn) -> Result<u64> {
+    Ok(match (column.data_type(), column.layout()) {
+        (DataType::Float32, _) => 5,
+        (DataType::Float64, _) => 6,
+        (_, Layout::Fixed(1)) => 0,
+        (_, Layout::Fixed(2)) => 1,
+        (_, Layout::Fixed(4)) => 2,
+        (_, Layout::Fixed(8)) => 3,
+        (_, Layout::Fixed(16)) => 4,
+        (_, Layout::Var(4)) => 7,
+        (_, Layout::Var(8)) => 8,
+        (other, _) => {
+            return Err(KernelError::Unsupported(format!("grouping by {other}")));
+        }
+    })
+}
+
+fn key_descriptor(column: &DeviceColumn) -> Result<[u64; 4]> {
+    Ok([
+        column.values().addr(),
+        column.validity().map_or(0, DeviceBuffer::addr),
+        column.offsets().map_or(0, DeviceBuffer::addr),
+        key_kind(column)?,
+    ])
+}
+
+fn upload_words(device: &Device, words: &[u64]) -> Result<DeviceBuffer> {
+    let bytes: Vec<u8> = if words.is_empty() {
+        vec![0; 8]
+    } else {
+        words.iter().flat_map(|w| w.to_le_bytes()).collect()
+    };
+    device.upload(&bytes)
+}
+
+fn fill_u64(device: &Device, buffer: &DeviceBuffer, words: usize, value: u64) -> Result<()> {
+    if buffer.len() < words * 8 {
+        return Err(KernelError::Unsupported(format!(
+            "filling {words} words of a {} byte buffer",
+            buffer.len()
+        )));
+    }
+    // SAFETY: `buffer` holds `words` u64 (checked).
+    unsafe {
+        device.launch(
+            Kernel::agg_fill_u64,
+            LaunchConfig::for_items(device, words as u64, BLOCK),
+            &[Arg::buf(buffer), Arg::U64(words as u64), Arg::U64(value)],
+        )
+    }
+}
+
+/// One accumulator's device state, sized for `GroupTable::group_capacity` groups.
+#[derive(Debug)]
+struct Acc {
+    op: AccOp,
+    state: Option<DeviceBuffer>,
+    counts: DeviceBuffer,
+}
+
+/// Device buffers for `capacity` groups: new ones, the first `keep` groups copied from
+/// the old ones, the rest at their identity.
+#[derive(Debug)]
+struct Grown {
+    accs: Vec<Acc>,
+    group_hashes: Option<DeviceBuffer>,
+    locks: Option<DeviceBuffer>,
+    capacity: usize,
+}
+
+/// The groups of an aggregation and their accumulators, on one device.
+#[derive(Debug)]
+pub struct GroupTable {
+    device: Device,
+    keyed: bool,
+    groups: usize,
+    group_capacity: usize,
+    slots: Option<DeviceBuffer>,
+    capacity: u64,
+    /// Row hash of each group (to rebuild the slots when the table grows).
+    group_hashes: Option<DeviceBuffer>,
+    /// Key columns of the groups, one chunk per batch that added groups, and the first
+    /// group id of each chunk.
+    chunks: Vec<Vec<DeviceColumn>>,
+    starts: Vec<u64>,
+    key_types: Vec<DataType>,
+    accs: Vec<Acc>,
+    locks: Option<DeviceBuffer>,
+    /// How many batches used per-block shared-memory tables (few groups) and how many the
+    /// global table (many groups).
+    pub shared_updates: u64,
+    /// See `shared_updates`.
+    pub global_updates: u64,
+}
+
+impl GroupTable {
+    /// An empty table grouping by keys of `key_types` (none: one group, as an aggregate
+    /// without GROUP BY has even over no rows) with these accumulators.
+    pub fn new(device: &Device, key_types: &[DataType], ops: &[AccOp]) -> Result<Self> {
+        let keyed = !key_types.is_empty();
+        let mut table = Self {
+            device: device.clone(),
+            keyed,
+            groups: if keyed { 0 } else { 1 },
+            group_capacity: 0,
+            slots: None,
+            capacity: 0,
+            group_hashes: None,
+            chunks: Vec::new(),
+            starts: Vec::new(),
+            key_types: key_types.to_vec(),
+            accs: ops
+                .iter()
+                .map(|&op| {
+                    Ok(Acc {
+                        op,
+                        state: None,
+                        counts: device.alloc(8)?,
+                    })
+                })
+                .collect::<Result<_>>()?,
+            locks: None,
+            shared_updates: 0,
+            global_updates: 0,
+        };
+        let grown = table.grown(if keyed { 1024 } else { 1 })?;
+        table.install(grown);
+        Ok(table)
+    }
+
+    /// Groups so far.
+    pub fn groups(&self) -> usize {
+        self.groups
+    }
+
+    /// Device bytes the table holds.
+    pub fn device_bytes(&self) -> usize {
+        let accs: usize = self
+            .accs
+            .iter()
+            .map(|a| a.counts.len() + a.state.as_ref().map_or(0, DeviceBuffer::len))
+            .sum();
+        let keys: usize = self
+            .chunks
+            .iter()
+            .flatten()
+            .map(DeviceColumn::device_bytes)
+            .sum();
+        accs + keys
+            + self.slots.as_ref().map_or(0, DeviceBuffer::len)
+            + self.group_hashes.as_ref().map_or(0, DeviceBuffer::len)
+            + self.locks.as_ref().map_or(0, DeviceBuffer::len)
+    }
+
+    fn grown(&self, capacity: usize) -> Result<Grown> {
+        let device = &self.device;
+        let keep = self.groups.min(self.group_capacity);
+        let mut accs = Vec::with_capacity(self.accs.len());
+        for acc in &self.accs {
+            let counts = device.alloc(capacity * 8)?;
+            fill_u64(device, &counts, capacity, 0)?;
+            if keep > 0 {
+                copy_prefix(device, &counts, &acc.counts, keep * 8)?;
+            }
+            let words = acc.op.words();
+            let state = if words > 0 {
+                let state = device.alloc(capacity * words * 8)?;
+                // SAFETY: `state` holds `capacity` groups of `words` words.
+                unsafe {
+                    device.launch(
+                        Kernel::agg_init_state,
+                        LaunchConfig::for_items(device, capacity as u64, BLOCK),
+                        &[
+                            Arg::buf(&state),
+                            Arg::U64(acc.op.code()),
+                            Arg::U64(0),
+                            Arg::U64(capacity as u64),
+                        ],
+                    )?;
+                }
+                if let (Some(old), true) = (&acc.state, keep > 0) {
+                    copy_prefix(device, &state, old, keep * words * 8)?;
+                }
+                Some(state)
+            } else {
+                None
+            };
+            accs.push(Acc {
+                op: acc.op,
+                state,
+                counts,
+            });
+        }
+        let group_hashes = if self.keyed {
+            let buffer = device.alloc(capacity * 8)?;
+            if let (Some(old), true) = (&self.group_hashes, keep > 0) {
+                copy_prefix(device, &buffer, old, keep * 8)?;
+            }
+            Some(buffer)
+        } else {
+            None
+        };
+        let locks = if self.accs.iter().any(|a| a.op.locked()) {
+            let buffer = device.alloc(capacity.div_ceil(2) * 8)?;
+            fill_u64(device, &buffer, capacity.div_ceil(2), 0)?;
+            Some(buffer)
+        } else {
+            None
+        };
+        Ok(Grown {
+            accs,
+            group_hashes,
+            locks,
+            capacity,
+        })
+    }
+
+    fn install(&mut self, grown: Grown) {
+        self.accs = grown.accs;
+        self.group_hashes = grown.group_hashes;
+        self.locks = grown.locks;
+        self.group_capacity = grown.capacity;
+    }
+
+    /// New, empty slots for `capacity` entries with the committed groups inserted.
+    fn rebuilt_slots(&self, capacity: u64) -> Result<DeviceBuffer> {
+        let device = &self.device;
+        let slots = device.alloc(capacity as usize * 8)?;
+        fill_u64(device, &slots, capacity as usize, EMPTY_SLOT)?;
+        if self.groups > 0 {
+            let hashes = self
+                .group_hashes
+                .as_ref()
+                .ok_or_else(|| KernelError::InvalidData("a keyed table without hashes".into()))?;
+            // SAFETY: `slots` holds `capacity` (a power of two above twice the groups)
+            // empty slots, so every insert finds one; `hashes` holds `groups` u64.
+            unsafe {
+                device.launch(
+                    Kernel::agg_rehash,
+                    LaunchConfig::for_items(device, self.groups as u64, BLOCK),
+                    &[
+                        Arg::buf(&slots),
+                        Arg::U64(capacity - 1),
+                        Arg::buf(hashes),
+                        Arg::U64(self.groups as u64),
+                    ],
+                )?;
+            }
+        }
+        Ok(slots)
+    }
+
+    /// Removes the slots of groups numbered `g0` and above (and pending ones), retrying
+    /// once: the table is only consistent again once this has run.
+    fn rollback(&self, g0: usize) -> Result<()> {
+        let (Some(slots), device) = (&self.slots, &self.device) else {
+            return Ok(());
+        };
+        let run = || {
+            // SAFETY: `slots` holds `capacity` u64.
+            unsafe {
+                device.launch(
+                    Kernel::agg_rollback,
+                    LaunchConfig::for_items(device, self.capacity, BLOCK),
+                    &[
+                        Arg::buf(slots),
+                        Arg::U64(self.capacity),
+                        Arg::U64(g0 as u64),
+                    ],
+                )
+            }
+        };
+        run().or_else(|_| run())
+    }
+
+    /// Adds a batch of `n` rows: its key columns (in the table's key types) and each
+    /// accumulator's input, in the order of the table's accumulators.
+    pub fn update(
+        &mut self,
+        keys: &[&DeviceColumn],
+        inputs: &[AccInput<'_>],
+        n: usize,
+    ) -> Result<()> {
+        check_rows(n)?;
+        if inputs.len() != self.accs.len() {
+            return Err(KernelError::Unsupported(format!(
+                "{} accumulator inputs for {} accumulators",
+                inputs.len(),
+                self.accs.len()
+            )));
+        }
+        for input in inputs {
+            for column in input.values.iter().chain(input.filter.iter()) {
+                if column.len() != n || column.device() != &self.device {
+                    return Err(KernelError::Unsupported(
+                        "an aggregate input of another length or device".into(),
+                    ));
+                }
+            }
+            if input.filter.is_some_and(|f| f.layout() != Layout::Bits) {
+                return Err(KernelError::Unsupported("a non-boolean filter".into()));
+            }
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if !self.keyed {
+            let accs = self.accumulator_descriptors(&self.accs, inputs)?;
+            let shared = self.launch_update(&accs, None, n, 1, self.locks.as_ref())?;
+            self.count_update(shared);
+            return Ok(());
+        }
+        if keys.len() != self.key_types.len()
+            || keys
+                .iter()
+                .zip(&self.key_types)
+                .any(|(k, t)| k.data_type() != t || k.len() != n || k.device() != &self.device)
+        {
+            return Err(KernelError::Unsupported(
+                "group keys of other types, lengths or devices than the table's".into(),
+            ));
+        }
+        if self.groups + n > MAX_GROUPS {
+            return Err(KernelError::Unsupported(format!(
+                "more than {MAX_GROUPS} groups"
+            )));
+        }
+        let device = self.device.clone();
+        let g0 = self.groups;
+        let cfg = LaunchConfig::for_items(&device, n as u64, BLOCK);
+        let hashes = hash::hash_columns(&device, keys)?;
+        let mut batch_desc = Vec::with_capacity(keys.len() * 4);
+        for key in keys {
+            batch_desc.extend(key_descriptor(key)?);
+        }
+        let batch_desc = upload_words(&device, &batch_desc)?;
+        let mut store_desc = Vec::new();
+        for chunk in &self.chunks {
+            for key in chunk {
+                store_desc.extend(key_descriptor(key)?);
+            }
+        }
+        let store_desc = upload_words(&device, &store_desc)?;
+        let mut starts = self.starts.clone();
+        starts.push(g0 as u64);
+        let starts = upload_words(&device, &starts)?;
+        let refs = device.alloc(n * 4)?;
+        let inserted = device.alloc(8)?;
+        loop {
+            let wanted = ((g0 as u64) * 2).max(2048).next_power_of_two();
+            if self.slots.is_none() || self.capacity < wanted {
+                let slots = self.rebuilt_slots(wanted)?;
+                self.slots = Some(slots);
+                self.capacity = wanted;
+            }
+            let slots = self.slots.as_ref().expect("slots were just built");
+            let limit = self.capacity / 2 - g0 as u64;
+            inserted.write(0, &0u64.to_le_bytes())?;
+            // SAFETY: `slots` holds `capacity` u64 (mask capacity - 1) with fewer than
+            // capacity / 2 used, and inserts stop at `limit` more, so a free slot always
+            // remains; `hashes` and `refs` hold n rows; the descriptors point at key
+            // columns of n rows (batch) and of the committed chunks, whose `starts` give
+            // every committed group id a chunk; `inserted` holds one u64.
+            unsafe {
+                device.launch(
+                    Kernel::agg_find_or_insert,
+                    cfg,
+                    &[
+                        Arg::buf(slots),
+                        Arg::U64(self.capacity - 1),
+                        Arg::buf(&hashes),
+                        Arg::U64(n as u64),
+                        Arg::buf(&batch_desc),
+                        Arg::buf(&store_desc),
+                        Arg::buf(&starts),
+                        Arg::U32(self.chunks.len() as u32),
+                        Arg::U32(keys.len() as u32),
+                        Arg::U64(limit),
+                        Arg::buf(&inserted),
+                        Arg::buf(&refs),
+                    ],
+                )
+            }
+            .inspect_err(|_| {
+                let _ = self.rollback(g0);
+            })?;
+            if inserted.read_u64(0)? <= limit {
+                break;
+            }
+            // Too many new keys for the table: undo, grow for the worst case, retry.
+            self.rollback(g0)?;
+            let grown = ((g0 + n) as u64 * 2).next_power_of_two();
+            let slots = self.rebuilt_slots(grown)?;
+            self.slots = Some(slots);
+            self.capacity = grown;
+        }
+        // From here until the commit the table holds pending slots: any failure rolls
+        // them back before returning.
+        let result = self.commit_batch(keys, inputs, n, &hashes, &refs);
+        if result.is_err() {
+            self.rollback(g0)?;
+        }
+        result
+    }
+
+    fn commit_batch(
+        &mut self,
+        keys: &[&DeviceColumn],
+        inputs: &[AccInput<'_>],
+        n: usize,
+        hashes: &DeviceBuffer,
+        refs: &DeviceBuffer,
+    ) -> Result<()> {
+        let device = self.device.clone();
+        let g0 = self.groups;
+        let cfg = LaunchConfig::for_items(&device, n as u64, BLOCK);
+        let first = device.alloc(n.div_ceil(2) * 8)?;
+        fill_u64(&device, &first, n.div_ceil(2), u64::MAX)?;
+        let flags = device.alloc(n * 8)?;
+        // SAFETY: `refs` holds n u32 ids, each committed or PENDING | row < n; `first`
+        // holds n u32 and `flags` n u64.
+        unsafe {
+            device.launch(
+                Kernel::agg_first_rows,
+                cfg,
+                &[Arg::buf(refs), Arg::U64(n as u64), Arg::buf(&first)],
+            )?;
+            device.launch(
+                Kernel::agg_leader_flags,
+                cfg,
+                &[
+                    Arg::buf(refs),
+                    Arg::buf(&first),
+                    Arg::U64(n as u64),
+                    Arg::buf(&flags),
+                ],
+            )?;
+        }
+        let (ranks, new) = scan::exclusive_scan(&device, &flags, n)?;
+        let new = new as usize;
+        let total = g0 + new;
+        let grown = if total > self.group_capacity {
+            Some(self.grown(total.max(self.group_capacity * 2))?)
+        } else {
+            None
+        };
+        let group_hashes = grown
+            .as_ref()
+            .map_or(self.group_hashes.as_ref(), |g| g.group_hashes.as_ref())
+            .ok_or_else(|| KernelError::InvalidData("a keyed table without hashes".into()))?;
+        let gids = device.alloc(n * 4)?;
+        let leaders = device.alloc(new.max(1) * 4)?;
+        // SAFETY: ranks are the exclusive scan of the 0/1 flags, so leader ranks are
+        // below `new`, and g0 + rank < total <= the hashes' capacity; every pending id's
+        // `first` row is a leader (it set its own flag).
+        unsafe {
+            device.launch(
+                Kernel::agg_resolve,
+                cfg,
+                &[
+                    Arg::buf(refs),
+                    Arg::buf(&first),
+                    Arg::buf(&ranks),
+                    Arg::buf(&flags),
+                    Arg::buf(hashes),
+                    Arg::U64(n as u64),
+                    Arg::U64(g0 as u64),
+                    Arg::buf(&gids),
+                    Arg::buf(&leaders),
+                    Arg::buf(group_hashes),
+                ],
+            )?;
+        }
+        let leaders = RowIndices::new(leaders, new, n, false);
+        let chunk = keys
+            .iter()
+            .map(|k| gather::gather_column(k, &leaders))
+            .collect::<Result<Vec<_>>>()?;
+        let accs = grown.as_ref().map_or(&self.accs, |g| &g.accs);
+        let descriptors = self.accumulator_descriptors(accs, inputs)?;
+        let slots = self
+            .slots
+            .as_ref()
+            .ok_or_else(|| KernelError::InvalidData("a keyed table without slots".into()))?;
+        // The changes: slots first (undone by a rollback), then the accumulators in one
+        // launch (which either runs or not; grown accumulators are copies until installed).
+        // SAFETY: `slots` holds `capacity` u64; pending ids index `first` (n rows).
+        unsafe {
+            device.launch(
+                Kernel::agg_fix_slots,
+                LaunchConfig::for_items(&device, self.capacity, BLOCK),
+                &[
+                    Arg::buf(slots),
+                    Arg::U64(self.capacity),
+                    Arg::buf(&first),
+                    Arg::buf(&ranks),
+                    Arg::U64(g0 as u64),
+                ],
+            )?;
+        }
+        let locks = grown
+            .as_ref()
+            .map_or(self.locks.as_ref(), |g| g.locks.as_ref());
+        let shared = self.launch_update(&descriptors, Some(&gids), n, total, locks)?;
+        self.count_update(shared);
+        if let Some(grown) = grown {
+            self.install(grown);
+        }
+        if new > 0 {
+            self.chunks.push(chunk);
+            self.starts.push(g0 as u64);
+        }
+        self.groups = total;
+        Ok(())
+    }
+
+    fn accumulator_descriptors(
+        &self,
+        accs: &[Acc],
+        inputs: &[AccInput<'_>],
+    ) -> Result<DeviceBuffer> {
+        let mut words = Vec::with_capacity(accs.len() * 8);
+        for (acc, input) in accs.iter().zip(inputs) {
+            let kind = match input.values {
+                Some(values) => input_kind(values)?,
+                None if acc.op == AccOp::Count => INPUT_NONE,
+                None => {
+                    return Err(KernelError::Unsupported(
+                        "an accumulator other than count without values".into(),
+                    ));
+                }
+            };
+            let decimal_op = matches!(
+                acc.op,
+                AccOp::SumDecimal | AccOp::MinDecimal | AccOp::MaxDecimal
+            );
+            if kind == 9 && !decimal_op && acc.op != AccOp::Count {
+                return Err(KernelError::Unsupported(format!(
+                    "{:?} of decimal values",
+                    acc.op
+                )));
+            }
+            words.extend([
+                acc.op.code(),
+                kind,
+                input.values.map_or(0, |c| c.values().addr()),
+                input
+                    .values
+                    .and_then(DeviceColumn::validity)
+                    .map_or(0, DeviceBuffer::addr),
+                input.filter.map_or(0, |c| c.values().addr()),
+                input
+                    .filter
+                    .and_then(DeviceColumn::validity)
+                    .map_or(0, DeviceBuffer::addr),
+                acc.state.as_ref().map_or(0, DeviceBuffer::addr),
+                acc.counts.addr(),
+            ]);
+        }
+        upload_words(&self.device, &words)
+    }
+
+    /// Runs `agg_update`; says whether it used per-block shared-memory tables.
+    fn launch_update(
+        &self,
+        descriptors: &DeviceBuffer,
+        gids: Option<&DeviceBuffer>,
+        n: usize,
+        groups: usize,
+        locks: Option<&DeviceBuffer>,
+    ) -> Result<bool> {
+        let device = &self.device;
+        let per_group: usize = self.accs.iter().map(|a| (1 + a.op.words()) * 8).sum();
+        let shared = groups * per_group;
+        let use_shared =
+            !self.accs.iter().any(|a| a.op.locked()) && shared <= SHARED_BYTES && groups <= 4096;
+        let mut cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
+        if use_shared {
+            cfg.shared_bytes = shared.max(8) as u32;
+        }
+        // SAFETY: every descriptor's input columns hold n rows of its input kind (checked
+        // by the caller) and its state and counts hold at least `groups` groups; every gid
+        // is below `groups`; `locks` holds a u32 per group when a locked op is present;
+        // the shared tables of `shared` bytes fit the launch's dynamic shared memory.
+        unsafe {
+            device.launch(
+                Kernel::agg_update,
+                cfg,
+                &[
+                    Arg::buf(descriptors),
+                    Arg::U32(self.accs.len() as u32),
+                    Arg::opt(gids),
+                    Arg::U64(n as u64),
+                    Arg::opt(locks),
+                    Arg::U64(groups as u64),
+                    Arg::U32(u32::from(use_shared)),
+                ],
+            )?;
+        }
+        Ok(use_shared)
+    }
+
+    fn count_update(&mut self, shared: bool) {
+        if shared {
+            self.shared_updates += 1;
+        } else {
+            self.global_updates += 1;
+        }
+    }
+
+    /// The key columns of the groups, in group order (first seen first).
+    pub fn keys(&self) -> Result<Vec<ArrayRef>> {
+        (0..self.key_types.len())
+            .map(|k| {
+                let parts = self
+                    .chunks
+                    .iter()
+                    .map(|chunk| chunk[k].to_arrow())
+                    .collect::<Result<Vec<_>>>()?;
+                if parts.is_empty() {
+                    return Ok(new_empty_array(&self.key_types[k]));
+                }
+                let refs: Vec<&dyn arrow::array::Array> =
+                    parts.iter().map(|a| a.as_ref()).collect();
+                arrow::compute::concat(&refs).map_err(|e| KernelError::InvalidData(e.to_string()))
+            })
+            .collect()
+    }
+
+    /// Accumulator `k`'s state for every group.
+    pub fn state(&self, k: usize) -> Result<AccState> {
+        let acc = self
+            .accs
+            .get(k)
+            .ok_or_else(|| KernelError::Unsupported(format!("accumulator {k}")))?;
+        let g = self.groups;
+        let counts = words_of(&acc.counts.to_host()?, g);
+        let values = match (&acc.state, acc.op) {
+            (None, _) => AccValues::None,
+            (Some(state), op) => {
+                let words = words_of(&state.to_host()?, g * op.words());
+                match op {
+                    AccOp::Count => AccValues::None,
+                    AccOp::SumInt | AccOp::MinInt | AccOp::MaxInt => {
+                        AccValues::Int(words.iter().map(|&w| w as i64).collect())
+                    }
+                    AccOp::SumFloat => {
+                        AccValues::Float(words.iter().map(|&w| f64::from_bits(w)).collect())
+                    }
+                    AccOp::MinFloat | AccOp::MaxFloat => AccValues::Float(
+                        words
+                            .iter()
+                            .map(|&w| {
+                                f64::from_bits(if w >> 63 == 1 { w & !(1 << 63) } else { !w })
+                            })
+                            .collect(),
+                    ),
+                    AccOp::SumDecimal | AccOp::MinDecimal | AccOp::MaxDecimal => {
+                        AccValues::Decimal(
+                            words
+                                .chunks_exact(2)
+                                .map(|p| ((p[1] as u128) << 64 | p[0] as u128) as i128)
+                                .collect(),
+                        )
+                    }
+                }
+            }
+        };
+        Ok(AccState { counts, values })
+    }
+}
+
+fn words_of(bytes: &[u8], count: usize) -> Vec<u64> {
+    bytes
+        .chunks_exact(8)
+        .take(count)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect()
+}
+
+/// Copies the first `len` bytes of `src` into `dst`.
+fn copy_prefix(device: &Device, dst: &DeviceBuffer, src: &DeviceBuffer, len: usize) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    // The pool rounds sizes up, so `src` may be longer than `len`; copy through a view of
+    // exactly `len` bytes when it is.
+    if src.len() <= dst.len() {
+        return device.copy(dst, src);
+    }
+    let bytes = src.to_host()?;
+    dst.write(0, &bytes[..len])
+}
