@@ -68,6 +68,8 @@ pub struct VolleyConfig {
     pub gpu_filter: bool,
     /// Whether projections may run on a GPU.
     pub gpu_projection: bool,
+    /// Whether aggregations (GROUP BY, aggregate functions) may run on a GPU.
+    pub gpu_aggregate: bool,
 }
 
 impl Default for VolleyConfig {
@@ -79,6 +81,7 @@ impl Default for VolleyConfig {
             gpu_batch_rows: 1 << 20,
             gpu_filter: true,
             gpu_projection: true,
+            gpu_aggregate: true,
         }
     }
 }
@@ -121,6 +124,11 @@ const SETTINGS: &[Setting] = &[
         description: "Whether projections (computed SELECT columns) may run on a GPU: true \
                       or false.",
     },
+    Setting {
+        key: "gpu.aggregate",
+        description: "Whether aggregations (GROUP BY, count, sum, min, max, avg) may run on \
+                      a GPU: true or false.",
+    },
 ];
 
 impl VolleyConfig {
@@ -143,6 +151,7 @@ impl VolleyConfig {
             "gpu.batch_rows" => self.gpu_batch_rows.to_string(),
             "gpu.filter" => self.gpu_filter.to_string(),
             "gpu.projection" => self.gpu_projection.to_string(),
+            "gpu.aggregate" => self.gpu_aggregate.to_string(),
             _ => String::new(),
         }
     }
@@ -203,6 +212,7 @@ impl ExtensionOptions for VolleyConfig {
             }
             "gpu.filter" => self.gpu_filter = parse_flag("gpu.filter", value)?,
             "gpu.projection" => self.gpu_projection = parse_flag("gpu.projection", value)?,
+            "gpu.aggregate" => self.gpu_aggregate = parse_flag("gpu.aggregate", value)?,
             other => return Err(Self::unknown_key(other)),
         }
         Ok(())

@@ -14,6 +14,7 @@ use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode, TreeNodeRecursion};
 use datafusion::error::Result;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{ExecutionPlan, StatisticsArgs, StatisticsContext};
@@ -21,7 +22,7 @@ use volley_kernels::{Device, DeviceSelection};
 
 use super::devices::{describe, devices};
 use crate::config::{GpuMode, VolleyConfig};
-use crate::physical_plan::{GpuFilterExec, GpuProjectionExec};
+use crate::physical_plan::{GpuAggregateExec, GpuFilterExec, GpuProjectionExec};
 
 /// Whether an operator can run on a GPU.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,6 +110,12 @@ pub fn decide(
             volley.gpu_projection,
             "volley.gpu.projection",
         )
+    } else if node.is::<AggregateExec>() {
+        (
+            "AggregateExec",
+            volley.gpu_aggregate,
+            "volley.gpu.aggregate",
+        )
     } else {
         return Decision::NotApplicable;
     };
@@ -142,7 +149,9 @@ pub fn decide(
     let gpu: Result<Arc<dyn ExecutionPlan>, String> = match name {
         "FilterExec" => GpuFilterExec::try_new(node, devices, volley.gpu_batch_rows)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
-        _ => GpuProjectionExec::try_new(node, devices, volley.gpu_batch_rows)
+        "ProjectionExec" => GpuProjectionExec::try_new(node, devices, volley.gpu_batch_rows)
+            .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
+        _ => GpuAggregateExec::try_new(node, devices, volley.gpu_batch_rows)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
     };
     match gpu {
@@ -162,7 +171,7 @@ fn estimated_input_rows(node: &Arc<dyn ExecutionPlan>) -> Option<usize> {
     }
 }
 
-/// One line per filter and projection of a final plan: where it runs, or why it stays on
+/// One line per filter, projection and aggregation of a final plan: where it runs, or why it stays on
 /// the CPU. Empty when `volley.gpu.mode` is off. `EXPLAIN` shows it as `gpu_placement`.
 pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -> Vec<String> {
     let Some(volley) = config.extensions.get::<VolleyConfig>() else {
@@ -179,6 +188,12 @@ pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -
         } else if let Some(gpu) = node.downcast_ref::<GpuProjectionExec>() {
             lines.push(format!(
                 "GpuProjectionExec runs on {}",
+                describe(gpu.devices())
+            ));
+        } else if let Some(gpu) = node.downcast_ref::<GpuAggregateExec>() {
+            lines.push(format!(
+                "GpuAggregateExec ({:?}) runs on {}",
+                gpu.mode(),
                 describe(gpu.devices())
             ));
         } else if let Decision::Cpu(name, reason) = decide(node, volley, &available) {

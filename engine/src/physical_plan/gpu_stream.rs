@@ -118,6 +118,8 @@ pub struct RunCounts {
     pub filters: u64,
     /// `GpuProjectionExec` operators executed.
     pub projections: u64,
+    /// `GpuAggregateExec` operators executed.
+    pub aggregates: u64,
     /// Partitions of GPU operators executed.
     pub partitions: u64,
     /// Batches processed on a device.
@@ -130,15 +132,21 @@ impl fmt::Display for RunCounts {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} filters and {} projections ran on a device ({} partitions), {} batches on the \
-             device, {} redone on the CPU",
-            self.filters, self.projections, self.partitions, self.gpu_batches, self.cpu_batches
+            "{} filters, {} projections and {} aggregates ran on a device ({} partitions), {} \
+             batches on the device, {} redone on the CPU",
+            self.filters,
+            self.projections,
+            self.aggregates,
+            self.partitions,
+            self.gpu_batches,
+            self.cpu_batches
         )
     }
 }
 
 static FILTERS: AtomicU64 = AtomicU64::new(0);
 static PROJECTIONS: AtomicU64 = AtomicU64::new(0);
+static AGGREGATES: AtomicU64 = AtomicU64::new(0);
 static PARTITIONS: AtomicU64 = AtomicU64::new(0);
 
 /// Which kind of GPU operator started executing (for [`run_counts`]).
@@ -148,6 +156,8 @@ pub enum OperatorKind {
     Filter,
     /// `GpuProjectionExec`.
     Projection,
+    /// `GpuAggregateExec`.
+    Aggregate,
 }
 
 /// Counts an operator the first time one of its partitions executes.
@@ -156,8 +166,24 @@ pub fn count_operator(first: &std::sync::atomic::AtomicBool, kind: OperatorKind)
         match kind {
             OperatorKind::Filter => FILTERS.fetch_add(1, Ordering::Relaxed),
             OperatorKind::Projection => PROJECTIONS.fetch_add(1, Ordering::Relaxed),
+            OperatorKind::Aggregate => AGGREGATES.fetch_add(1, Ordering::Relaxed),
         };
     }
+}
+
+/// Counts a batch processed on a device (`true`) or redone on the CPU, for operators that
+/// do not run through [`GpuStream`].
+pub fn count_batch(on_device: bool) {
+    if on_device {
+        GPU_BATCHES.fetch_add(1, Ordering::Relaxed);
+    } else {
+        CPU_BATCHES.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Counts a partition of an operator that does not run through [`GpuStream`].
+pub fn count_partition() {
+    PARTITIONS.fetch_add(1, Ordering::Relaxed);
 }
 static GPU_BATCHES: AtomicU64 = AtomicU64::new(0);
 static CPU_BATCHES: AtomicU64 = AtomicU64::new(0);
@@ -167,6 +193,7 @@ pub fn run_counts() -> RunCounts {
     RunCounts {
         filters: FILTERS.load(Ordering::Relaxed),
         projections: PROJECTIONS.load(Ordering::Relaxed),
+        aggregates: AGGREGATES.load(Ordering::Relaxed),
         partitions: PARTITIONS.load(Ordering::Relaxed),
         gpu_batches: GPU_BATCHES.load(Ordering::Relaxed),
         cpu_batches: CPU_BATCHES.load(Ordering::Relaxed),

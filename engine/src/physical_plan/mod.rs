@@ -1,10 +1,13 @@
 //! Volley's GPU operators: DataFusion's operators with a `Gpu` prefix, each keeping the
 //! CPU operator it replaces so that any batch can be redone on the CPU.
 
+pub mod gpu_aggregate;
 pub mod gpu_batch_exec;
 pub mod gpu_filter;
 pub mod gpu_projection;
 pub mod gpu_stream;
+pub mod once;
 
+pub use gpu_aggregate::GpuAggregateExec;
 pub use gpu_filter::GpuFilterExec;
 pub use gpu_projection::GpuProjectionExec;

@@ -110,7 +110,8 @@ fn input_kind(column: &DeviceColumn) -> Result<u64> {
         Int8 => 0,
         Int16 => 1,
         Int32 | Date32 | Time32(_) => 2,
-        Int64 | Date64 | Time64(_) | Timestamp(_, _) | Duration(_) => 3,
+        // UInt64 only feeds sums (count states), which wrap the same either way.
+        Int64 | UInt64 | Date64 | Time64(_) | Timestamp(_, _) | Duration(_) => 3,
         UInt8 => 4,
         UInt16 => 5,
         UInt32 => 6,
@@ -652,6 +653,8 @@ impl GroupTable {
         let mut words = Vec::with_capacity(accs.len() * 8);
         for (acc, input) in accs.iter().zip(inputs) {
             let kind = match input.values {
+                // A count reads only the validity, whatever the type.
+                Some(_) if acc.op == AccOp::Count => INPUT_NONE,
                 Some(values) => input_kind(values)?,
                 None if acc.op == AccOp::Count => INPUT_NONE,
                 None => {
