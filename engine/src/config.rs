@@ -70,6 +70,9 @@ pub struct VolleyConfig {
     pub gpu_projection: bool,
     /// Whether aggregations (GROUP BY, aggregate functions) may run on a GPU.
     pub gpu_aggregate: bool,
+    /// `volley.gpu.memory_limit`: bytes of device memory Volley may hold on each device
+    /// (`None`: the whole device, or 2 GiB per emulated device).
+    pub gpu_memory_limit: Option<usize>,
 }
 
 impl Default for VolleyConfig {
@@ -82,6 +85,7 @@ impl Default for VolleyConfig {
             gpu_filter: true,
             gpu_projection: true,
             gpu_aggregate: true,
+            gpu_memory_limit: None,
         }
     }
 }
@@ -129,6 +133,12 @@ const SETTINGS: &[Setting] = &[
         description: "Whether aggregations (GROUP BY, count, sum, min, max, avg) may run on \
                       a GPU: true or false.",
     },
+    Setting {
+        key: "gpu.memory_limit",
+        description: "Device memory Volley may hold on each device, in bytes (suffixes K, M, \
+                      G allowed), or 0 for the whole device. Operators whose state outgrows \
+                      it finish on the CPU.",
+    },
 ];
 
 impl VolleyConfig {
@@ -152,6 +162,7 @@ impl VolleyConfig {
             "gpu.filter" => self.gpu_filter.to_string(),
             "gpu.projection" => self.gpu_projection.to_string(),
             "gpu.aggregate" => self.gpu_aggregate.to_string(),
+            "gpu.memory_limit" => self.gpu_memory_limit.unwrap_or(0).to_string(),
             _ => String::new(),
         }
     }
@@ -213,6 +224,10 @@ impl ExtensionOptions for VolleyConfig {
             "gpu.filter" => self.gpu_filter = parse_flag("gpu.filter", value)?,
             "gpu.projection" => self.gpu_projection = parse_flag("gpu.projection", value)?,
             "gpu.aggregate" => self.gpu_aggregate = parse_flag("gpu.aggregate", value)?,
+            "gpu.memory_limit" => {
+                self.gpu_memory_limit =
+                    Some(parse_bytes("gpu.memory_limit", value)?).filter(|&b| b > 0)
+            }
             other => return Err(Self::unknown_key(other)),
         }
         Ok(())
@@ -238,6 +253,31 @@ fn parse_flag(key: &str, value: &str) -> Result<bool> {
             "invalid value '{value}' for volley.{key} (expected true or false)"
         ))),
     }
+}
+
+/// A byte count: a whole number with an optional K, M or G (powers of 1024; `KiB`, `MB`
+/// and the like are read the same way).
+fn parse_bytes(key: &str, value: &str) -> Result<usize> {
+    let v = value.trim().to_ascii_uppercase();
+    let digits = v.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let unit = match v[digits.len()..]
+        .trim_end_matches("IB")
+        .trim_end_matches('B')
+    {
+        "" => Some(1usize),
+        "K" => Some(1 << 10),
+        "M" => Some(1 << 20),
+        "G" => Some(1 << 30),
+        _ => None,
+    };
+    unit.zip(digits.trim().parse::<usize>().ok())
+        .and_then(|(unit, n)| n.checked_mul(unit))
+        .ok_or_else(|| {
+            DataFusionError::Configuration(format!(
+                "invalid value '{value}' for volley.{key} (expected bytes, such as 268435456, \
+                 256M or 0 for the whole device)"
+            ))
+        })
 }
 
 impl ConfigExtension for VolleyConfig {
@@ -291,6 +331,11 @@ mod tests {
         assert!(e.contains("volley.gpu.min_rows"), "{e}");
         let e = c.set("gpu.batch_rows", "0").unwrap_err().to_string();
         assert!(e.contains("positive"), "{e}");
+        c.set("gpu.memory_limit", "64M").unwrap();
+        assert_eq!(c.gpu_memory_limit, Some(64 << 20));
+        c.set("gpu.memory_limit", "0").unwrap();
+        assert_eq!(c.gpu_memory_limit, None);
+        assert!(c.set("gpu.memory_limit", "lots").is_err());
         let e = c.set("gpu.filter", "maybe").unwrap_err().to_string();
         assert!(e.contains("true or false"), "{e}");
         let e = c.set("gpu.mdoe", "off").unwrap_err().to_string();

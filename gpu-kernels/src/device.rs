@@ -439,10 +439,12 @@ impl Device {
 
 /// Opens the devices a selection names: `none` gives no device, `emulated:N` N emulated
 /// devices, `cuda:0,1` those GPUs (an error if one is missing), and `auto` every GPU of the
-/// machine (none without a driver).
+/// machine (none without a driver). `budget` limits the bytes Volley holds on each CUDA
+/// device (emulated devices take theirs from `emulator`).
 pub fn open_devices(
     selection: &DeviceSelection,
     emulator: &EmulatorOptions,
+    budget: Option<usize>,
 ) -> Result<Vec<Device>> {
     match selection {
         DeviceSelection::None => Ok(Vec::new()),
@@ -452,10 +454,10 @@ pub fn open_devices(
         DeviceSelection::Auto => crate::cuda::list_devices()
             .unwrap_or_default()
             .iter()
-            .map(|d| Device::cuda(d.ordinal, None))
+            .map(|d| Device::cuda(d.ordinal, budget))
             .collect(),
         DeviceSelection::Cuda(ordinals) => {
-            ordinals.iter().map(|&o| Device::cuda(o, None)).collect()
+            ordinals.iter().map(|&o| Device::cuda(o, budget)).collect()
         }
     }
 }

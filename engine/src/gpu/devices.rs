@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use volley_kernels::{Device, DeviceSelection, EmulatorOptions, open_devices};
 
-type Opened = HashMap<DeviceSelection, Arc<Vec<Device>>>;
+type Opened = HashMap<(DeviceSelection, Option<usize>), Arc<Vec<Device>>>;
 
 fn opened() -> &'static Mutex<Opened> {
     static OPENED: OnceLock<Mutex<Opened>> = OnceLock::new();
@@ -16,13 +16,26 @@ fn opened() -> &'static Mutex<Opened> {
 /// The devices `selection` names, opened on first use (an empty list for `none`, or for
 /// `auto` on a machine without a GPU). The error says why a named device cannot be opened.
 pub fn devices(selection: &DeviceSelection) -> Result<Arc<Vec<Device>>, String> {
+    devices_with_limit(selection, None)
+}
+
+/// The devices `selection` names, each holding at most `limit` bytes
+/// (`volley.gpu.memory_limit`). Devices opened with different limits are distinct.
+pub fn devices_with_limit(
+    selection: &DeviceSelection,
+    limit: Option<usize>,
+) -> Result<Arc<Vec<Device>>, String> {
     let mut map = opened().lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(devices) = map.get(selection) {
+    let key = (selection.clone(), limit);
+    if let Some(devices) = map.get(&key) {
         return Ok(Arc::clone(devices));
     }
-    let devices =
-        Arc::new(open_devices(selection, &EmulatorOptions::default()).map_err(|e| e.to_string())?);
-    map.insert(selection.clone(), Arc::clone(&devices));
+    let mut emulator = EmulatorOptions::default();
+    if let Some(limit) = limit {
+        emulator.memory_budget = limit;
+    }
+    let devices = Arc::new(open_devices(selection, &emulator, limit).map_err(|e| e.to_string())?);
+    map.insert(key, Arc::clone(&devices));
     Ok(devices)
 }
 

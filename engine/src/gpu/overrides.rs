@@ -20,7 +20,7 @@ use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{ExecutionPlan, StatisticsArgs, StatisticsContext};
 use volley_kernels::{Device, DeviceSelection};
 
-use super::devices::{describe, devices};
+use super::devices::{describe, devices_with_limit};
 use crate::config::{GpuMode, VolleyConfig};
 use crate::physical_plan::{GpuAggregateExec, GpuFilterExec, GpuProjectionExec};
 
@@ -56,7 +56,7 @@ impl PhysicalOptimizerRule for GpuOverrides {
         if volley.gpu_mode == GpuMode::Off {
             return Ok(plan);
         }
-        let available = devices(&volley.devices);
+        let available = devices_with_limit(&volley.devices, volley.gpu_memory_limit);
         plan.transform_up(|node| {
             Ok(match decide(&node, volley, &available) {
                 Decision::Gpu(gpu) => Transformed::yes(gpu),
@@ -180,7 +180,7 @@ pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -
     if volley.gpu_mode == GpuMode::Off {
         return Vec::new();
     }
-    let available = devices(&volley.devices);
+    let available = devices_with_limit(&volley.devices, volley.gpu_memory_limit);
     let mut lines = Vec::new();
     let _ = plan.apply(|node| {
         if let Some(gpu) = node.downcast_ref::<GpuFilterExec>() {

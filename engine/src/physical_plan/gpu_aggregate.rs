@@ -72,6 +72,9 @@ use super::once::OnceExec;
 use crate::gpu::compile::{CompiledExprs, Reason, compile, expr_name, is_output_type};
 use crate::gpu::devices::describe;
 
+/// The smallest piece a batch that does not fit in device memory is split into.
+const MIN_SPLIT_ROWS: usize = 4096;
+
 /// Where a key or an aggregate input comes from in each batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Source {
@@ -96,8 +99,9 @@ enum Func {
 /// How one state field of an aggregate is read off an accumulator.
 #[derive(Debug, Clone)]
 enum StateFrom {
-    /// The accumulator's per-group row counts (count, avg's count).
-    Counts(usize),
+    /// The accumulator's per-group row counts (count); NULL where 0 when the flag is set
+    /// (avg's count, which DataFusion leaves NULL with its sum).
+    Counts(usize, bool),
     /// Its values; NULL where no row contributed unless `zero_if_empty`.
     Values(usize, bool),
 }
@@ -281,12 +285,12 @@ impl AggregateWork {
                         Some(l) if !l.value().is_null() => Source::Rows,
                         _ => sources.of(&args[0])?.0,
                     };
-                    vec![StateFrom::Counts(add(AccOp::Count, values))]
+                    vec![StateFrom::Counts(add(AccOp::Count, values), false)]
                 }
                 (Func::Avg, true) => {
                     let (values, t) = sources.of(&args[0])?;
                     let acc = add(op_for(func, &t)?, values);
-                    vec![StateFrom::Counts(acc), StateFrom::Values(acc, false)]
+                    vec![StateFrom::Counts(acc, true), StateFrom::Values(acc, false)]
                 }
                 (_, true) => {
                     let (values, t) = sources.of(&args[0])?;
@@ -308,8 +312,10 @@ impl AggregateWork {
                             Func::Count | Func::Avg
                                 if matches!(t, DataType::Int64 | DataType::UInt64) =>
                             {
-                                // count states (and avg's count) add up and are never NULL
-                                from.push(StateFrom::Values(add(AccOp::SumInt, values), true));
+                                // count states add up and are never NULL; avg's count is
+                                // NULL where its sum is
+                                let acc = add(AccOp::SumInt, values);
+                                from.push(StateFrom::Values(acc, func == Func::Count));
                                 continue;
                             }
                             Func::Avg => Func::Sum,
@@ -586,9 +592,11 @@ fn canonical_zeros(array: ArrayRef) -> Result<ArrayRef, datafusion::arrow::error
 /// One state field of `t` from the accumulators' states.
 fn state_array(accs: &[AccState], from: &StateFrom, t: &DataType) -> Result<ArrayRef> {
     match from {
-        StateFrom::Counts(k) => {
+        StateFrom::Counts(k, null_if_zero) => {
             let counts = &accs[*k].counts;
-            let array: ArrayRef = Arc::new(UInt64Array::from(counts.clone()));
+            let nulls = null_if_zero
+                .then(|| NullBuffer::from(counts.iter().map(|&c| c > 0).collect::<Vec<_>>()));
+            let array: ArrayRef = Arc::new(UInt64Array::new(counts.clone().into(), nulls));
             cast(&array, t).map_err(arrow_err)
         }
         StateFrom::Values(k, zero_if_empty) => {
@@ -814,6 +822,8 @@ struct ExtraMetrics {
     shared_memory_batches: Count,
     /// Batches whose accumulators were updated in the global table.
     global_table_batches: Count,
+    /// Device batches split in halves because they did not fit in device memory.
+    split_batches: Count,
     /// 1 when the device gave up (fault, memory) and DataFusion finished on the CPU.
     cpu_fallback: Count,
 }
@@ -830,6 +840,7 @@ impl ExtraMetrics {
             groups: builder().counter("groups", partition),
             shared_memory_batches: builder().counter("shared_memory_batches", partition),
             global_table_batches: builder().counter("global_table_batches", partition),
+            split_batches: builder().counter("split_batches", partition),
             cpu_fallback: builder().counter("cpu_fallback", partition),
         }
     }
@@ -928,8 +939,10 @@ impl Run {
         )))
     }
 
-    /// Processes the pending input batches as one device batch. On error the pending
-    /// batches stay in `pending` (the table is as it was before them).
+    /// Processes the pending input batches as one device batch. When the device runs out
+    /// of memory for it, the batch is split in halves (down to `MIN_SPLIT_ROWS`), each
+    /// added on its own. On error, `pending` holds what was not added (the table is as it
+    /// was before those rows).
     fn flush(
         &self,
         table: &mut GroupTable,
@@ -945,16 +958,35 @@ impl Run {
             concat_batches(&pending[0].schema(), pending.iter())
                 .map_err(|e| UpdateError::Query(arrow_err(e)))?
         };
-        let timer = self.metrics.baseline.elapsed_compute().timer();
-        let outcome = self.work.update(table, &self.device, &batch, &self.metrics);
-        timer.done();
-        let on_device = outcome?;
-        if on_device {
-            self.metrics.gpu_batches.add(1);
-            super::gpu_stream::count_batch(true);
-        } else {
-            self.metrics.cpu_batches.add(1);
-            super::gpu_stream::count_batch(false);
+        let mut pieces = std::collections::VecDeque::from([batch]);
+        while let Some(piece) = pieces.pop_front() {
+            let timer = self.metrics.baseline.elapsed_compute().timer();
+            let outcome = self.work.update(table, &self.device, &piece, &self.metrics);
+            timer.done();
+            match outcome {
+                Ok(on_device) => {
+                    if on_device {
+                        self.metrics.gpu_batches.add(1);
+                    } else {
+                        self.metrics.cpu_batches.add(1);
+                    }
+                    super::gpu_stream::count_batch(on_device);
+                }
+                Err(UpdateError::Device(KernelError::OutOfDeviceMemory { .. }))
+                    if piece.num_rows() >= 2 * MIN_SPLIT_ROWS =>
+                {
+                    let half = piece.num_rows() / 2;
+                    self.extra.split_batches.add(1);
+                    pieces.push_front(piece.slice(half, piece.num_rows() - half));
+                    pieces.push_front(piece.slice(0, half));
+                }
+                Err(e) => {
+                    pieces.push_front(piece);
+                    *pending = pieces.into_iter().collect();
+                    *pending_rows = pending.iter().map(RecordBatch::num_rows).sum();
+                    return Err(e);
+                }
+            }
         }
         pending.clear();
         *pending_rows = 0;
