@@ -70,6 +70,8 @@ pub struct VolleyConfig {
     pub gpu_projection: bool,
     /// Whether aggregations (GROUP BY, aggregate functions) may run on a GPU.
     pub gpu_aggregate: bool,
+    /// Whether hash joins may match rows on a GPU.
+    pub gpu_join: bool,
     /// `volley.gpu.memory_limit`: bytes of device memory Volley may hold on each device
     /// (`None`: the whole device, or 2 GiB per emulated device).
     pub gpu_memory_limit: Option<usize>,
@@ -85,6 +87,7 @@ impl Default for VolleyConfig {
             gpu_filter: true,
             gpu_projection: true,
             gpu_aggregate: true,
+            gpu_join: true,
             gpu_memory_limit: None,
         }
     }
@@ -134,6 +137,10 @@ const SETTINGS: &[Setting] = &[
                       a GPU: true or false.",
     },
     Setting {
+        key: "gpu.join",
+        description: "Whether hash joins may match rows on a GPU: true or false.",
+    },
+    Setting {
         key: "gpu.memory_limit",
         description: "Device memory Volley may hold on each device, in bytes (suffixes K, M, \
                       G allowed), or 0 for the whole device. Operators whose state outgrows \
@@ -162,6 +169,7 @@ impl VolleyConfig {
             "gpu.filter" => self.gpu_filter.to_string(),
             "gpu.projection" => self.gpu_projection.to_string(),
             "gpu.aggregate" => self.gpu_aggregate.to_string(),
+            "gpu.join" => self.gpu_join.to_string(),
             "gpu.memory_limit" => self.gpu_memory_limit.unwrap_or(0).to_string(),
             _ => String::new(),
         }
@@ -224,6 +232,7 @@ impl ExtensionOptions for VolleyConfig {
             "gpu.filter" => self.gpu_filter = parse_flag("gpu.filter", value)?,
             "gpu.projection" => self.gpu_projection = parse_flag("gpu.projection", value)?,
             "gpu.aggregate" => self.gpu_aggregate = parse_flag("gpu.aggregate", value)?,
+            "gpu.join" => self.gpu_join = parse_flag("gpu.join", value)?,
             "gpu.memory_limit" => {
                 self.gpu_memory_limit =
                     Some(parse_bytes("gpu.memory_limit", value)?).filter(|&b| b > 0)
@@ -297,7 +306,11 @@ mod tests {
         c.set("gpu.batch_rows", "4096").unwrap();
         c.set("gpu.filter", "false").unwrap();
         c.set("gpu.projection", "off").unwrap();
+        c.set("gpu.aggregate", "false").unwrap();
+        c.set("gpu.join", "false").unwrap();
+        c.set("gpu.memory_limit", "1G").unwrap();
         assert!(!c.gpu_filter && !c.gpu_projection && c.gpu_batch_rows == 4096);
+        assert!(!c.gpu_aggregate && c.gpu_memory_limit == Some(1 << 30));
         assert_eq!(c.devices, DeviceSelection::Emulated(2));
         assert_eq!(c.gpu_mode, GpuMode::Force);
         assert_eq!(c.gpu_min_rows, 10);
@@ -315,6 +328,12 @@ mod tests {
                 ("volley.gpu.batch_rows".to_string(), "4096".to_string()),
                 ("volley.gpu.filter".to_string(), "false".to_string()),
                 ("volley.gpu.projection".to_string(), "false".to_string()),
+                ("volley.gpu.aggregate".to_string(), "false".to_string()),
+                ("volley.gpu.join".to_string(), "false".to_string()),
+                (
+                    "volley.gpu.memory_limit".to_string(),
+                    "1073741824".to_string()
+                ),
             ]
         );
     }

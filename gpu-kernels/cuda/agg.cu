@@ -48,68 +48,8 @@ union AggBits {
 #define AGG_EMPTY 0xFFFFFFFFFFFFFFFFull
 #define AGG_PENDING 0x80000000u
 
-// Key column kinds (AggKeyCol.kind).
-enum AggKeyKind { AK_1 = 0, AK_2, AK_4, AK_8, AK_16, AK_F32, AK_F64, AK_S32, AK_S64 };
-
-struct AggKeyCol {
-    const uint8_t* values;
-    const uint8_t* validity;  // null: no NULLs
-    const uint8_t* offsets;   // strings only
-    uint64_t kind;
-};
-
-__device__ __forceinline__ uint32_t agg_f32_canon(uint32_t bits) { return (bits << 1) == 0 ? 0u : bits; }
-__device__ __forceinline__ uint64_t agg_f64_canon(uint64_t bits) { return (bits << 1) == 0 ? 0ull : bits; }
-
-// Whether row i of columns a equals row j of columns b, as GROUP BY means it: NULL equals
-// NULL, floats compare bit for bit after -0.0 becomes 0.0.
-__device__ bool agg_key_equal(const AggKeyCol* a, uint64_t i, const AggKeyCol* b, uint64_t j, uint32_t ncols) {
-    for (uint32_t c = 0; c < ncols; ++c) {
-        bool va = bit_is_set(a[c].validity, i), vb = bit_is_set(b[c].validity, j);
-        if (va != vb) return false;
-        if (!va) continue;
-        switch (a[c].kind) {
-            case AK_1: if (a[c].values[i] != b[c].values[j]) return false; break;
-            case AK_2: if (((const uint16_t*)a[c].values)[i] != ((const uint16_t*)b[c].values)[j]) return false; break;
-            case AK_4: if (((const uint32_t*)a[c].values)[i] != ((const uint32_t*)b[c].values)[j]) return false; break;
-            case AK_8: if (((const uint64_t*)a[c].values)[i] != ((const uint64_t*)b[c].values)[j]) return false; break;
-            case AK_16: {
-                const uint64_t* x = (const uint64_t*)a[c].values + 2 * i;
-                const uint64_t* y = (const uint64_t*)b[c].values + 2 * j;
-                if (x[0] != y[0] || x[1] != y[1]) return false;
-                break;
-            }
-            case AK_F32:
-                if (agg_f32_canon(((const uint32_t*)a[c].values)[i]) != agg_f32_canon(((const uint32_t*)b[c].values)[j]))
-                    return false;
-                break;
-            case AK_F64:
-                if (agg_f64_canon(((const uint64_t*)a[c].values)[i]) != agg_f64_canon(((const uint64_t*)b[c].values)[j]))
-                    return false;
-                break;
-            case AK_S32:
-            case AK_S64: {
-                int64_t sa, ea, sb, eb;
-                if (a[c].kind == AK_S32) {
-                    sa = ((const int32_t*)a[c].offsets)[i]; ea = ((const int32_t*)a[c].offsets)[i + 1];
-                    sb = ((const int32_t*)b[c].offsets)[j]; eb = ((const int32_t*)b[c].offsets)[j + 1];
-                } else {
-                    sa = ((const int64_t*)a[c].offsets)[i]; ea = ((const int64_t*)a[c].offsets)[i + 1];
-                    sb = ((const int64_t*)b[c].offsets)[j]; eb = ((const int64_t*)b[c].offsets)[j + 1];
-                }
-                if (ea - sa != eb - sb) return false;
-                for (int64_t k = 0; k < ea - sa; ++k)
-                    if (a[c].values[sa + k] != b[c].values[sb + k]) return false;
-                break;
-            }
-            default: return false;
-        }
-    }
-    return true;
-}
-
 // The key columns of committed group `gid` and its row in them.
-__device__ __forceinline__ const AggKeyCol* agg_store_row(const AggKeyCol* store, const uint64_t* starts,
+__device__ __forceinline__ const KeyCol* agg_store_row(const KeyCol* store, const uint64_t* starts,
                                                           uint32_t chunks, uint32_t ncols, uint64_t gid,
                                                           uint64_t* row) {
     uint32_t lo = 0, hi = chunks - 1;  // the last chunk c with starts[c] <= gid
@@ -122,7 +62,7 @@ __device__ __forceinline__ const AggKeyCol* agg_store_row(const AggKeyCol* store
 }
 
 VOLLEY_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, const uint64_t* hashes, uint64_t n,
-                                 const AggKeyCol* batch_keys, const AggKeyCol* store_keys, const uint64_t* starts,
+                                 const KeyCol* batch_keys, const KeyCol* store_keys, const uint64_t* starts,
                                  uint32_t chunks, uint32_t ncols, uint64_t limit, unsigned long long* inserted,
                                  uint32_t* refs) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
@@ -143,11 +83,11 @@ VOLLEY_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, const
                 uint32_t id = (uint32_t)seen;
                 bool equal;
                 if (id & AGG_PENDING) {
-                    equal = agg_key_equal(batch_keys, i, batch_keys, id & ~AGG_PENDING, ncols);
+                    equal = keys_equal(batch_keys, i, batch_keys, id & ~AGG_PENDING, ncols);
                 } else {
                     uint64_t row;
-                    const AggKeyCol* cols = agg_store_row(store_keys, starts, chunks, ncols, id, &row);
-                    equal = agg_key_equal(batch_keys, i, cols, row, ncols);
+                    const KeyCol* cols = agg_store_row(store_keys, starts, chunks, ncols, id, &row);
+                    equal = keys_equal(batch_keys, i, cols, row, ncols);
                 }
                 if (equal) {
                     ref = id;

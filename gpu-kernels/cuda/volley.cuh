@@ -41,3 +41,65 @@ struct __attribute__((aligned(16))) Word128 {
     uint64_t lo;
     uint64_t hi;
 };
+
+// Key columns for comparing rows (GROUP BY, join keys), four words each:
+// values, validity (null: no NULLs), offsets (strings), kind. Kinds (KeyCol.kind):
+enum KeyKind { KEY_1 = 0, KEY_2, KEY_4, KEY_8, KEY_16, KEY_F32, KEY_F64, KEY_S32, KEY_S64 };
+
+struct KeyCol {
+    const uint8_t* values;
+    const uint8_t* validity;  // null: no NULLs
+    const uint8_t* offsets;   // strings only
+    uint64_t kind;
+};
+
+__device__ __forceinline__ uint32_t key_f32_canon(uint32_t bits) { return (bits << 1) == 0 ? 0u : bits; }
+__device__ __forceinline__ uint64_t key_f64_canon(uint64_t bits) { return (bits << 1) == 0 ? 0ull : bits; }
+
+// Whether row i of columns a equals row j of columns b, as GROUP BY means it: NULL equals
+// NULL, floats compare bit for bit after -0.0 becomes 0.0.
+__device__ bool keys_equal(const KeyCol* a, uint64_t i, const KeyCol* b, uint64_t j, uint32_t ncols) {
+    for (uint32_t c = 0; c < ncols; ++c) {
+        bool va = bit_is_set(a[c].validity, i), vb = bit_is_set(b[c].validity, j);
+        if (va != vb) return false;
+        if (!va) continue;
+        switch (a[c].kind) {
+            case KEY_1: if (a[c].values[i] != b[c].values[j]) return false; break;
+            case KEY_2: if (((const uint16_t*)a[c].values)[i] != ((const uint16_t*)b[c].values)[j]) return false; break;
+            case KEY_4: if (((const uint32_t*)a[c].values)[i] != ((const uint32_t*)b[c].values)[j]) return false; break;
+            case KEY_8: if (((const uint64_t*)a[c].values)[i] != ((const uint64_t*)b[c].values)[j]) return false; break;
+            case KEY_16: {
+                const uint64_t* x = (const uint64_t*)a[c].values + 2 * i;
+                const uint64_t* y = (const uint64_t*)b[c].values + 2 * j;
+                if (x[0] != y[0] || x[1] != y[1]) return false;
+                break;
+            }
+            case KEY_F32:
+                if (key_f32_canon(((const uint32_t*)a[c].values)[i]) != key_f32_canon(((const uint32_t*)b[c].values)[j]))
+                    return false;
+                break;
+            case KEY_F64:
+                if (key_f64_canon(((const uint64_t*)a[c].values)[i]) != key_f64_canon(((const uint64_t*)b[c].values)[j]))
+                    return false;
+                break;
+            case KEY_S32:
+            case KEY_S64: {
+                int64_t sa, ea, sb, eb;
+                if (a[c].kind == KEY_S32) {
+                    sa = ((const int32_t*)a[c].offsets)[i]; ea = ((const int32_t*)a[c].offsets)[i + 1];
+                    sb = ((const int32_t*)b[c].offsets)[j]; eb = ((const int32_t*)b[c].offsets)[j + 1];
+                } else {
+                    sa = ((const int64_t*)a[c].offsets)[i]; ea = ((const int64_t*)a[c].offsets)[i + 1];
+                    sb = ((const int64_t*)b[c].offsets)[j]; eb = ((const int64_t*)b[c].offsets)[j + 1];
+                }
+                if (ea - sa != eb - sb) return false;
+                for (int64_t k = 0; k < ea - sa; ++k)
+                    if (a[c].values[sa + k] != b[c].values[sb + k]) return false;
+                break;
+            }
+            default: return false;
+        }
+    }
+    return true;
+}
+

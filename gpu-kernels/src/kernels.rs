@@ -11,6 +11,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("gather.cu", include_str!("../cuda/gather.cu")),
     ("hash.cu", include_str!("../cuda/hash.cu")),
     ("hash_table.cu", include_str!("../cuda/hash_table.cu")),
+    ("join.cu", include_str!("../cuda/join.cu")),
     ("scan.cu", include_str!("../cuda/scan.cu")),
     ("selftest.cu", include_str!("../cuda/selftest.cu")),
 ];
@@ -60,6 +61,8 @@ macro_rules! kernels {
 }
 
 kernels! {
+    join_verify => volley_emu_launch_join_verify in "join.cu",
+    join_compact => volley_emu_launch_join_compact in "join.cu",
     agg_find_or_insert => volley_emu_launch_agg_find_or_insert in "agg.cu",
     agg_first_rows => volley_emu_launch_agg_first_rows in "agg.cu",
     agg_leader_flags => volley_emu_launch_agg_leader_flags in "agg.cu",

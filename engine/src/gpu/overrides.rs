@@ -16,13 +16,14 @@ use datafusion::error::Result;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::joins::HashJoinExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{ExecutionPlan, StatisticsArgs, StatisticsContext};
 use volley_kernels::{Device, DeviceSelection};
 
 use super::devices::{describe, devices_with_limit};
 use crate::config::{GpuMode, VolleyConfig};
-use crate::physical_plan::{GpuAggregateExec, GpuFilterExec, GpuProjectionExec};
+use crate::physical_plan::{GpuAggregateExec, GpuFilterExec, GpuHashJoinExec, GpuProjectionExec};
 
 /// Whether an operator can run on a GPU.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,6 +117,8 @@ pub fn decide(
             volley.gpu_aggregate,
             "volley.gpu.aggregate",
         )
+    } else if node.is::<HashJoinExec>() {
+        ("HashJoinExec", volley.gpu_join, "volley.gpu.join")
     } else {
         return Decision::NotApplicable;
     };
@@ -151,7 +154,9 @@ pub fn decide(
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
         "ProjectionExec" => GpuProjectionExec::try_new(node, devices, volley.gpu_batch_rows)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
-        _ => GpuAggregateExec::try_new(node, devices, volley.gpu_batch_rows)
+        "AggregateExec" => GpuAggregateExec::try_new(node, devices, volley.gpu_batch_rows)
+            .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
+        _ => GpuHashJoinExec::try_new(node, devices, volley.gpu_batch_rows)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
     };
     match gpu {
@@ -171,7 +176,7 @@ fn estimated_input_rows(node: &Arc<dyn ExecutionPlan>) -> Option<usize> {
     }
 }
 
-/// One line per filter, projection and aggregation of a final plan: where it runs, or why it stays on
+/// One line per filter, projection, aggregation and hash join of a final plan: where it runs, or why it stays on
 /// the CPU. Empty when `volley.gpu.mode` is off. `EXPLAIN` shows it as `gpu_placement`.
 pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -> Vec<String> {
     let Some(volley) = config.extensions.get::<VolleyConfig>() else {
@@ -194,6 +199,17 @@ pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -
             lines.push(format!(
                 "GpuAggregateExec ({:?}) runs on {}",
                 gpu.mode(),
+                describe(gpu.devices())
+            ));
+        } else if let Some(gpu) = node.downcast_ref::<GpuHashJoinExec>() {
+            let filter = if gpu.has_filter() {
+                ", its filter on the CPU"
+            } else {
+                ""
+            };
+            lines.push(format!(
+                "GpuHashJoinExec ({}{filter}) runs on {}",
+                gpu.join_type(),
                 describe(gpu.devices())
             ));
         } else if let Decision::Cpu(name, reason) = decide(node, volley, &available) {

@@ -511,6 +511,7 @@ struct Placement {
     filters: usize,
     projections: usize,
     aggregates: usize,
+    joins: usize,
     on_cpu: Vec<String>,
 }
 
@@ -523,6 +524,8 @@ impl Placement {
                 self.projections += 1;
             } else if line.starts_with("GpuAggregateExec") && line.contains(" runs on ") {
                 self.aggregates += 1;
+            } else if line.starts_with("GpuHashJoinExec") && line.contains(" runs on ") {
+                self.joins += 1;
             } else {
                 self.on_cpu.push(format!("Q{query}: {line}"));
             }
@@ -611,25 +614,29 @@ async fn check_tpch_on(devices: &str, partitions: usize) {
         assert_eq!(got, want, "Q{q} on {devices}");
     }
     println!(
-        "{devices}: {} filters, {} projections, {} aggregates of the TPC-H plans ran on the \
-         GPU; on the CPU:\n{}",
+        "{devices}: {} filters, {} projections, {} aggregates, {} hash joins of the TPC-H \
+         plans ran on the GPU; on the CPU:\n{}",
         placement.filters,
         placement.projections,
         placement.aggregates,
+        placement.joins,
         placement.on_cpu.join("\n")
     );
     // The floors are what the plans had when aggregation came to the GPU: a drop means an
     // operator went back to the CPU. Every aggregation runs on the device.
     assert!(
-        placement.filters >= 45 && placement.projections >= 11 && placement.aggregates >= 60,
+        placement.filters >= 45
+            && placement.projections >= 11
+            && placement.aggregates >= 60
+            && placement.joins >= 62,
         "{placement:?}"
     );
-    let aggregates_on_cpu: Vec<_> = placement
+    let heavy_on_cpu: Vec<_> = placement
         .on_cpu
         .iter()
-        .filter(|l| l.contains("AggregateExec"))
+        .filter(|l| l.contains("AggregateExec") || l.contains("HashJoinExec"))
         .collect();
-    assert!(aggregates_on_cpu.is_empty(), "{aggregates_on_cpu:?}");
+    assert!(heavy_on_cpu.is_empty(), "{heavy_on_cpu:?}");
     for (device, launches) in opened.iter().zip(before) {
         assert!(device.counters().1 > launches, "{device} ran nothing");
     }
@@ -945,6 +952,215 @@ mod aggregate_properties {
                 )
             };
             check(&rows, &sql, partitions)?;
+        }
+    }
+}
+
+mod join_properties {
+    //! Random equi-joins of every supported type over random data with NULL keys and skew
+    //! (a hot key, all keys distinct, an empty side), with and without a residual filter,
+    //! in one partition and in three: the GPU's answer equals DataFusion's.
+
+    use std::sync::Arc;
+
+    use datafusion::arrow::array::{Int32Array, Int64Array, RecordBatch, StringArray};
+    use datafusion::prelude::SessionConfig;
+    use proptest::prelude::*;
+    use proptest::test_runner::TestCaseError;
+
+    use crate::config::GpuMode;
+    use crate::gpu::devices::devices;
+    use crate::{VolleyConfig, VolleyContext};
+
+    type Row = (Option<i32>, Option<String>, Option<i64>);
+
+    fn key() -> BoxedStrategy<Option<i32>> {
+        prop_oneof![
+            proptest::option::weighted(0.85, 0i32..8),
+            prop_oneof![8 => Just(Some(3)), 2 => proptest::option::of(0i32..50)],
+            proptest::option::weighted(0.95, any::<i32>()),
+        ]
+        .boxed()
+    }
+
+    fn side(max: usize) -> impl Strategy<Value = Vec<Row>> {
+        proptest::collection::vec(
+            (
+                key(),
+                proptest::option::weighted(0.9, "[ab]{0,1}"),
+                proptest::option::weighted(0.9, -50i64..50),
+            ),
+            0..max,
+        )
+    }
+
+    fn batch(rows: &[Row], names: [&str; 3]) -> RecordBatch {
+        RecordBatch::try_from_iter(vec![
+            (
+                names[0],
+                Arc::new(Int32Array::from_iter(rows.iter().map(|r| r.0))) as _,
+            ),
+            (
+                names[1],
+                Arc::new(StringArray::from_iter(rows.iter().map(|r| r.1.clone()))) as _,
+            ),
+            (
+                names[2],
+                Arc::new(Int64Array::from_iter(rows.iter().map(|r| r.2))) as _,
+            ),
+        ])
+        .unwrap()
+    }
+
+    /// With several partitions, both sides are hash-partitioned (Partitioned mode) rather
+    /// than the small build side collected (CollectLeft, which one partition gives).
+    fn context(gpu: bool, partitions: usize) -> VolleyContext {
+        let session = SessionConfig::new()
+            .with_target_partitions(partitions)
+            .set_usize(
+                "datafusion.optimizer.hash_join_single_partition_threshold",
+                if partitions > 1 { 0 } else { 1 << 20 },
+            )
+            .set_usize(
+                "datafusion.optimizer.hash_join_single_partition_threshold_rows",
+                if partitions > 1 { 0 } else { 1 << 20 },
+            );
+        VolleyContext::with_session_config(
+            session,
+            VolleyConfig {
+                devices: "emulated:1".parse().unwrap(),
+                gpu_mode: if gpu { GpuMode::Force } else { GpuMode::Off },
+                ..VolleyConfig::default()
+            },
+        )
+    }
+
+    fn register(ctx: &VolleyContext, name: &str, data: &RecordBatch, partitions: usize) {
+        let n = data.num_rows();
+        let parts: Vec<Vec<RecordBatch>> = (0..partitions)
+            .map(|p| {
+                let (from, to) = (n * p / partitions, n * (p + 1) / partitions);
+                vec![data.slice(from, to - from)]
+            })
+            .collect();
+        let table = datafusion::datasource::MemTable::try_new(data.schema(), parts).unwrap();
+        ctx.session_context()
+            .register_table(name, Arc::new(table))
+            .unwrap();
+    }
+
+    async fn answer(ctx: &VolleyContext, sql: &str) -> (Result<String, String>, String) {
+        let frame = match ctx.sql(sql).await {
+            Ok(f) => f,
+            Err(e) => return (Err(e.to_string()), String::new()),
+        };
+        let options = ctx.session_context().state().config().options().clone();
+        let plan = match frame.clone().create_physical_plan().await {
+            Ok(p) => format!(
+                "{}{}",
+                datafusion::physical_plan::displayable(p.as_ref()).indent(false),
+                crate::gpu::placement_report(&p, &options).join("\n")
+            ),
+            Err(e) => return (Err(e.to_string()), String::new()),
+        };
+        let rows = match frame.collect().await {
+            Ok(b) => datafusion::arrow::util::pretty::pretty_format_batches(&b)
+                .map(|t| t.to_string())
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        (rows, plan)
+    }
+
+    fn check(l: &[Row], r: &[Row], sql: &str, partitions: usize) -> Result<(), TestCaseError> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let (gpu, cpu) = (context(true, partitions), context(false, partitions));
+            for ctx in [&gpu, &cpu] {
+                register(ctx, "l", &batch(l, ["k", "s", "a"]), partitions);
+                register(ctx, "r", &batch(r, ["k2", "s2", "b"]), partitions);
+            }
+            let device = devices(&"emulated:1".parse().unwrap()).unwrap()[0].clone();
+            let launches = device.counters().1;
+            let (gpu_rows, gpu_plan) = answer(&gpu, sql).await;
+            let (cpu_rows, cpu_plan) = answer(&cpu, sql).await;
+
+            prop_assert_eq!(&gpu_rows, &cpu_rows, "{}\n{}", sql, gpu_plan);
+            let mode = if partitions > 1 {
+                "mode=Partitioned"
+            } else {
+                "mode=CollectLeft"
+            };
+            prop_assert!(cpu_plan.contains(mode), "{}\n{}", sql, cpu_plan);
+            if cpu_plan.contains("HashJoinExec") {
+                prop_assert!(
+                    gpu_plan.contains("GpuHashJoinExec"),
+                    "{}\n{}",
+                    sql,
+                    gpu_plan
+                );
+                prop_assert!(
+                    !gpu_plan.contains("HashJoinExec stays on CPU"),
+                    "{}\n{}",
+                    sql,
+                    gpu_plan
+                );
+                if !l.is_empty() && !r.is_empty() {
+                    prop_assert!(device.counters().1 > launches, "no kernel ran for {}", sql);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn join() -> impl Strategy<Value = (&'static str, bool)> {
+        (
+            prop_oneof![
+                Just("INNER"),
+                Just("LEFT"),
+                Just("RIGHT"),
+                Just("FULL"),
+                Just("LEFT SEMI"),
+                Just("LEFT ANTI"),
+                Just("RIGHT SEMI"),
+                Just("RIGHT ANTI"),
+            ],
+            any::<bool>(),
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+        #[test]
+        fn gpu_joins_equal_datafusion(
+            l in side(60),
+            r in side(60),
+            (kind, filtered) in join(),
+            two_keys in any::<bool>(),
+            partitions in prop_oneof![Just(1usize), Just(3)],
+        ) {
+            let mut on = "l.k = r.k2".to_string();
+            if two_keys {
+                on.push_str(" AND l.s = r.s2");
+            }
+            if filtered {
+                on.push_str(" AND l.a < r.b");
+            }
+            let columns = match kind {
+                "LEFT SEMI" | "LEFT ANTI" => "l.k, l.s, l.a",
+                "RIGHT SEMI" | "RIGHT ANTI" => "r.k2, r.s2, r.b",
+                _ => "l.k, l.s, l.a, r.k2, r.s2, r.b",
+            };
+            let order: Vec<String> =
+                (1..=columns.split(',').count()).map(|i| i.to_string()).collect();
+            let sql = format!(
+                "SELECT {columns} FROM l {kind} JOIN r ON {on} ORDER BY {}",
+                order.join(", ")
+            );
+            check(&l, &r, &sql, partitions)?;
         }
     }
 }

@@ -131,14 +131,23 @@ pub struct AggregateWork {
 }
 
 fn func_of(agg: &AggregateFunctionExpr) -> Result<Func, Reason> {
+    use datafusion::functions_aggregate::{average::Avg, count::Count, min_max, sum::Sum};
+    // DataFusion's own functions only: another with the same name (Spark's `avg`, a user's
+    // UDAF) may keep other states.
     let name = agg.fun().name().to_ascii_lowercase();
-    let func = match name.as_str() {
-        "count" => Func::Count,
-        "sum" => Func::Sum,
-        "min" => Func::Min,
-        "max" => Func::Max,
-        "avg" | "mean" => Func::Avg,
-        _ => return Err(format!("aggregate function {name} is not supported on GPU")),
+    let udf: &dyn std::any::Any = agg.fun().inner().as_ref();
+    let func = if udf.is::<Count>() {
+        Func::Count
+    } else if udf.is::<Sum>() {
+        Func::Sum
+    } else if udf.is::<min_max::Min>() {
+        Func::Min
+    } else if udf.is::<min_max::Max>() {
+        Func::Max
+    } else if udf.is::<Avg>() {
+        Func::Avg
+    } else {
+        return Err(format!("aggregate function {name} is not supported on GPU"));
     };
     if agg.is_distinct() {
         return Err(format!("{name}(DISTINCT …) is not supported on GPU"));
@@ -826,6 +835,10 @@ struct ExtraMetrics {
     split_batches: Count,
     /// 1 when the device gave up (fault, memory) and DataFusion finished on the CPU.
     cpu_fallback: Count,
+    /// Spills to disk: the device keeps its state in device memory and never spills
+    /// (the name DataFusion's AggregateExec reports it under).
+    #[allow(dead_code)]
+    spill_count: Count,
 }
 
 impl ExtraMetrics {
@@ -842,6 +855,7 @@ impl ExtraMetrics {
             global_table_batches: builder().counter("global_table_batches", partition),
             split_batches: builder().counter("split_batches", partition),
             cpu_fallback: builder().counter("cpu_fallback", partition),
+            spill_count: MetricBuilder::new(set).spill_count(partition),
         }
     }
 }

@@ -120,6 +120,8 @@ pub struct RunCounts {
     pub projections: u64,
     /// `GpuAggregateExec` operators executed.
     pub aggregates: u64,
+    /// `GpuHashJoinExec` operators executed.
+    pub joins: u64,
     /// Partitions of GPU operators executed.
     pub partitions: u64,
     /// Batches processed on a device.
@@ -132,11 +134,12 @@ impl fmt::Display for RunCounts {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} filters, {} projections and {} aggregates ran on a device ({} partitions), {} \
-             batches on the device, {} redone on the CPU",
+            "{} filters, {} projections, {} aggregates and {} hash joins ran on a device ({} \
+             partitions), {} batches on the device, {} redone on the CPU",
             self.filters,
             self.projections,
             self.aggregates,
+            self.joins,
             self.partitions,
             self.gpu_batches,
             self.cpu_batches
@@ -147,6 +150,7 @@ impl fmt::Display for RunCounts {
 static FILTERS: AtomicU64 = AtomicU64::new(0);
 static PROJECTIONS: AtomicU64 = AtomicU64::new(0);
 static AGGREGATES: AtomicU64 = AtomicU64::new(0);
+static JOINS: AtomicU64 = AtomicU64::new(0);
 static PARTITIONS: AtomicU64 = AtomicU64::new(0);
 
 /// Which kind of GPU operator started executing (for [`run_counts`]).
@@ -158,6 +162,8 @@ pub enum OperatorKind {
     Projection,
     /// `GpuAggregateExec`.
     Aggregate,
+    /// `GpuHashJoinExec`.
+    Join,
 }
 
 /// Counts an operator the first time one of its partitions executes.
@@ -167,6 +173,7 @@ pub fn count_operator(first: &std::sync::atomic::AtomicBool, kind: OperatorKind)
             OperatorKind::Filter => FILTERS.fetch_add(1, Ordering::Relaxed),
             OperatorKind::Projection => PROJECTIONS.fetch_add(1, Ordering::Relaxed),
             OperatorKind::Aggregate => AGGREGATES.fetch_add(1, Ordering::Relaxed),
+            OperatorKind::Join => JOINS.fetch_add(1, Ordering::Relaxed),
         };
     }
 }
@@ -194,6 +201,7 @@ pub fn run_counts() -> RunCounts {
         filters: FILTERS.load(Ordering::Relaxed),
         projections: PROJECTIONS.load(Ordering::Relaxed),
         aggregates: AGGREGATES.load(Ordering::Relaxed),
+        joins: JOINS.load(Ordering::Relaxed),
         partitions: PARTITIONS.load(Ordering::Relaxed),
         gpu_batches: GPU_BATCHES.load(Ordering::Relaxed),
         cpu_batches: CPU_BATCHES.load(Ordering::Relaxed),

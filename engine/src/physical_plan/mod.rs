@@ -4,10 +4,12 @@
 pub mod gpu_aggregate;
 pub mod gpu_batch_exec;
 pub mod gpu_filter;
+pub mod gpu_hash_join;
 pub mod gpu_projection;
 pub mod gpu_stream;
 pub mod once;
 
 pub use gpu_aggregate::GpuAggregateExec;
 pub use gpu_filter::GpuFilterExec;
+pub use gpu_hash_join::GpuHashJoinExec;
 pub use gpu_projection::GpuProjectionExec;

@@ -11,7 +11,7 @@
 use arrow::array::{ArrayRef, new_empty_array};
 use arrow::datatypes::DataType;
 
-use super::{BLOCK, RowIndices, check_rows, gather, hash, scan};
+use super::{BLOCK, RowIndices, check_rows, gather, hash, key_descriptors, scan};
 use crate::column::{DeviceColumn, Layout};
 use crate::device::{Arg, Device, LaunchConfig};
 use crate::kernels::Kernel;
@@ -127,33 +127,6 @@ fn input_kind(column: &DeviceColumn) -> Result<u64> {
 }
 
 const INPUT_NONE: u64 = 10;
-
-/// How the kernels compare a key column (`AggKeyKind` in agg.cu).
-fn key_kind(column: &DeviceColumn) -> Result<u64> {
-    Ok(match (column.data_type(), column.layout()) {
-        (DataType::Float32, _) => 5,
-        (DataType::Float64, _) => 6,
-        (_, Layout::Fixed(1)) => 0,
-        (_, Layout::Fixed(2)) => 1,
-        (_, Layout::Fixed(4)) => 2,
-        (_, Layout::Fixed(8)) => 3,
-        (_, Layout::Fixed(16)) => 4,
-        (_, Layout::Var(4)) => 7,
-        (_, Layout::Var(8)) => 8,
-        (other, _) => {
-            return Err(KernelError::Unsupported(format!("grouping by {other}")));
-        }
-    })
-}
-
-fn key_descriptor(column: &DeviceColumn) -> Result<[u64; 4]> {
-    Ok([
-        column.values().addr(),
-        column.validity().map_or(0, DeviceBuffer::addr),
-        column.offsets().map_or(0, DeviceBuffer::addr),
-        key_kind(column)?,
-    ])
-}
 
 fn upload_words(device: &Device, words: &[u64]) -> Result<DeviceBuffer> {
     let bytes: Vec<u8> = if words.is_empty() {
@@ -460,15 +433,11 @@ impl GroupTable {
         let g0 = self.groups;
         let cfg = LaunchConfig::for_items(&device, n as u64, BLOCK);
         let hashes = hash::hash_columns(&device, keys)?;
-        let mut batch_desc = Vec::with_capacity(keys.len() * 4);
-        for key in keys {
-            batch_desc.extend(key_descriptor(key)?);
-        }
-        let batch_desc = upload_words(&device, &batch_desc)?;
+        let batch_desc = key_descriptors(&device, keys, true)?;
         let mut store_desc = Vec::new();
         for chunk in &self.chunks {
             for key in chunk {
-                store_desc.extend(key_descriptor(key)?);
+                store_desc.extend(super::key_descriptor(key, true)?);
             }
         }
         let store_desc = upload_words(&device, &store_desc)?;

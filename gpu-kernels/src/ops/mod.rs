@@ -8,9 +8,13 @@ pub mod expr;
 pub mod gather;
 pub mod hash;
 pub mod hash_table;
+pub mod join;
 pub mod scan;
 pub mod selftest;
 
+use arrow::datatypes::DataType;
+
+use crate::column::{DeviceColumn, Layout};
 use crate::device::Device;
 use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
@@ -108,4 +112,50 @@ impl RowIndices {
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect())
     }
+}
+
+/// How the kernels compare a key column (`KeyKind` in volley.cuh): GROUP BY puts -0.0 and
+/// 0.0 in one group (`grouping`), a join's `=` compares floats bit for bit, as DataFusion's.
+fn key_kind(column: &DeviceColumn, grouping: bool) -> Result<u64> {
+    Ok(match (column.data_type(), column.layout()) {
+        (DataType::Float32, _) if grouping => 5,
+        (DataType::Float64, _) if grouping => 6,
+        (_, Layout::Fixed(1)) => 0,
+        (_, Layout::Fixed(2)) => 1,
+        (_, Layout::Fixed(4)) => 2,
+        (_, Layout::Fixed(8)) => 3,
+        (_, Layout::Fixed(16)) => 4,
+        (_, Layout::Var(4)) => 7,
+        (_, Layout::Var(8)) => 8,
+        (other, _) => {
+            return Err(KernelError::Unsupported(format!("comparing {other} keys")));
+        }
+    })
+}
+
+/// A key column as the kernels read it (`KeyCol` in volley.cuh).
+pub(crate) fn key_descriptor(column: &DeviceColumn, grouping: bool) -> Result<[u64; 4]> {
+    Ok([
+        column.values().addr(),
+        column.validity().map_or(0, DeviceBuffer::addr),
+        column.offsets().map_or(0, DeviceBuffer::addr),
+        key_kind(column, grouping)?,
+    ])
+}
+
+/// The descriptors of key columns, uploaded (a table of `KeyCol`).
+pub(crate) fn key_descriptors(
+    device: &Device,
+    columns: &[&DeviceColumn],
+    grouping: bool,
+) -> Result<DeviceBuffer> {
+    let mut words = Vec::with_capacity(columns.len() * 4 + 1);
+    for column in columns {
+        words.extend(key_descriptor(column, grouping)?);
+    }
+    if words.is_empty() {
+        words.push(0);
+    }
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    device.upload(&bytes)
 }

@@ -1,0 +1,858 @@
+//! `GpuHashJoinExec`: DataFusion's `HashJoinExec` with its matching on a GPU.
+//!
+//! The build side (left) is collected once, its key columns are uploaded to the partition's
+//! device and a [`JoinTable`] is built there. Probe batches (right, coalesced to
+//! `volley.gpu.batch_rows`) upload their keys; the device hashes them, finds candidate
+//! pairs in the table, keeps the pairs whose keys are equal and returns them in probe
+//! order. The host then applies the residual filter (DataFusion's expression, when the
+//! join has one) and gathers the output columns with Arrow's `take`, per join type:
+//!
+//! ```text
+//!   left (all) ─▶ upload keys ─▶ JoinTable::build
+//!   right batch ─▶ upload keys ─▶ hash ─▶ probe ─▶ verify keys ─▶ pairs ─▶ (filter) ─▶ take
+//!   right ends ─▶ build rows never matched (left, full, left anti) or matched (left semi)
+//!   device error ─▶ that batch (or, for the build, the whole partition) is matched on the
+//!                   host instead, with the same rules
+//! ```
+//!
+//! Inner, left, right, full, left/right semi and left/right anti joins, on one or more
+//! column keys, with NULL keys matching nothing (or, with `NullEqualsNull`, each other), in
+//! CollectLeft (the build side shared by all probe partitions: the last partition to finish
+//! emits the unmatched build rows) and Partitioned modes.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use datafusion::arrow::array::{
+    Array, ArrayRef, BooleanArray, RecordBatch, RecordBatchOptions, UInt32Array,
+};
+use datafusion::arrow::compute::{concat_batches, take};
+use datafusion::arrow::datatypes::{DataType, SchemaRef};
+use datafusion::arrow::row::{RowConverter, SortField};
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::{JoinSide, JoinType, NullEquality, internal_datafusion_err};
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_plan::display::DisplayableExecutionPlan;
+use datafusion::physical_plan::distribution_requirements::InputDistributionRequirements;
+use datafusion::physical_plan::execution_plan::{
+    CardinalityEffect, ChildrenPropertiesMode, ReplaceChildrenOptions,
+};
+use datafusion::physical_plan::joins::utils::JoinFilter;
+use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::metrics::{
+    Count, ExecutionPlanMetricsSet, Label, MetricBuilder, MetricsSet,
+};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    ChildStats, DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties,
+    PlanProperties, Statistics, StatisticsArgs,
+};
+use futures::StreamExt;
+use volley_kernels::ops::join::{JoinTable, Matches};
+use volley_kernels::{Device, DeviceBuffer, DeviceColumn, KernelError};
+
+use super::gpu_stream::{GpuMetrics, OperatorKind, count_batch, count_operator, device_for};
+use crate::gpu::compile::Reason;
+use crate::gpu::devices::describe;
+
+/// What a `GpuHashJoinExec` needs to know of its join.
+#[derive(Debug)]
+pub struct JoinWork {
+    left_keys: Vec<usize>,
+    right_keys: Vec<usize>,
+    join_type: JoinType,
+    mode: PartitionMode,
+    null_equals_null: bool,
+    filter: Option<JoinFilter>,
+    projection: Option<Vec<usize>>,
+    right_schema: SchemaRef,
+    schema: SchemaRef,
+}
+
+fn key_columns(
+    exprs: impl Iterator<Item = Arc<dyn PhysicalExpr>>,
+    schema: &SchemaRef,
+) -> Result<(Vec<usize>, Vec<DataType>), Reason> {
+    let mut columns = Vec::new();
+    let mut types = Vec::new();
+    for e in exprs {
+        let Some(c) = e.downcast_ref::<Column>() else {
+            return Err(format!("join key {e} is not a column"));
+        };
+        let t = schema.field(c.index()).data_type();
+        let device = volley_kernels::column::device_type(t, 0)
+            .map_err(|_| format!("join keys of type {t} are not supported on GPU"))?;
+        if device == DataType::Boolean {
+            return Err("boolean join keys are not supported on GPU".into());
+        }
+        columns.push(c.index());
+        types.push(device);
+    }
+    Ok((columns, types))
+}
+
+impl JoinWork {
+    /// The join's work, or why it stays on the CPU.
+    pub fn plan(plan: &Arc<dyn ExecutionPlan>) -> Result<Self, Reason> {
+        let Some(join) = plan.downcast_ref::<HashJoinExec>() else {
+            return Err("not a HashJoinExec".into());
+        };
+        let join_type = *join.join_type();
+        if matches!(join_type, JoinType::LeftMark | JoinType::RightMark) {
+            return Err(format!("{join_type} joins are not supported on GPU"));
+        }
+        if join.null_aware {
+            return Err("null-aware anti joins (NOT IN) are not supported on GPU".into());
+        }
+        if join.fetch().is_some() {
+            return Err("a join with a row limit is not supported on GPU".into());
+        }
+        let mode = *join.partition_mode();
+        match mode {
+            PartitionMode::Partitioned => {}
+            PartitionMode::CollectLeft
+                if join.left().output_partitioning().partition_count() == 1 => {}
+            _ => return Err(format!("partition mode {mode:?} is not supported on GPU")),
+        }
+        let left_schema = join.left().schema();
+        let right_schema = join.right().schema();
+        let (left_keys, left_types) =
+            key_columns(join.on().iter().map(|(l, _)| Arc::clone(l)), &left_schema)?;
+        let (right_keys, right_types) =
+            key_columns(join.on().iter().map(|(_, r)| Arc::clone(r)), &right_schema)?;
+        if left_types != right_types {
+            return Err(format!(
+                "join keys of different types ({left_types:?} and {right_types:?})"
+            ));
+        }
+        Ok(Self {
+            left_keys,
+            right_keys,
+            join_type,
+            mode,
+            null_equals_null: join.null_equality() == NullEquality::NullEqualsNull,
+            filter: join.filter().cloned(),
+            projection: join.projection.as_ref().map(|p| p.to_vec()),
+            right_schema,
+            schema: plan.schema(),
+        })
+    }
+
+    /// Whether build rows are emitted at the end (never matched, or matched).
+    fn emits_build_rows(&self) -> bool {
+        matches!(
+            self.join_type,
+            JoinType::Left | JoinType::Full | JoinType::LeftSemi | JoinType::LeftAnti
+        )
+    }
+
+    /// The output of pairs (`None` on a side: that side is NULL) in join order, projected.
+    fn output(
+        &self,
+        build: &RecordBatch,
+        probe: Option<&RecordBatch>,
+        build_rows: &UInt32Array,
+        probe_rows: &UInt32Array,
+    ) -> Result<RecordBatch> {
+        let n = match self.join_type {
+            JoinType::RightSemi | JoinType::RightAnti => probe_rows.len(),
+            _ => build_rows.len(),
+        };
+        let take_all = |batch: &RecordBatch, rows: &UInt32Array| -> Result<Vec<ArrayRef>> {
+            batch
+                .columns()
+                .iter()
+                .map(|c| take(c.as_ref(), rows, None).map_err(arrow_err))
+                .collect()
+        };
+        let nulls = |schema: &SchemaRef| -> Vec<ArrayRef> {
+            schema
+                .fields()
+                .iter()
+                .map(|f| datafusion::arrow::array::new_null_array(f.data_type(), n))
+                .collect()
+        };
+        let columns: Vec<ArrayRef> = match self.join_type {
+            JoinType::LeftSemi | JoinType::LeftAnti => take_all(build, build_rows)?,
+            JoinType::RightSemi | JoinType::RightAnti => match probe {
+                Some(p) => take_all(p, probe_rows)?,
+                None => nulls(&self.right_schema),
+            },
+            _ => {
+                let mut columns = take_all(build, build_rows)?;
+                columns.extend(match probe {
+                    Some(p) => take_all(p, probe_rows)?,
+                    None => nulls(&self.right_schema),
+                });
+                columns
+            }
+        };
+        let columns = match &self.projection {
+            Some(p) => p.iter().map(|&i| Arc::clone(&columns[i])).collect(),
+            None => columns,
+        };
+        let columns = columns
+            .into_iter()
+            .zip(self.schema.fields())
+            .map(|(c, f)| {
+                if c.data_type() == f.data_type() {
+                    Ok(c)
+                } else {
+                    datafusion::arrow::compute::cast(&c, f.data_type()).map_err(arrow_err)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        RecordBatch::try_new_with_options(
+            Arc::clone(&self.schema),
+            columns,
+            &RecordBatchOptions::new().with_row_count(Some(n)),
+        )
+        .map_err(arrow_err)
+    }
+
+    /// Keeps the pairs the residual filter accepts (evaluated by DataFusion on the host).
+    fn filter_pairs(
+        &self,
+        build: &RecordBatch,
+        probe: &RecordBatch,
+        matches: Matches,
+    ) -> Result<Matches> {
+        let Some(filter) = &self.filter else {
+            return Ok(matches);
+        };
+        if matches.build.is_empty() {
+            return Ok(matches);
+        }
+        let b = UInt32Array::from(matches.build.clone());
+        let p = UInt32Array::from(matches.probe.clone());
+        let columns = filter
+            .column_indices()
+            .iter()
+            .map(|ci| {
+                let (batch, rows) = match ci.side {
+                    JoinSide::Left => (build, &b),
+                    _ => (probe, &p),
+                };
+                take(batch.column(ci.index).as_ref(), rows, None).map_err(arrow_err)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let intermediate = RecordBatch::try_new_with_options(
+            Arc::clone(filter.schema()),
+            columns,
+            &RecordBatchOptions::new().with_row_count(Some(b.len())),
+        )
+        .map_err(arrow_err)?;
+        let keep = filter
+            .expression()
+            .evaluate(&intermediate)?
+            .into_array(b.len())?;
+        let keep = keep
+            .as_any()
+            .downcast_ref::<BooleanArray>()
+            .ok_or_else(|| internal_datafusion_err!("a join filter that is not boolean"))?;
+        let mut out = Matches::default();
+        for i in 0..keep.len() {
+            // A NULL filter result drops the pair, as SQL's ON does.
+            if keep.is_valid(i) && keep.value(i) {
+                out.build.push(matches.build[i]);
+                out.probe.push(matches.probe[i]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The output for one probe batch given its (filtered) matches; marks the build rows
+    /// that matched in `visited`.
+    fn probe_output(
+        &self,
+        build: &RecordBatch,
+        probe: &RecordBatch,
+        matches: &Matches,
+        visited: &mut [bool],
+    ) -> Result<Option<RecordBatch>> {
+        for &b in &matches.build {
+            visited[b as usize] = true;
+        }
+        let n = probe.num_rows();
+        let matched_probe = || {
+            let mut seen = vec![false; n];
+            for &p in &matches.probe {
+                seen[p as usize] = true;
+            }
+            seen
+        };
+        let (build_rows, probe_rows): (UInt32Array, UInt32Array) = match self.join_type {
+            JoinType::Inner | JoinType::Left => (
+                UInt32Array::from(matches.build.clone()),
+                UInt32Array::from(matches.probe.clone()),
+            ),
+            JoinType::Right | JoinType::Full => {
+                let seen = matched_probe();
+                let mut b: Vec<Option<u32>> = matches.build.iter().map(|&x| Some(x)).collect();
+                let mut p: Vec<u32> = matches.probe.clone();
+                for (i, s) in seen.iter().enumerate() {
+                    if !s {
+                        b.push(None);
+                        p.push(i as u32);
+                    }
+                }
+                (UInt32Array::from(b), UInt32Array::from(p))
+            }
+            JoinType::RightSemi | JoinType::RightAnti => {
+                let want = self.join_type == JoinType::RightSemi;
+                let seen = matched_probe();
+                let p: Vec<u32> = (0..n as u32)
+                    .filter(|&i| seen[i as usize] == want)
+                    .collect();
+                (UInt32Array::from(Vec::<u32>::new()), UInt32Array::from(p))
+            }
+            _ => return Ok(None),
+        };
+        if build_rows.is_empty() && probe_rows.is_empty() {
+            return Ok(None);
+        }
+        if matches!(self.join_type, JoinType::RightSemi | JoinType::RightAnti) {
+            return self
+                .output(
+                    build,
+                    Some(probe),
+                    &UInt32Array::from(vec![0u32; 0]),
+                    &probe_rows,
+                )
+                .map(Some);
+        }
+        self.output(build, Some(probe), &build_rows, &probe_rows)
+            .map(Some)
+    }
+
+    /// The build rows emitted once probing is over.
+    fn final_output(&self, build: &RecordBatch, visited: &[bool]) -> Result<Option<RecordBatch>> {
+        let want_matched = self.join_type == JoinType::LeftSemi;
+        let rows: Vec<u32> = (0..visited.len() as u32)
+            .filter(|&i| visited[i as usize] == want_matched)
+            .collect();
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let rows = UInt32Array::from(rows);
+        self.output(build, None, &rows, &UInt32Array::from(Vec::<u32>::new()))
+            .map(Some)
+    }
+}
+
+fn arrow_err(e: datafusion::arrow::error::ArrowError) -> DataFusionError {
+    DataFusionError::ArrowError(Box::new(e), None)
+}
+
+/// The rows whose keys can match: every key non-NULL (or all rows, when NULL equals NULL).
+fn key_validity(columns: &[ArrayRef], null_equals_null: bool) -> Option<Vec<bool>> {
+    if null_equals_null || columns.iter().all(|c| c.null_count() == 0) {
+        return None;
+    }
+    let n = columns.first().map_or(0, |c| c.len());
+    Some(
+        (0..n)
+            .map(|i| columns.iter().all(|c| c.is_valid(i)))
+            .collect(),
+    )
+}
+
+fn upload_validity(
+    device: &Device,
+    valid: &Option<Vec<bool>>,
+) -> Result<Option<DeviceBuffer>, KernelError> {
+    let Some(valid) = valid else {
+        return Ok(None);
+    };
+    let mut bytes = vec![0u8; valid.len().div_ceil(8)];
+    for (i, &v) in valid.iter().enumerate() {
+        if v {
+            bytes[i / 8] |= 1 << (i % 8);
+        }
+    }
+    device.upload(&bytes).map(Some)
+}
+
+/// Matching on the host, for batches (or partitions) the device could not take: the
+/// same pairs in the same order as the device's.
+struct HostIndex {
+    converter: RowConverter,
+    rows: HashMap<Vec<u8>, Vec<u32>>,
+}
+
+impl HostIndex {
+    fn new(keys: &[ArrayRef], null_equals_null: bool) -> Result<Self> {
+        let converter = RowConverter::new(
+            keys.iter()
+                .map(|k| SortField::new(k.data_type().clone()))
+                .collect(),
+        )?;
+        let converted = converter.convert_columns(keys)?;
+        let valid = key_validity(keys, null_equals_null);
+        let mut rows: HashMap<Vec<u8>, Vec<u32>> = HashMap::new();
+        for i in 0..converted.num_rows() {
+            if valid.as_ref().is_none_or(|v| v[i]) {
+                rows.entry(converted.row(i).as_ref().to_vec())
+                    .or_default()
+                    .push(i as u32);
+            }
+        }
+        Ok(Self { converter, rows })
+    }
+
+    fn probe(&self, keys: &[ArrayRef], null_equals_null: bool) -> Result<Matches> {
+        let converted = self.converter.convert_columns(keys)?;
+        let valid = key_validity(keys, null_equals_null);
+        let mut out = Matches::default();
+        for i in 0..converted.num_rows() {
+            if valid.as_ref().is_some_and(|v| !v[i]) {
+                continue;
+            }
+            if let Some(builds) = self.rows.get(converted.row(i).as_ref()) {
+                for &b in builds {
+                    out.build.push(b);
+                    out.probe.push(i as u32);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The build side shared by the partitions of a CollectLeft join, and the build rows they
+/// matched; the last partition to finish emits the build rows the join type keeps.
+#[derive(Debug, Default)]
+struct SharedBuild {
+    batch: tokio::sync::OnceCell<Result<RecordBatch, Arc<DataFusionError>>>,
+    state: Mutex<(Vec<bool>, usize)>,
+}
+
+/// A hash join whose matching runs on a GPU.
+#[derive(Debug)]
+pub struct GpuHashJoinExec {
+    inner: Arc<dyn ExecutionPlan>,
+    work: Arc<JoinWork>,
+    devices: Arc<Vec<Device>>,
+    batch_rows: usize,
+    metrics: ExecutionPlanMetricsSet,
+    executed: AtomicBool,
+    shared: Arc<SharedBuild>,
+}
+
+impl GpuHashJoinExec {
+    /// The GPU twin of `cpu`, or why there is none.
+    pub fn try_new(
+        cpu: Arc<dyn ExecutionPlan>,
+        devices: Arc<Vec<Device>>,
+        batch_rows: usize,
+    ) -> Result<Self, Reason> {
+        if devices.is_empty() {
+            return Err("no device".into());
+        }
+        let work = JoinWork::plan(&cpu)?;
+        Ok(Self {
+            inner: cpu,
+            work: Arc::new(work),
+            devices,
+            batch_rows,
+            metrics: ExecutionPlanMetricsSet::new(),
+            executed: AtomicBool::new(false),
+            shared: Arc::new(SharedBuild::default()),
+        })
+    }
+
+    /// The devices its partitions run on.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// The join type.
+    pub fn join_type(&self) -> JoinType {
+        self.work.join_type
+    }
+
+    /// Whether a residual filter runs (on the host) over the matched pairs.
+    pub fn has_filter(&self) -> bool {
+        self.work.filter.is_some()
+    }
+}
+
+impl DisplayAs for GpuHashJoinExec {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        match t {
+            DisplayFormatType::TreeRender => self.inner.fmt_as(t, f),
+            _ => {
+                let cpu = DisplayableExecutionPlan::new(self.inner.as_ref())
+                    .one_line()
+                    .to_string();
+                let prefix = format!("{}: ", self.inner.name());
+                let rest = cpu.trim_end();
+                let rest = rest.strip_prefix(&prefix).unwrap_or(rest);
+                write!(
+                    f,
+                    "GpuHashJoinExec: device={}, {rest}",
+                    describe(&self.devices)
+                )
+            }
+        }
+    }
+}
+
+impl ExecutionPlan for GpuHashJoinExec {
+    fn name(&self) -> &str {
+        "GpuHashJoinExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.inner.properties()
+    }
+
+    fn input_distribution_requirements(&self) -> InputDistributionRequirements {
+        self.inner.input_distribution_requirements()
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        self.inner.maintains_input_order()
+    }
+
+    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
+        self.inner.benefits_from_input_partitioning()
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        self.inner.children()
+    }
+
+    fn apply_expressions(
+        &self,
+        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        self.inner.apply_expressions(f)
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let recompute = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
+        let inner = Arc::clone(&self.inner).replace_children(children, recompute)?;
+        let gpu = Self::try_new(inner, Arc::clone(&self.devices), self.batch_rows)
+            .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
+        Ok(Arc::new(gpu))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let device = device_for(&self.devices, partition)
+            .ok_or_else(|| internal_datafusion_err!("GpuHashJoinExec without a device"))?;
+        let children = self.inner.children();
+        let (left, right) = (Arc::clone(children[0]), Arc::clone(children[1]));
+        let probe = right.execute(partition, Arc::clone(&context))?;
+        let probe_partitions = right.output_partitioning().partition_count();
+        let metrics = GpuMetrics::new(&self.metrics, partition, &device);
+        let label = || Label::new("device", device.to_string());
+        let extra = JoinMetrics {
+            build_rows: MetricBuilder::new(&self.metrics)
+                .with_label(label())
+                .counter("build_rows", partition),
+            cpu_fallback: MetricBuilder::new(&self.metrics)
+                .with_label(label())
+                .counter("cpu_fallback", partition),
+        };
+        count_operator(&self.executed, OperatorKind::Join);
+        super::gpu_stream::count_partition();
+        let run = JoinRun {
+            work: Arc::clone(&self.work),
+            device,
+            batch_rows: self.batch_rows,
+            metrics,
+            extra,
+            shared: (self.work.mode == PartitionMode::CollectLeft)
+                .then(|| (Arc::clone(&self.shared), probe_partitions)),
+            left,
+            partition,
+            context,
+        };
+        let schema = self.schema();
+        let stream = futures::stream::once(run.start(probe)).flat_map(|r| match r {
+            Ok(s) => s,
+            Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
+        });
+        Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
+    }
+
+    fn statistics_from_inputs(
+        &self,
+        input_stats: &[Arc<Statistics>],
+        args: &StatisticsArgs,
+    ) -> Result<Arc<Statistics>> {
+        self.inner.statistics_from_inputs(input_stats, args)
+    }
+
+    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
+        self.inner.child_stats_requests(partition)
+    }
+
+    fn cardinality_effect(&self) -> CardinalityEffect {
+        self.inner.cardinality_effect()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct JoinMetrics {
+    build_rows: Count,
+    /// 1 when the build side did not fit on the device and the partition matched on the
+    /// host.
+    cpu_fallback: Count,
+}
+
+struct JoinRun {
+    work: Arc<JoinWork>,
+    device: Device,
+    batch_rows: usize,
+    metrics: GpuMetrics,
+    extra: JoinMetrics,
+    shared: Option<(Arc<SharedBuild>, usize)>,
+    left: Arc<dyn ExecutionPlan>,
+    partition: usize,
+    context: Arc<TaskContext>,
+}
+
+type BatchStream = std::pin::Pin<Box<dyn futures::Stream<Item = Result<RecordBatch>> + Send>>;
+
+async fn collect_side(
+    plan: &Arc<dyn ExecutionPlan>,
+    partition: usize,
+    context: Arc<TaskContext>,
+) -> Result<RecordBatch> {
+    let mut stream = plan.execute(partition, context)?;
+    let mut batches = Vec::new();
+    while let Some(b) = stream.next().await {
+        batches.push(b?);
+    }
+    concat_batches(&plan.schema(), &batches).map_err(arrow_err)
+}
+
+/// A partition's state while it probes.
+struct Probing {
+    run: JoinRun,
+    build: RecordBatch,
+    table: Option<JoinTable>,
+    host: Option<HostIndex>,
+    visited: Vec<bool>,
+    probe: SendableRecordBatchStream,
+    pending: Vec<RecordBatch>,
+    pending_rows: usize,
+    done: bool,
+}
+
+impl JoinRun {
+    async fn start(self, probe: SendableRecordBatchStream) -> Result<BatchStream> {
+        let build = match &self.shared {
+            Some((shared, _)) => {
+                let left = Arc::clone(&self.left);
+                let context = Arc::clone(&self.context);
+                shared
+                    .batch
+                    .get_or_init(|| async move {
+                        collect_side(&left, 0, context).await.map_err(Arc::new)
+                    })
+                    .await
+                    .clone()
+                    .map_err(DataFusionError::Shared)?
+            }
+            None => collect_side(&self.left, self.partition, Arc::clone(&self.context)).await?,
+        };
+        self.extra.build_rows.add(build.num_rows());
+        let table = match self.build_table(&build) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                log::warn!("{}: matching a join on the host: {e}", self.device);
+                self.extra.cpu_fallback.add(1);
+                None
+            }
+        };
+        let visited = vec![false; build.num_rows()];
+        let state = Probing {
+            run: self,
+            build,
+            table,
+            host: None,
+            visited,
+            probe,
+            pending: Vec::new(),
+            pending_rows: 0,
+            done: false,
+        };
+        Ok(Box::pin(futures::stream::try_unfold(
+            state,
+            |mut state| async move {
+                loop {
+                    if state.done {
+                        return Ok(None);
+                    }
+                    if let Some(batch) = state.step().await? {
+                        return Ok(Some((batch, state)));
+                    }
+                }
+            },
+        )))
+    }
+
+    fn build_table(&self, build: &RecordBatch) -> Result<JoinTable, KernelError> {
+        let keys: Vec<ArrayRef> = self
+            .work
+            .left_keys
+            .iter()
+            .map(|&c| Arc::clone(build.column(c)))
+            .collect();
+        let valid = key_validity(&keys, self.work.null_equals_null);
+        let columns = keys
+            .iter()
+            .map(|k| self.metrics.upload(&self.device, k.as_ref()))
+            .collect::<Result<Vec<DeviceColumn>, _>>()?;
+        let valid = upload_validity(&self.device, &valid)?;
+        self.metrics
+            .kernel(|| JoinTable::build(&self.device, columns, valid.as_ref(), build.num_rows()))
+    }
+
+    fn device_matches(
+        &self,
+        table: &JoinTable,
+        probe: &RecordBatch,
+    ) -> Result<Matches, KernelError> {
+        let keys: Vec<ArrayRef> = self
+            .work
+            .right_keys
+            .iter()
+            .map(|&c| Arc::clone(probe.column(c)))
+            .collect();
+        let valid = key_validity(&keys, self.work.null_equals_null);
+        let columns = keys
+            .iter()
+            .map(|k| self.metrics.upload(&self.device, k.as_ref()))
+            .collect::<Result<Vec<DeviceColumn>, _>>()?;
+        let valid = upload_validity(&self.device, &valid)?;
+        let refs: Vec<&DeviceColumn> = columns.iter().collect();
+        let matches = self
+            .metrics
+            .kernel(|| table.probe(&refs, valid.as_ref(), probe.num_rows()))?;
+        self.metrics.d2h_bytes.add(matches.build.len() * 8);
+        Ok(matches)
+    }
+}
+
+impl Probing {
+    /// One step: the output of the next device batch, or of the end (`None`: nothing to
+    /// emit yet).
+    async fn step(&mut self) -> Result<Option<RecordBatch>> {
+        while self.pending_rows < self.run.batch_rows {
+            match self.probe.next().await {
+                Some(batch) => {
+                    let batch = batch?;
+                    self.pending_rows += batch.num_rows();
+                    self.pending.push(batch);
+                }
+                None => break,
+            }
+        }
+        if self.pending.is_empty() {
+            self.done = true;
+            return self.finish();
+        }
+        let pending = std::mem::take(&mut self.pending);
+        self.pending_rows = 0;
+        let probe = concat_batches(&self.run.work.right_schema, &pending).map_err(arrow_err)?;
+        let elapsed = self.run.metrics.baseline.elapsed_compute().clone();
+        let timer = elapsed.timer();
+        let matches = self.matches(&probe)?;
+        let matches = self.run.work.filter_pairs(&self.build, &probe, matches)?;
+        let out = self
+            .run
+            .work
+            .probe_output(&self.build, &probe, &matches, &mut self.visited);
+        timer.done();
+        let out = out?;
+        if let Some(b) = &out {
+            self.run.metrics.baseline.record_output(b.num_rows());
+        }
+        Ok(out)
+    }
+
+    fn matches(&mut self, probe: &RecordBatch) -> Result<Matches> {
+        if let Some(table) = &self.table {
+            match self.run.device_matches(table, probe) {
+                Ok(m) => {
+                    self.run.metrics.gpu_batches.add(1);
+                    count_batch(true);
+                    return Ok(m);
+                }
+                Err(e) => log::warn!("{}: matching a batch on the host: {e}", self.run.device),
+            }
+        }
+        self.run.metrics.cpu_batches.add(1);
+        count_batch(false);
+        let work = &self.run.work;
+        if self.host.is_none() {
+            let keys: Vec<ArrayRef> = work
+                .left_keys
+                .iter()
+                .map(|&c| Arc::clone(self.build.column(c)))
+                .collect();
+            self.host = Some(HostIndex::new(&keys, work.null_equals_null)?);
+        }
+        let keys: Vec<ArrayRef> = work
+            .right_keys
+            .iter()
+            .map(|&c| Arc::clone(probe.column(c)))
+            .collect();
+        self.host
+            .as_ref()
+            .expect("built above")
+            .probe(&keys, work.null_equals_null)
+    }
+
+    /// The build rows the join type emits once this partition (or, for CollectLeft, the
+    /// last partition) has probed everything.
+    fn finish(&mut self) -> Result<Option<RecordBatch>> {
+        let work = &self.run.work;
+        if !work.emits_build_rows() {
+            return Ok(None);
+        }
+        let visited = match &self.run.shared {
+            None => std::mem::take(&mut self.visited),
+            Some((shared, partitions)) => {
+                let mut state = shared.state.lock().unwrap_or_else(|p| p.into_inner());
+                let (seen, finished) = &mut *state;
+                if seen.len() < self.visited.len() {
+                    seen.resize(self.visited.len(), false);
+                }
+                for (s, v) in seen.iter_mut().zip(&self.visited) {
+                    *s |= *v;
+                }
+                *finished += 1;
+                if *finished < *partitions {
+                    return Ok(None);
+                }
+                std::mem::take(seen)
+            }
+        };
+        let out = work.final_output(&self.build, &visited)?;
+        if let Some(b) = &out {
+            self.run.metrics.baseline.record_output(b.num_rows());
+        }
+        Ok(out)
+    }
+}

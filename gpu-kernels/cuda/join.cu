@@ -1,0 +1,29 @@
+// Hash joins: the probe of hash_table.cu gives candidate pairs (equal row hashes); these
+// kernels keep the pairs whose keys are really equal, in order.
+//   join_verify  (build_keys, probe_keys, ncols, build, probe, n, flags)
+//       flags[i] = 1 when build row build[i] and probe row probe[i] have equal keys (u64, for
+//       the scan). NULL keys never reach here: the table leaves them out.
+//   join_compact (build, probe, flags, offsets, n, out_build, out_probe)
+//       the flagged pairs, in order, at their exclusive-scan offsets
+#include "volley.cuh"
+
+VOLLEY_KERNEL join_verify(const KeyCol* build_keys, const KeyCol* probe_keys, uint32_t ncols, const uint32_t* build,
+                          const uint32_t* probe, uint64_t n, uint64_t* flags) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE)
+        flags[i] = keys_equal(build_keys, build[i], probe_keys, probe[i], ncols) ? 1 : 0;
+}
+
+VOLLEY_KERNEL join_compact(const uint32_t* build, const uint32_t* probe, const uint64_t* flags,
+                           const uint64_t* offsets, uint64_t n, uint32_t* out_build, uint32_t* out_probe) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        if (flags[i]) {
+            out_build[offsets[i]] = build[i];
+            out_probe[offsets[i]] = probe[i];
+        }
+    }
+}
+
+#if defined(VOLLEY_EMULATOR)
+VOLLEY_EMU_EXPORT(join_verify)
+VOLLEY_EMU_EXPORT(join_compact)
+#endif
