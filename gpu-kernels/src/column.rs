@@ -101,14 +101,15 @@ where
     ))
 }
 
-/// One column in device memory.
-#[derive(Debug)]
+/// One column in device memory. Clones share the buffers (operators pass columns through
+/// without copying them); the memory goes back to the device when the last clone drops.
+#[derive(Debug, Clone)]
 pub struct DeviceColumn {
     data_type: DataType,
     len: usize,
-    values: DeviceBuffer,
-    offsets: Option<DeviceBuffer>,
-    validity: Option<DeviceBuffer>,
+    values: Arc<DeviceBuffer>,
+    offsets: Option<Arc<DeviceBuffer>>,
+    validity: Option<Arc<DeviceBuffer>>,
 }
 
 fn bitmap_bytes(len: usize) -> usize {
@@ -127,9 +128,9 @@ impl DeviceColumn {
         Self {
             data_type,
             len,
-            values,
-            offsets,
-            validity,
+            values: Arc::new(values),
+            offsets: offsets.map(Arc::new),
+            validity: validity.map(Arc::new),
         }
     }
 
@@ -168,13 +169,7 @@ impl DeviceColumn {
             Layout::Var(4) => upload_var::<i32>(device, &data)?,
             Layout::Var(_) => upload_var::<i64>(device, &data)?,
         };
-        Ok(Self {
-            data_type: target,
-            len,
-            values,
-            offsets,
-            validity,
-        })
+        Ok(Self::from_parts(target, len, values, offsets, validity))
     }
 
     /// Copies the column back into an Arrow array.
@@ -221,12 +216,12 @@ impl DeviceColumn {
 
     /// The offsets buffer of a variable-width column.
     pub fn offsets(&self) -> Option<&DeviceBuffer> {
-        self.offsets.as_ref()
+        self.offsets.as_deref()
     }
 
     /// The validity bitmap, absent when no row is NULL.
     pub fn validity(&self) -> Option<&DeviceBuffer> {
-        self.validity.as_ref()
+        self.validity.as_deref()
     }
 
     /// The device layout.
@@ -248,7 +243,7 @@ impl DeviceColumn {
 }
 
 /// A batch of columns on one device.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct DeviceBatch {
     schema: SchemaRef,
     columns: Vec<DeviceColumn>,

@@ -145,6 +145,13 @@ impl DeviceBuffer {
         Ok(out)
     }
 
+    /// Copies the first `len` bytes (at most the buffer's) to the host.
+    pub fn prefix_to_host(&self, len: usize) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; len.min(self.len)];
+        self.device.read(self, 0, &mut out)?;
+        Ok(out)
+    }
+
     /// Copies the whole buffer to the host into an Arrow buffer (aligned as Arrow needs).
     pub fn to_arrow_buffer(&self) -> Result<arrow::buffer::Buffer> {
         let mut out = arrow::buffer::MutableBuffer::from_len_zeroed(self.len);

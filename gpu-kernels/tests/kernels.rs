@@ -938,3 +938,74 @@ fn a_failed_group_table_update_leaves_the_table_as_it_was() {
         }
     }
 }
+
+#[test]
+fn join_table_matches_like_a_nested_loop() {
+    use volley_kernels::ops::join::JoinTable;
+    let d = device();
+    let mut r = Lcg(11);
+    for (n_build, n_probe, distinct) in [
+        (0, 10, 5),
+        (10, 0, 5),
+        (300, 500, 7),
+        (2000, 3000, 100_000),
+        (1500, 40, 1),
+    ] {
+        let keys = |r: &mut Lcg, n: usize| -> (Int64Array, StringArray) {
+            (
+                (0..n)
+                    .map(|_| (!r.chance(10)).then(|| (r.next() % distinct) as i64))
+                    .collect(),
+                (0..n)
+                    .map(|_| {
+                        (!r.chance(5)).then(|| ["x", "yy", ""][r.next() as usize % 3].to_string())
+                    })
+                    .collect(),
+            )
+        };
+        let (b1, b2) = keys(&mut r, n_build);
+        let (p1, p2) = keys(&mut r, n_probe);
+        let valid = |a: &Int64Array, b: &StringArray| -> Vec<bool> {
+            (0..a.len())
+                .map(|i| a.is_valid(i) && b.is_valid(i))
+                .collect()
+        };
+        let bitmap = |v: &[bool]| {
+            let mut bytes = vec![0u8; v.len().div_ceil(8).max(1)];
+            for (i, &x) in v.iter().enumerate() {
+                if x {
+                    bytes[i / 8] |= 1 << (i % 8);
+                }
+            }
+            d.upload(&bytes).unwrap()
+        };
+        let (bv, pv) = (valid(&b1, &b2), valid(&p1, &p2));
+        let up = |a: &dyn Array| DeviceColumn::upload(&d, a).unwrap();
+        let table =
+            JoinTable::build(&d, vec![up(&b1), up(&b2)], Some(&bitmap(&bv)), n_build).unwrap();
+        let (q1, q2) = (up(&p1), up(&p2));
+        let got = table
+            .probe(&[&q1, &q2], Some(&bitmap(&pv)), n_probe)
+            .unwrap();
+        let mut want = Vec::new();
+        for p in 0..n_probe {
+            for b in 0..n_build {
+                if pv[p] && bv[b] && p1.value(p) == b1.value(b) && p2.value(p) == b2.value(b) {
+                    want.push((p as u32, b as u32));
+                }
+            }
+        }
+        let mut pairs: Vec<(u32, u32)> = got
+            .probe
+            .iter()
+            .copied()
+            .zip(got.build.iter().copied())
+            .collect();
+        assert!(
+            pairs.windows(2).all(|w| w[0].0 <= w[1].0),
+            "pairs come in probe order"
+        );
+        pairs.sort();
+        assert_eq!(pairs, want, "{n_build} build rows, {n_probe} probe rows");
+    }
+}

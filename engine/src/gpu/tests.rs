@@ -1164,3 +1164,45 @@ mod join_properties {
         }
     }
 }
+
+/// TPC-H Q1's filter → projection → partial aggregate runs as one device-resident stage:
+/// the filter uploads the scanned columns, its output stays on the device for the
+/// projection, whose output stays there for the aggregation; only the groups come down.
+#[tokio::test]
+async fn adjacent_gpu_operators_pass_device_batches() {
+    let (gpu, cpu) = tpch_contexts("emulated:1", 1, None);
+    let (got, plan) = tpch_run(&gpu, 1).await;
+    let (_, want) = run(&cpu, crate::tpch::QUERIES[0]).await;
+    assert_eq!(got, want);
+    let mut seen = Vec::new();
+    let _ = plan.apply(|node| {
+        if let Some(m) = node.metrics() {
+            let get = |name: &str| m.sum_by_name(name).map_or(0, |v| v.as_usize());
+            seen.push((node.name().to_string(), get("h2d_bytes"), get("d2h_bytes")));
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    let find = |name: &str| {
+        seen.iter()
+            .find(|(n, ..)| n == name)
+            .unwrap_or_else(|| panic!("no {name} in {seen:?}"))
+    };
+    let (_, filter_up, filter_down) = find("GpuFilterExec");
+    let (_, projection_up, projection_down) = find("GpuProjectionExec");
+    let (_, aggregate_up, aggregate_down) = find("GpuAggregateExec");
+    println!(
+        "Q1 bytes (up, down): filter {filter_up}/{filter_down}, projection {projection_up}/{projection_down}, aggregate {aggregate_up}/{aggregate_down}"
+    );
+    assert!(*filter_up > 0, "{seen:?}");
+    assert_eq!(
+        (
+            *filter_down,
+            *projection_up,
+            *projection_down,
+            *aggregate_up
+        ),
+        (0, 0, 0, 0),
+        "{seen:?}"
+    );
+    assert!(*aggregate_down > 0 && *aggregate_down < 2048, "{seen:?}");
+}

@@ -67,7 +67,10 @@ use volley_kernels::ops::aggregate::{AccInput, AccOp, AccState, AccValues, Group
 use volley_kernels::ops::expr;
 use volley_kernels::{Device, DeviceColumn, KernelError};
 
-use super::gpu_stream::{GpuMetrics, OperatorKind, count_operator, device_for, make_batch};
+use super::gpu_stream::{
+    Chunk, ChunkStream, GpuMetrics, OperatorKind, count_operator, device_for, input_chunks,
+    make_batch,
+};
 use super::once::OnceExec;
 use crate::gpu::compile::{CompiledExprs, Reason, compile, expr_name, is_output_type};
 use crate::gpu::devices::describe;
@@ -388,15 +391,15 @@ impl AggregateWork {
         &self,
         table: &mut GroupTable,
         device: &Device,
-        batch: &RecordBatch,
+        input: &Chunk,
         metrics: &GpuMetrics,
     ) -> Result<bool, UpdateError> {
-        let n = batch.num_rows();
+        let n = input.num_rows();
         let mut uploaded: HashMap<usize, DeviceColumn> = HashMap::new();
         let upload =
             |c: usize, uploaded: &mut HashMap<usize, DeviceColumn>| -> Result<(), KernelError> {
                 if let std::collections::hash_map::Entry::Vacant(slot) = uploaded.entry(c) {
-                    slot.insert(metrics.upload(device, batch.column(c).as_ref())?);
+                    slot.insert(input.device_column(c, device, metrics)?);
                 }
                 Ok(())
             };
@@ -404,7 +407,7 @@ impl AggregateWork {
         let computed: Vec<DeviceColumn> = match &self.program {
             None => Vec::new(),
             Some(program) => {
-                let outputs = match program.bind(batch) {
+                let outputs = match program.bind(&input.host_view()) {
                     Ok(bound) => {
                         for &c in &program.inputs {
                             upload(c, &mut uploaded)?;
@@ -419,10 +422,11 @@ impl AggregateWork {
                     Some(outputs) => outputs,
                     None => {
                         on_device = false;
+                        let batch = input.to_host(metrics)?;
                         let mut columns = Vec::with_capacity(self.computed.len());
                         for e in &self.computed {
                             let array = e
-                                .evaluate(batch)
+                                .evaluate(&batch)
                                 .and_then(|v| v.into_array(n))
                                 .map_err(UpdateError::Query)?;
                             columns.push(metrics.upload(device, array.as_ref())?);
@@ -490,7 +494,7 @@ impl AggregateWork {
             .collect::<Result<_, _>>()
             .map_err(kernel_err)?;
         metrics.d2h_time.add_duration(start.elapsed());
-        metrics.d2h_bytes.add(table.device_bytes());
+        metrics.d2h_bytes.add(table.result_bytes());
         let keys = keys
             .into_iter()
             .zip(&self.key_output_types)
@@ -777,11 +781,12 @@ impl ExecutionPlan for GpuAggregateExec {
     ) -> Result<SendableRecordBatchStream> {
         let device = device_for(&self.devices, partition)
             .ok_or_else(|| internal_datafusion_err!("GpuAggregateExec without a device"))?;
-        let input = self
-            .work
-            .cpu
-            .input()
-            .execute(partition, Arc::clone(&context))?;
+        let input = input_chunks(
+            self.work.cpu.input(),
+            partition,
+            Arc::clone(&context),
+            &self.devices,
+        )?;
         let metrics = GpuMetrics::new(&self.metrics, partition, &device);
         let extra = ExtraMetrics::new(&self.metrics, partition, &device);
         count_operator(&self.executed, OperatorKind::Aggregate);
@@ -871,10 +876,7 @@ struct Run {
 }
 
 impl Run {
-    async fn execute(
-        self,
-        mut input: SendableRecordBatchStream,
-    ) -> Result<SendableRecordBatchStream> {
+    async fn execute(self, mut input: ChunkStream) -> Result<SendableRecordBatchStream> {
         let schema = self.work.schema.clone();
         let mut table = match self.work.new_table(&self.device) {
             Ok(t) => t,
@@ -883,36 +885,36 @@ impl Run {
                 return self.fallback(None, Vec::new(), input);
             }
         };
-        let mut pending: Vec<RecordBatch> = Vec::new();
+        // Host batches wait here to make up a device batch; a device chunk (from a GPU
+        // child) is added as it is.
+        let mut pending: Vec<Chunk> = Vec::new();
         let mut pending_rows = 0;
-        let mut done = false;
-        while !done {
-            match input.next().await {
-                Some(batch) => {
-                    let batch = batch?;
-                    // A schema change (metadata, nullability) starts a new device batch.
-                    if pending
-                        .first()
-                        .is_some_and(|p| p.schema() != batch.schema())
-                        && let Err(e) = self.flush(&mut table, &mut pending, &mut pending_rows)
-                    {
-                        pending.push(batch);
-                        return self.handle(e, table, pending, input);
-                    }
-                    pending_rows += batch.num_rows();
-                    pending.push(batch);
-                    if pending_rows >= self.batch_rows
-                        && let Err(e) = self.flush(&mut table, &mut pending, &mut pending_rows)
-                    {
-                        return self.handle(e, table, pending, input);
-                    }
+        loop {
+            let Some(chunk) = input.next().await else {
+                if let Err(e) = self.flush(&mut table, &mut pending, &mut pending_rows) {
+                    return self.handle(e, table, pending, input);
                 }
-                None => {
-                    done = true;
-                    if let Err(e) = self.flush(&mut table, &mut pending, &mut pending_rows) {
-                        return self.handle(e, table, pending, input);
-                    }
-                }
+                break;
+            };
+            let chunk = chunk?;
+            // A device chunk, or a schema change (metadata, nullability), starts a new
+            // device batch.
+            let alone = matches!(chunk, Chunk::Device(..));
+            if (alone
+                || pending
+                    .first()
+                    .is_some_and(|p| p.schema() != chunk.schema()))
+                && let Err(e) = self.flush(&mut table, &mut pending, &mut pending_rows)
+            {
+                pending.push(chunk);
+                return self.handle(e, table, pending, input);
+            }
+            pending_rows += chunk.num_rows();
+            pending.push(chunk);
+            if (alone || pending_rows >= self.batch_rows)
+                && let Err(e) = self.flush(&mut table, &mut pending, &mut pending_rows)
+            {
+                return self.handle(e, table, pending, input);
             }
         }
         let timer = self.metrics.baseline.elapsed_compute().timer();
@@ -960,25 +962,30 @@ impl Run {
     fn flush(
         &self,
         table: &mut GroupTable,
-        pending: &mut Vec<RecordBatch>,
+        pending: &mut Vec<Chunk>,
         pending_rows: &mut usize,
     ) -> Result<(), UpdateError> {
-        if pending.is_empty() {
-            return Ok(());
-        }
-        let batch = if pending.len() == 1 {
-            pending[0].clone()
-        } else {
-            concat_batches(&pending[0].schema(), pending.iter())
-                .map_err(|e| UpdateError::Query(arrow_err(e)))?
+        let chunk = match pending.len() {
+            0 => return Ok(()),
+            1 => pending[0].clone(),
+            _ => {
+                let batches = pending
+                    .iter()
+                    .map(|c| c.to_host(&self.metrics))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Chunk::Host(
+                    concat_batches(&batches[0].schema(), batches.iter())
+                        .map_err(|e| UpdateError::Query(arrow_err(e)))?,
+                )
+            }
         };
-        let mut pieces = std::collections::VecDeque::from([batch]);
+        let mut pieces = std::collections::VecDeque::from([chunk]);
         while let Some(piece) = pieces.pop_front() {
             let timer = self.metrics.baseline.elapsed_compute().timer();
             let outcome = self.work.update(table, &self.device, &piece, &self.metrics);
             timer.done();
-            match outcome {
-                Ok(on_device) => {
+            match (outcome, &piece) {
+                (Ok(on_device), _) => {
                     if on_device {
                         self.metrics.gpu_batches.add(1);
                     } else {
@@ -986,18 +993,19 @@ impl Run {
                     }
                     super::gpu_stream::count_batch(on_device);
                 }
-                Err(UpdateError::Device(KernelError::OutOfDeviceMemory { .. }))
-                    if piece.num_rows() >= 2 * MIN_SPLIT_ROWS =>
-                {
-                    let half = piece.num_rows() / 2;
+                (
+                    Err(UpdateError::Device(KernelError::OutOfDeviceMemory { .. })),
+                    Chunk::Host(b),
+                ) if b.num_rows() >= 2 * MIN_SPLIT_ROWS => {
+                    let half = b.num_rows() / 2;
                     self.extra.split_batches.add(1);
-                    pieces.push_front(piece.slice(half, piece.num_rows() - half));
-                    pieces.push_front(piece.slice(0, half));
+                    pieces.push_front(Chunk::Host(b.slice(half, b.num_rows() - half)));
+                    pieces.push_front(Chunk::Host(b.slice(0, half)));
                 }
-                Err(e) => {
+                (Err(e), _) => {
                     pieces.push_front(piece);
                     *pending = pieces.into_iter().collect();
-                    *pending_rows = pending.iter().map(RecordBatch::num_rows).sum();
+                    *pending_rows = pending.iter().map(Chunk::num_rows).sum();
                     return Err(e);
                 }
             }
@@ -1011,8 +1019,8 @@ impl Run {
         self,
         error: UpdateError,
         table: GroupTable,
-        rest: Vec<RecordBatch>,
-        input: SendableRecordBatchStream,
+        rest: Vec<Chunk>,
+        input: ChunkStream,
     ) -> Result<SendableRecordBatchStream> {
         match error {
             UpdateError::Query(e) => Err(e),
@@ -1031,17 +1039,23 @@ impl Run {
     fn fallback(
         self,
         table: Option<GroupTable>,
-        rest: Vec<RecordBatch>,
-        input: SendableRecordBatchStream,
+        rest: Vec<Chunk>,
+        input: ChunkStream,
     ) -> Result<SendableRecordBatchStream> {
         self.extra.cpu_fallback.add(1);
         self.metrics.cpu_batches.add(rest.len().max(1));
         super::gpu_stream::count_batch(false);
         let cpu = &self.work.cpu;
-        let input_schema = input.schema();
+        let input_schema = cpu.input().schema();
+        // What is left of the input, on the host (device chunks come down).
+        let metrics = self.metrics.clone();
+        let to_host =
+            move |chunk: Result<Chunk>| chunk.and_then(|c| c.to_host(&metrics).map_err(kernel_err));
         let remaining: SendableRecordBatchStream = Box::pin(RecordBatchStreamAdapter::new(
             Arc::clone(&input_schema),
-            futures::stream::iter(rest.into_iter().map(Ok)).chain(input),
+            futures::stream::iter(rest.into_iter().map(Ok))
+                .chain(input)
+                .map(to_host),
         ));
         let mode = *cpu.mode();
         let raw_input = cpu.input_schema();

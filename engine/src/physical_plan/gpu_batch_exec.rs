@@ -17,13 +17,18 @@ use datafusion::physical_plan::execution_plan::{
     CardinalityEffect, ChildrenPropertiesMode, ReplaceChildrenOptions,
 };
 use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricsSet};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     ChildStats, DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties, Statistics,
     StatisticsArgs,
 };
+use futures::StreamExt;
 use volley_kernels::Device;
 
-use super::gpu_stream::{BatchWork, GpuMetrics, GpuStream, count_operator, device_for};
+use super::gpu_stream::{
+    BatchWork, Chunk, ChunkStream, DeviceResident, GpuMetrics, GpuStream, count_operator,
+    device_for, input_chunks,
+};
 use crate::gpu::compile::Reason;
 use crate::gpu::devices::describe;
 
@@ -63,6 +68,50 @@ impl<W: BatchWork> GpuBatchExec<W> {
 
     /// The devices its partitions run on.
     pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+}
+
+impl<W: BatchWork> GpuBatchExec<W> {
+    /// The partition's stream: its input straight from a GPU child on the same devices
+    /// (or from the host), its output left on the device when `resident`.
+    fn stream(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+        resident: bool,
+    ) -> Result<ChunkStream> {
+        let device = device_for(&self.devices, partition)
+            .ok_or_else(|| internal_datafusion_err!("{} without a device", W::NAME))?;
+        let child = self
+            .inner
+            .children()
+            .first()
+            .map(|c| Arc::clone(*c))
+            .ok_or_else(|| internal_datafusion_err!("{} without an input", W::NAME))?;
+        let input = input_chunks(&child, partition, Arc::clone(&context), &self.devices)?;
+        let metrics = GpuMetrics::new(&self.metrics, partition, &device);
+        count_operator(&self.executed, W::KIND);
+        Ok(Box::pin(GpuStream::new(
+            self.schema(),
+            input,
+            Arc::clone(&self.work),
+            device,
+            self.batch_rows,
+            context.session_config().batch_size(),
+            self.fetch,
+            resident,
+            metrics,
+        )))
+    }
+}
+
+impl<W: BatchWork> DeviceResident for GpuBatchExec<W> {
+    fn execute_chunks(&self, partition: usize, context: Arc<TaskContext>) -> Result<ChunkStream> {
+        self.stream(partition, context, self.fetch.is_none())
+    }
+
+    fn resident_devices(&self) -> &Arc<Vec<Device>> {
         &self.devices
     }
 }
@@ -133,25 +182,17 @@ impl<W: BatchWork> ExecutionPlan for GpuBatchExec<W> {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        let device = device_for(&self.devices, partition)
-            .ok_or_else(|| internal_datafusion_err!("{} without a device", W::NAME))?;
-        let input = self
-            .inner
-            .children()
-            .first()
-            .ok_or_else(|| internal_datafusion_err!("{} without an input", W::NAME))?
-            .execute(partition, Arc::clone(&context))?;
-        let metrics = GpuMetrics::new(&self.metrics, partition, &device);
-        count_operator(&self.executed, W::KIND);
-        Ok(Box::pin(GpuStream::new(
+        let chunks = self.stream(partition, context, false)?;
+        let batches = chunks.map(|chunk| match chunk? {
+            Chunk::Host(batch) => Ok(batch),
+            Chunk::Device(..) => Err(internal_datafusion_err!(
+                "{} gave a device chunk to a host consumer",
+                W::NAME
+            )),
+        });
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
             self.schema(),
-            input,
-            Arc::clone(&self.work),
-            device,
-            self.batch_rows,
-            context.session_config().batch_size(),
-            self.fetch,
-            metrics,
+            batches,
         )))
     }
 

@@ -9,7 +9,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use datafusion::arrow::array::RecordBatch;
-use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::error::Result;
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::ExecutionPlan;
@@ -18,7 +17,7 @@ use volley_kernels::ops::{compact, expr, gather};
 use volley_kernels::{Device, DeviceColumn, KernelError};
 
 use super::gpu_batch_exec::GpuBatchExec;
-use super::gpu_stream::{BatchWork, GpuMetrics, OperatorKind, make_batch};
+use super::gpu_stream::{BatchWork, Chunk, Col, GpuMetrics, OperatorKind, Output};
 use crate::gpu::compile::{CompiledExprs, Reason, compile};
 
 /// A filter whose predicate runs on a GPU.
@@ -32,7 +31,6 @@ pub struct FilterWork {
     /// Input columns the filter outputs.
     outputs: Vec<usize>,
     projection: Option<Vec<usize>>,
-    schema: SchemaRef,
 }
 
 impl BatchWork for FilterWork {
@@ -64,22 +62,24 @@ impl BatchWork for FilterWork {
             program,
             outputs,
             projection,
-            schema: filter.schema(),
         })
     }
 
     fn gpu(
         &self,
         device: &Device,
-        batch: &RecordBatch,
+        input: &Chunk,
         metrics: &GpuMetrics,
-    ) -> Result<Option<RecordBatch>, KernelError> {
-        let n = batch.num_rows();
-        let program = self.program.bind(batch).map_err(KernelError::Unsupported)?;
+    ) -> Result<Option<Output>, KernelError> {
+        let n = input.num_rows();
+        let program = self
+            .program
+            .bind(&input.host_view())
+            .map_err(KernelError::Unsupported)?;
         let mut on_device: HashMap<usize, DeviceColumn> = HashMap::new();
         for &c in self.program.inputs.iter().chain(&self.outputs) {
             if let std::collections::hash_map::Entry::Vacant(slot) = on_device.entry(c) {
-                slot.insert(metrics.upload(device, batch.column(c).as_ref())?);
+                slot.insert(input.device_column(c, device, metrics)?);
             }
         }
         let inputs: Vec<&DeviceColumn> =
@@ -94,21 +94,14 @@ impl BatchWork for FilterWork {
             let columns = self
                 .outputs
                 .iter()
-                .map(|c| gather::gather_column(&on_device[c], &indices))
+                .map(|c| gather::gather_column(&on_device[c], &indices).map(Col::Device))
                 .collect::<Result<Vec<_>, _>>()?;
-            Ok(Some((indices.len(), columns)))
+            Ok(Some(Output {
+                columns,
+                rows: indices.len(),
+            }))
         })?;
-        let Some((rows, columns)) = kept else {
-            return Ok(None);
-        };
-        let arrays = columns
-            .iter()
-            .zip(self.schema.fields())
-            .map(|(c, f)| metrics.download(c, f.data_type()))
-            .collect::<Result<Vec<_>, _>>()?;
-        make_batch(&self.schema, arrays, rows)
-            .map(Some)
-            .map_err(|e| KernelError::InvalidData(e.to_string()))
+        Ok(kept)
     }
 
     fn cpu(&self, batch: &RecordBatch) -> Result<RecordBatch> {

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{ArrayRef, RecordBatch};
+use datafusion::arrow::array::RecordBatch;
 use datafusion::arrow::datatypes::{DataType, SchemaRef};
 use datafusion::common::ScalarValue;
 use datafusion::error::Result;
@@ -16,7 +16,7 @@ use volley_kernels::ops::expr;
 use volley_kernels::{Device, DeviceColumn, KernelError};
 
 use super::gpu_batch_exec::GpuBatchExec;
-use super::gpu_stream::{BatchWork, GpuMetrics, OperatorKind, make_batch};
+use super::gpu_stream::{BatchWork, Chunk, Col, GpuMetrics, OperatorKind, Output, make_batch};
 use crate::gpu::compile::{CompiledExprs, Reason, compile};
 
 /// A projection whose computed columns run on a GPU.
@@ -83,40 +83,42 @@ impl BatchWork for ProjectionWork {
     fn gpu(
         &self,
         device: &Device,
-        batch: &RecordBatch,
+        input: &Chunk,
         metrics: &GpuMetrics,
-    ) -> Result<Option<RecordBatch>, KernelError> {
-        let n = batch.num_rows();
-        let program = self.program.bind(batch).map_err(KernelError::Unsupported)?;
+    ) -> Result<Option<Output>, KernelError> {
+        let n = input.num_rows();
+        let program = self
+            .program
+            .bind(&input.host_view())
+            .map_err(KernelError::Unsupported)?;
         let inputs = self
             .program
             .inputs
             .iter()
-            .map(|&c| metrics.upload(device, batch.column(c).as_ref()))
+            .map(|&c| input.device_column(c, device, metrics))
             .collect::<Result<Vec<_>, _>>()?;
         let inputs: Vec<&DeviceColumn> = inputs.iter().collect();
-        let Some(outputs) = metrics.kernel(|| expr::evaluate(device, &program, &inputs, n))? else {
+        let Some(computed) = metrics.kernel(|| expr::evaluate(device, &program, &inputs, n))?
+        else {
             return Ok(None);
         };
-        let computed = outputs
-            .iter()
-            .zip(self.program.program.output_types())
-            .map(|(c, t)| metrics.download(c, t))
-            .collect::<Result<Vec<_>, _>>()?;
         let columns = self
             .sources
             .iter()
             .map(|s| match s {
-                Source::Input(i) => Ok(Arc::clone(batch.column(*i))),
+                // Passed through from wherever the input is.
+                Source::Input(i) => Ok(match input {
+                    Chunk::Host(batch) => Col::Host(Arc::clone(batch.column(*i))),
+                    Chunk::Device(batch, _) => Col::Device(batch.columns()[*i].clone()),
+                }),
                 Source::Constant(v) => v
                     .to_array_of_size(n)
+                    .map(Col::Host)
                     .map_err(|e| KernelError::InvalidData(e.to_string())),
-                Source::Computed(k) => Ok(Arc::clone(&computed[*k])),
+                Source::Computed(k) => Ok(Col::Device(computed[*k].clone())),
             })
-            .collect::<Result<Vec<ArrayRef>, _>>()?;
-        make_batch(&self.schema, columns, n)
-            .map(Some)
-            .map_err(|e| KernelError::InvalidData(e.to_string()))
+            .collect::<Result<Vec<Col>, _>>()?;
+        Ok(Some(Output { columns, rows: n }))
     }
 
     fn cpu(&self, batch: &RecordBatch) -> Result<RecordBatch> {

@@ -21,13 +21,13 @@ use datafusion::arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions};
 use datafusion::arrow::compute::{cast, concat_batches};
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::error::{DataFusionError, Result};
-use datafusion::execution::{RecordBatchStream, SendableRecordBatchStream};
+use datafusion::execution::TaskContext;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::metrics::{
     BaselineMetrics, Count, ExecutionPlanMetricsSet, Label, MetricBuilder, Time,
 };
 use futures::{Stream, StreamExt};
-use volley_kernels::{Device, DeviceColumn, KernelError};
+use volley_kernels::{Device, DeviceBatch, DeviceColumn, KernelError};
 
 use crate::gpu::compile::Reason;
 
@@ -208,6 +208,178 @@ pub fn run_counts() -> RunCounts {
     }
 }
 
+/// A batch passed from one operator to the next: on the host, or still on a device (a
+/// GPU operator's output that its GPU parent consumes without a trip through the host).
+#[derive(Debug, Clone)]
+pub enum Chunk {
+    /// Host columns.
+    Host(RecordBatch),
+    /// Device columns (in their device types: strings for string views) and the host
+    /// schema they stand for.
+    Device(DeviceBatch, SchemaRef),
+}
+
+impl Chunk {
+    /// Rows.
+    pub fn num_rows(&self) -> usize {
+        match self {
+            Self::Host(b) => b.num_rows(),
+            Self::Device(b, _) => b.num_rows(),
+        }
+    }
+
+    /// The host schema.
+    pub fn schema(&self) -> SchemaRef {
+        match self {
+            Self::Host(b) => b.schema(),
+            Self::Device(_, s) => Arc::clone(s),
+        }
+    }
+
+    /// Column `i` on `device`: uploaded from the host (counted), or the device column
+    /// itself (shared, not copied).
+    pub fn device_column(
+        &self,
+        i: usize,
+        device: &Device,
+        metrics: &GpuMetrics,
+    ) -> Result<DeviceColumn, KernelError> {
+        match self {
+            Self::Host(b) => metrics.upload(device, b.column(i).as_ref()),
+            Self::Device(b, _) if b.columns()[i].device() == device => Ok(b.columns()[i].clone()),
+            Self::Device(b, schema) => {
+                // Another device: through the host.
+                let array = metrics.download(&b.columns()[i], schema.field(i).data_type())?;
+                metrics.upload(device, array.as_ref())
+            }
+        }
+    }
+
+    /// The batch on the host (a device chunk is downloaded, and counted).
+    pub fn to_host(&self, metrics: &GpuMetrics) -> Result<RecordBatch, KernelError> {
+        match self {
+            Self::Host(b) => Ok(b.clone()),
+            Self::Device(b, schema) => {
+                let columns = b
+                    .columns()
+                    .iter()
+                    .zip(schema.fields())
+                    .map(|(c, f)| metrics.download(c, f.data_type()))
+                    .collect::<Result<Vec<_>, _>>()?;
+                make_batch(schema, columns, b.num_rows())
+                    .map_err(|e| KernelError::InvalidData(e.to_string()))
+            }
+        }
+    }
+
+    /// A host batch to evaluate per-batch constants against (scalar subqueries do not
+    /// read it): the batch itself, or an empty one of its schema.
+    pub fn host_view(&self) -> RecordBatch {
+        match self {
+            Self::Host(b) => b.clone(),
+            Self::Device(_, schema) => RecordBatch::new_empty(Arc::clone(schema)),
+        }
+    }
+}
+
+/// A stream of chunks.
+pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<Chunk>> + Send>>;
+
+/// One output column of a GPU operator's batch: where it already is.
+#[derive(Debug, Clone)]
+pub enum Col {
+    /// On the host (a column passed through, a constant).
+    Host(ArrayRef),
+    /// On the device.
+    Device(DeviceColumn),
+}
+
+/// A GPU operator's output for one batch, before it goes down to the host or on to a GPU
+/// parent.
+#[derive(Debug, Clone)]
+pub struct Output {
+    /// The columns, in the operator's schema order.
+    pub columns: Vec<Col>,
+    /// Rows.
+    pub rows: usize,
+}
+
+impl Output {
+    /// The output on the host: device columns downloaded (counted).
+    pub fn to_host(
+        &self,
+        schema: &SchemaRef,
+        metrics: &GpuMetrics,
+    ) -> Result<RecordBatch, KernelError> {
+        let columns = self
+            .columns
+            .iter()
+            .zip(schema.fields())
+            .map(|(c, f)| match c {
+                Col::Host(a) => Ok(Arc::clone(a)),
+                Col::Device(d) => metrics.download(d, f.data_type()),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        make_batch(schema, columns, self.rows).map_err(|e| KernelError::InvalidData(e.to_string()))
+    }
+
+    /// The output on `device`: host columns uploaded (counted).
+    pub fn to_device(
+        &self,
+        schema: &SchemaRef,
+        device: &Device,
+        metrics: &GpuMetrics,
+    ) -> Result<Chunk, KernelError> {
+        let columns = self
+            .columns
+            .iter()
+            .map(|c| match c {
+                Col::Host(a) => metrics.upload(device, a.as_ref()),
+                Col::Device(d) => Ok(d.clone()),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let fields: Vec<_> = schema
+            .fields()
+            .iter()
+            .zip(&columns)
+            .map(|(f, c)| f.as_ref().clone().with_data_type(c.data_type().clone()))
+            .collect();
+        let device_schema = Arc::new(datafusion::arrow::datatypes::Schema::new(fields));
+        let batch = DeviceBatch::try_new(device_schema, columns, self.rows)?;
+        Ok(Chunk::Device(batch, Arc::clone(schema)))
+    }
+}
+
+/// GPU operators whose output can stay on the device for a GPU parent.
+pub trait DeviceResident {
+    /// The partition's output as chunks, left on the partition's device where they are
+    /// (a batch redone on the CPU comes as a host chunk).
+    fn execute_chunks(&self, partition: usize, context: Arc<TaskContext>) -> Result<ChunkStream>;
+
+    /// The devices its partitions run on.
+    fn resident_devices(&self) -> &Arc<Vec<Device>>;
+}
+
+/// The child of a GPU operator as chunks: straight from the child's device when it is a
+/// GPU operator on the same devices (a device-resident stage), else its host batches.
+pub fn input_chunks(
+    child: &Arc<dyn ExecutionPlan>,
+    partition: usize,
+    context: Arc<TaskContext>,
+    devices: &Arc<Vec<Device>>,
+) -> Result<ChunkStream> {
+    if let Some(resident) = super::resident(child)
+        && resident.resident_devices().as_slice() == devices.as_slice()
+    {
+        return resident.execute_chunks(partition, context);
+    }
+    Ok(Box::pin(
+        child
+            .execute(partition, context)?
+            .map(|b| b.map(Chunk::Host)),
+    ))
+}
+
 /// One operator's work on a batch, on the device and on the CPU.
 pub trait BatchWork: fmt::Debug + Send + Sync + Sized + 'static {
     /// The GPU operator's name (`GpuFilterExec`).
@@ -218,50 +390,55 @@ pub trait BatchWork: fmt::Debug + Send + Sync + Sized + 'static {
     /// The work of the CPU operator `cpu`, or why the GPU cannot do it.
     fn plan(cpu: &Arc<dyn ExecutionPlan>) -> Result<Self, Reason>;
 
-    /// Runs on `device`. `Ok(None)` means "some row is left to the CPU".
+    /// Runs on `device` over a host or device chunk. `Ok(None)` means "some row is left
+    /// to the CPU".
     fn gpu(
         &self,
         device: &Device,
-        batch: &RecordBatch,
+        input: &Chunk,
         metrics: &GpuMetrics,
-    ) -> Result<Option<RecordBatch>, KernelError>;
+    ) -> Result<Option<Output>, KernelError>;
 
     /// The same work on the CPU, with DataFusion's own kernels: the fallback, and the
     /// source of DataFusion's exact errors.
     fn cpu(&self, batch: &RecordBatch) -> Result<RecordBatch>;
 }
 
-/// The stream of a GPU operator's partition (see the module diagram).
+/// The stream of a GPU operator's partition (see the module diagram). Its output stays on
+/// the device when `resident` (a GPU parent consumes it), else comes to the host, cut to
+/// DataFusion's batch size.
 pub struct GpuStream<W: BatchWork> {
     schema: SchemaRef,
-    input: SendableRecordBatchStream,
+    input: ChunkStream,
     input_done: bool,
     work: Arc<W>,
     device: Device,
-    /// Input batches waiting to make up a device batch, and their rows.
+    /// Host batches waiting to make up a device batch, and their rows.
     pending: Vec<RecordBatch>,
     pending_rows: usize,
     batch_rows: usize,
     /// DataFusion's batch size: outputs are cut to it, as operators downstream (and their
     /// memory accounting) expect.
     output_rows: usize,
-    ready: VecDeque<RecordBatch>,
+    resident: bool,
+    ready: VecDeque<Chunk>,
     remaining: Option<usize>,
     metrics: GpuMetrics,
 }
 
 impl<W: BatchWork> GpuStream<W> {
     /// A stream over `input`, emitting batches of `schema` of at most `output_rows` rows,
-    /// at most `fetch` rows in all.
+    /// at most `fetch` rows in all (`resident`: device chunks, and no `fetch`).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         schema: SchemaRef,
-        input: SendableRecordBatchStream,
+        input: ChunkStream,
         work: Arc<W>,
         device: Device,
         batch_rows: usize,
         output_rows: usize,
         fetch: Option<usize>,
+        resident: bool,
         metrics: GpuMetrics,
     ) -> Self {
         PARTITIONS.fetch_add(1, Ordering::Relaxed);
@@ -275,15 +452,28 @@ impl<W: BatchWork> GpuStream<W> {
             pending_rows: 0,
             batch_rows: batch_rows.max(1),
             output_rows: output_rows.max(1),
+            resident: resident && fetch.is_none(),
             ready: VecDeque::new(),
             remaining: fetch,
             metrics,
         }
     }
 
-    fn process(&mut self, batch: RecordBatch) -> Result<()> {
+    fn process(&mut self, chunk: Chunk) -> Result<()> {
         let timer = self.metrics.baseline.elapsed_compute().timer();
-        let out = match self.work.gpu(&self.device, &batch, &self.metrics) {
+        let done = self
+            .work
+            .gpu(&self.device, &chunk, &self.metrics)
+            .and_then(|out| match out {
+                None => Ok(None),
+                Some(out) if self.resident => out
+                    .to_device(&self.schema, &self.device, &self.metrics)
+                    .map(Some),
+                Some(out) => out
+                    .to_host(&self.schema, &self.metrics)
+                    .map(|b| Some(Chunk::Host(b))),
+            });
+        let out = match done {
             Ok(Some(out)) => {
                 self.metrics.gpu_batches.add(1);
                 GPU_BATCHES.fetch_add(1, Ordering::Relaxed);
@@ -295,23 +485,39 @@ impl<W: BatchWork> GpuStream<W> {
                 }
                 self.metrics.cpu_batches.add(1);
                 CPU_BATCHES.fetch_add(1, Ordering::Relaxed);
-                self.work.cpu(&batch)?
+                let batch = chunk
+                    .to_host(&self.metrics)
+                    .map_err(|e| DataFusionError::External(Box::new(e)))?;
+                Chunk::Host(self.work.cpu(&batch)?)
             }
         };
         timer.done();
-        let mut at = 0;
-        while at < out.num_rows() {
-            let len = self.output_rows.min(out.num_rows() - at);
-            self.ready.push_back(out.slice(at, len));
-            at += len;
+        match out {
+            Chunk::Host(out) => {
+                let mut at = 0;
+                while at < out.num_rows() {
+                    let len = self.output_rows.min(out.num_rows() - at);
+                    self.ready.push_back(Chunk::Host(out.slice(at, len)));
+                    at += len;
+                }
+            }
+            device => self.ready.push_back(device),
         }
         Ok(())
     }
 
-    /// Adds an input batch; processes the pending batches as one once they reach
-    /// `batch_rows`. A batch whose schema differs from the pending ones' (DataFusion's
-    /// streams may vary in field metadata or nullability) starts a new device batch.
-    fn push(&mut self, batch: RecordBatch) -> Result<()> {
+    /// Adds an input chunk. Host batches are coalesced until they reach `batch_rows` (a
+    /// batch whose schema differs from the pending ones' starts a new device batch:
+    /// DataFusion's streams may vary in field metadata or nullability); a device chunk is
+    /// processed as it is.
+    fn push(&mut self, chunk: Chunk) -> Result<()> {
+        let batch = match chunk {
+            Chunk::Host(b) => b,
+            device => {
+                self.flush()?;
+                return self.process(device);
+            }
+        };
         if self
             .pending
             .first()
@@ -335,17 +541,17 @@ impl<W: BatchWork> GpuStream<W> {
             1 => pending.remove(0),
             _ => concat_batches(&pending[0].schema(), &pending).map_err(arrow_err)?,
         };
-        self.process(batch)
+        self.process(Chunk::Host(batch))
     }
 
-    fn emit(&mut self, batch: RecordBatch) -> RecordBatch {
-        match self.remaining.as_mut() {
-            Some(left) => {
+    fn emit(&mut self, chunk: Chunk) -> Chunk {
+        match (self.remaining.as_mut(), chunk) {
+            (Some(left), Chunk::Host(batch)) => {
                 let take = batch.num_rows().min(*left);
                 *left -= take;
-                batch.slice(0, take)
+                Chunk::Host(batch.slice(0, take))
             }
-            None => batch,
+            (_, chunk) => chunk,
         }
     }
 }
@@ -355,7 +561,7 @@ fn arrow_err(e: datafusion::arrow::error::ArrowError) -> DataFusionError {
 }
 
 impl<W: BatchWork> Stream for GpuStream<W> {
-    type Item = Result<RecordBatch>;
+    type Item = Result<Chunk>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
@@ -363,21 +569,20 @@ impl<W: BatchWork> Stream for GpuStream<W> {
             if this.remaining == Some(0) {
                 return Poll::Ready(None);
             }
-            if let Some(batch) = this.ready.pop_front() {
-                let batch = this.emit(batch);
-                return this
-                    .metrics
-                    .baseline
-                    .record_poll(Poll::Ready(Some(Ok(batch))));
+            if let Some(chunk) = this.ready.pop_front() {
+                let chunk = this.emit(chunk);
+                this.metrics.baseline.record_output(chunk.num_rows());
+                return Poll::Ready(Some(Ok(chunk)));
             }
             if this.input_done {
+                this.metrics.baseline.done();
                 return Poll::Ready(None);
             }
             match this.input.poll_next_unpin(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
-                Poll::Ready(Some(Ok(batch))) => {
-                    if let Err(e) = this.push(batch) {
+                Poll::Ready(Some(Ok(chunk))) => {
+                    if let Err(e) = this.push(chunk) {
                         return Poll::Ready(Some(Err(e)));
                     }
                 }
@@ -389,12 +594,6 @@ impl<W: BatchWork> Stream for GpuStream<W> {
                 }
             }
         }
-    }
-}
-
-impl<W: BatchWork> RecordBatchStream for GpuStream<W> {
-    fn schema(&self) -> SchemaRef {
-        Arc::clone(&self.schema)
     }
 }
 

@@ -237,6 +237,19 @@ impl GroupTable {
         self.groups
     }
 
+    /// Bytes the keys and states of the groups occupy: what [`keys`](Self::keys) and
+    /// [`state`](Self::state) of every accumulator bring to the host.
+    pub fn result_bytes(&self) -> usize {
+        let keys: usize = self
+            .chunks
+            .iter()
+            .flatten()
+            .map(DeviceColumn::device_bytes)
+            .sum();
+        let states: usize = self.accs.iter().map(|a| (1 + a.op.words()) * 8).sum();
+        keys + states * self.groups
+    }
+
     /// Device bytes the table holds.
     pub fn device_bytes(&self) -> usize {
         let accs: usize = self
@@ -736,11 +749,12 @@ impl GroupTable {
             .get(k)
             .ok_or_else(|| KernelError::Unsupported(format!("accumulator {k}")))?;
         let g = self.groups;
-        let counts = words_of(&acc.counts.to_host()?, g);
+        // Only the groups' part of the buffers comes down, not their spare capacity.
+        let counts = words_of(&acc.counts.prefix_to_host(g * 8)?, g);
         let values = match (&acc.state, acc.op) {
             (None, _) => AccValues::None,
             (Some(state), op) => {
-                let words = words_of(&state.to_host()?, g * op.words());
+                let words = words_of(&state.prefix_to_host(g * op.words() * 8)?, g * op.words());
                 match op {
                     AccOp::Count => AccValues::None,
                     AccOp::SumInt | AccOp::MinInt | AccOp::MaxInt => {
