@@ -988,9 +988,9 @@ fn join_table_matches_like_a_nested_loop() {
             .probe(&[&q1, &q2], Some(&bitmap(&pv)), n_probe)
             .unwrap();
         let mut want = Vec::new();
-        for p in 0..n_probe {
-            for b in 0..n_build {
-                if pv[p] && bv[b] && p1.value(p) == b1.value(b) && p2.value(p) == b2.value(b) {
+        for (p, &p_valid) in pv.iter().enumerate() {
+            for (b, &b_valid) in bv.iter().enumerate() {
+                if p_valid && b_valid && p1.value(p) == b1.value(b) && p2.value(p) == b2.value(b) {
                     want.push((p as u32, b as u32));
                 }
             }
