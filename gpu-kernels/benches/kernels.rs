@@ -63,6 +63,47 @@ fn kernels(c: &mut Criterion) {
     group.bench_function("hash table probe (1000-row build side)", |b| {
         b.iter(|| table.probe(&hashes, None, rows).unwrap())
     });
+    // GROUP BY key: count(*), sum(v) with few groups (per-block shared-memory tables) and
+    // with many (the global table).
+    use volley_kernels::ops::aggregate::{AccInput, AccOp, GroupTable};
+    let ops = [AccOp::Count, AccOp::SumInt];
+    for (name, distinct) in [("4 groups", 4i64), ("all rows distinct", i64::MAX)] {
+        let keys: Int64Array = (0..rows as i64)
+            .map(|i| i.wrapping_mul(2_654_435_761).rem_euclid(distinct))
+            .collect();
+        let keys = DeviceColumn::upload(&d, &keys).unwrap();
+        let inputs = [
+            AccInput {
+                values: None,
+                filter: None,
+            },
+            AccInput {
+                values: Some(&column),
+                filter: None,
+            },
+        ];
+        group.throughput(Throughput::Bytes((rows * 16) as u64));
+        group.bench_function(format!("group by, count and sum ({name})"), |b| {
+            b.iter(|| {
+                let mut t =
+                    GroupTable::new(&d, &[arrow::datatypes::DataType::Int64], &ops).unwrap();
+                t.update(&[&keys], &inputs, rows).unwrap();
+                t.groups()
+            })
+        });
+    }
+    // Join: a 1000-row build side probed by every row, keys verified, pairs compacted.
+    let join = volley_kernels::ops::join::JoinTable::build(
+        &d,
+        vec![DeviceColumn::upload(&d, &(0..1000).collect::<Int64Array>()).unwrap()],
+        None,
+        1000,
+    )
+    .unwrap();
+    group.throughput(Throughput::Bytes((rows * 8) as u64));
+    group.bench_function("join probe and verify (1000-row build side)", |b| {
+        b.iter(|| join.probe(&[&column], None, rows).unwrap())
+    });
     group.finish();
 }
 

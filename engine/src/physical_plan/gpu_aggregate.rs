@@ -580,7 +580,9 @@ fn conform(columns: Vec<ArrayRef>, schema: &SchemaRef) -> Result<Vec<ArrayRef>> 
 }
 
 /// GROUP BY puts -0.0 and 0.0 in one group and shows it as 0.0, as DataFusion does.
-fn canonical_zeros(array: ArrayRef) -> Result<ArrayRef, datafusion::arrow::error::ArrowError> {
+pub(crate) fn canonical_zeros(
+    array: ArrayRef,
+) -> Result<ArrayRef, datafusion::arrow::error::ArrowError> {
     Ok(match array.data_type() {
         DataType::Float64 => {
             let a = array.as_any().downcast_ref::<Float64Array>().expect("f64");
@@ -878,13 +880,9 @@ struct Run {
 impl Run {
     async fn execute(self, mut input: ChunkStream) -> Result<SendableRecordBatchStream> {
         let schema = self.work.schema.clone();
-        let mut table = match self.work.new_table(&self.device) {
-            Ok(t) => t,
-            Err(e) => {
-                log::warn!("{}: aggregating on the CPU: {e}", self.device);
-                return self.fallback(None, Vec::new(), input);
-            }
-        };
+        // The device table comes with the first rows: a partition without input costs the
+        // device nothing (unless the aggregate has no GROUP BY, whose one row it computes).
+        let mut table: Option<GroupTable> = None;
         // Host batches wait here to make up a device batch; a device chunk (from a GPU
         // child) is added as it is.
         let mut pending: Vec<Chunk> = Vec::new();
@@ -917,6 +915,23 @@ impl Run {
                 return self.handle(e, table, pending, input);
             }
         }
+        let table = match table {
+            Some(t) => t,
+            None if !self.work.keys.is_empty() => {
+                self.metrics.baseline.done();
+                return Ok(Box::pin(RecordBatchStreamAdapter::new(
+                    schema,
+                    futures::stream::empty(),
+                )));
+            }
+            None => match self.work.new_table(&self.device) {
+                Ok(t) => t,
+                Err(e) => {
+                    log::warn!("{}: aggregating on the CPU: {e}", self.device);
+                    return self.fallback(None, Vec::new(), input);
+                }
+            },
+        };
         let timer = self.metrics.baseline.elapsed_compute().timer();
         let out = self.work.output(&table, &self.metrics);
         timer.done();
@@ -961,10 +976,18 @@ impl Run {
     /// was before those rows).
     fn flush(
         &self,
-        table: &mut GroupTable,
+        table: &mut Option<GroupTable>,
         pending: &mut Vec<Chunk>,
         pending_rows: &mut usize,
     ) -> Result<(), UpdateError> {
+        if *pending_rows == 0 {
+            pending.clear();
+            return Ok(());
+        }
+        if table.is_none() {
+            *table = Some(self.work.new_table(&self.device)?);
+        }
+        let table = table.as_mut().expect("created above");
         let chunk = match pending.len() {
             0 => return Ok(()),
             1 => pending[0].clone(),
@@ -1018,7 +1041,7 @@ impl Run {
     fn handle(
         self,
         error: UpdateError,
-        table: GroupTable,
+        table: Option<GroupTable>,
         rest: Vec<Chunk>,
         input: ChunkStream,
     ) -> Result<SendableRecordBatchStream> {
@@ -1029,7 +1052,7 @@ impl Run {
                     "{}: the aggregation continues on the CPU after: {e}",
                     self.device
                 );
-                self.fallback(Some(table), rest, input)
+                self.fallback(table, rest, input)
             }
         }
     }

@@ -292,13 +292,21 @@ impl JoinWork {
                 UInt32Array::from(matches.probe.clone()),
             ),
             JoinType::Right | JoinType::Full => {
-                let seen = matched_probe();
-                let mut b: Vec<Option<u32>> = matches.build.iter().map(|&x| Some(x)).collect();
-                let mut p: Vec<u32> = matches.probe.clone();
-                for (i, s) in seen.iter().enumerate() {
-                    if !s {
+                // In probe order, an unmatched probe row (left side NULL) where it stands,
+                // as DataFusion's (which keeps the probe side's order).
+                let mut b: Vec<Option<u32>> = Vec::with_capacity(matches.build.len());
+                let mut p: Vec<u32> = Vec::with_capacity(matches.probe.len());
+                let mut at = 0;
+                for i in 0..n as u32 {
+                    let start = at;
+                    while at < matches.probe.len() && matches.probe[at] == i {
+                        b.push(Some(matches.build[at]));
+                        p.push(i);
+                        at += 1;
+                    }
+                    if at == start {
                         b.push(None);
-                        p.push(i as u32);
+                        p.push(i);
                     }
                 }
                 (UInt32Array::from(b), UInt32Array::from(p))
@@ -385,8 +393,16 @@ struct HostIndex {
     rows: HashMap<Vec<u8>, Vec<u32>>,
 }
 
+/// Float keys with -0.0 made 0.0 (the row format tells the two apart; joins do not).
+fn canonical_keys(keys: &[ArrayRef]) -> Result<Vec<ArrayRef>> {
+    keys.iter()
+        .map(|k| super::gpu_aggregate::canonical_zeros(Arc::clone(k)).map_err(arrow_err))
+        .collect()
+}
+
 impl HostIndex {
     fn new(keys: &[ArrayRef], null_equals_null: bool) -> Result<Self> {
+        let keys = &canonical_keys(keys)?;
         let converter = RowConverter::new(
             keys.iter()
                 .map(|k| SortField::new(k.data_type().clone()))
@@ -406,6 +422,7 @@ impl HostIndex {
     }
 
     fn probe(&self, keys: &[ArrayRef], null_equals_null: bool) -> Result<Matches> {
+        let keys = &canonical_keys(keys)?;
         let converted = self.converter.convert_columns(keys)?;
         let valid = key_validity(keys, null_equals_null);
         let mut out = Matches::default();
@@ -676,12 +693,17 @@ impl JoinRun {
             None => collect_side(&self.left, self.partition, Arc::clone(&self.context)).await?,
         };
         self.extra.build_rows.add(build.num_rows());
-        let table = match self.build_table(&build) {
-            Ok(t) => Some(t),
-            Err(e) => {
-                log::warn!("{}: matching a join on the host: {e}", self.device);
-                self.extra.cpu_fallback.add(1);
-                None
+        // An empty build side matches nothing: no device work.
+        let table = if build.num_rows() == 0 {
+            None
+        } else {
+            match self.build_table(&build) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    log::warn!("{}: matching a join on the host: {e}", self.device);
+                    self.extra.cpu_fallback.add(1);
+                    None
+                }
             }
         };
         let visited = vec![false; build.num_rows()];
@@ -792,6 +814,9 @@ impl Probing {
     }
 
     fn matches(&mut self, probe: &RecordBatch) -> Result<Matches> {
+        if self.build.num_rows() == 0 || probe.num_rows() == 0 {
+            return Ok(Matches::default());
+        }
         if let Some(table) = &self.table {
             match self.run.device_matches(table, probe) {
                 Ok(m) => {

@@ -446,11 +446,11 @@ impl GroupTable {
         let g0 = self.groups;
         let cfg = LaunchConfig::for_items(&device, n as u64, BLOCK);
         let hashes = hash::hash_columns(&device, keys)?;
-        let batch_desc = key_descriptors(&device, keys, true)?;
+        let batch_desc = key_descriptors(&device, keys)?;
         let mut store_desc = Vec::new();
         for chunk in &self.chunks {
             for key in chunk {
-                store_desc.extend(super::key_descriptor(key, true)?);
+                store_desc.extend(super::key_descriptor(key)?);
             }
         }
         let store_desc = upload_words(&device, &store_desc)?;

@@ -21,7 +21,8 @@ pub struct JoinTable {
     rows: usize,
 }
 
-/// Matching row pairs of a probe, in probe order.
+/// Matching row pairs of a probe: in probe order, and within one probe row in build order
+/// (the order DataFusion's hash join gives them in).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Matches {
     /// Build-side rows.
@@ -48,7 +49,7 @@ impl JoinTable {
         let refs: Vec<&DeviceColumn> = keys.iter().collect();
         let hashes = hash::hash_columns(device, &refs)?;
         let table = HashTable::build(device, &hashes, valid, rows)?;
-        let descriptors = key_descriptors(device, &refs, false)?;
+        let descriptors = key_descriptors(device, &refs)?;
         Ok(Self {
             table,
             keys,
@@ -97,7 +98,7 @@ impl JoinTable {
         if pairs == 0 {
             return Ok(Matches::default());
         }
-        let probe_descriptors = key_descriptors(device, keys, false)?;
+        let probe_descriptors = key_descriptors(device, keys)?;
         let flags = device.alloc(pairs * 8)?;
         let cfg = LaunchConfig::for_items(device, pairs as u64, BLOCK);
         // SAFETY: the candidate indices are below the build rows and n (RowIndices), and
@@ -142,10 +143,20 @@ impl JoinTable {
                 ],
             )?;
         }
-        Ok(Matches {
-            build: u32s(&out_build, total)?,
-            probe: u32s(&out_probe, total)?,
-        })
+        let mut build = u32s(&out_build, total)?;
+        let probe = u32s(&out_probe, total)?;
+        // The table hands a probe row's matches over in slot order; DataFusion's in build
+        // order. Each probe row's run is sorted (runs are short: the rows sharing a key).
+        let mut start = 0;
+        while start < total {
+            let mut end = start + 1;
+            while end < total && probe[end] == probe[start] {
+                end += 1;
+            }
+            build[start..end].sort_unstable();
+            start = end;
+        }
+        Ok(Matches { build, probe })
     }
 }
 

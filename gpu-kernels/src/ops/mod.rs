@@ -114,12 +114,13 @@ impl RowIndices {
     }
 }
 
-/// How the kernels compare a key column (`KeyKind` in volley.cuh): GROUP BY puts -0.0 and
-/// 0.0 in one group (`grouping`), a join's `=` compares floats bit for bit, as DataFusion's.
-fn key_kind(column: &DeviceColumn, grouping: bool) -> Result<u64> {
+/// How the kernels compare a key column (`KeyKind` in volley.cuh). Floats compare bit for
+/// bit after -0.0 becomes 0.0: DataFusion's GROUP BY, joins, INTERSECT and EXCEPT all put
+/// the two zeros together, and a NaN meets a NaN of the same bits.
+fn key_kind(column: &DeviceColumn) -> Result<u64> {
     Ok(match (column.data_type(), column.layout()) {
-        (DataType::Float32, _) if grouping => 5,
-        (DataType::Float64, _) if grouping => 6,
+        (DataType::Float32, _) => 5,
+        (DataType::Float64, _) => 6,
         (_, Layout::Fixed(1)) => 0,
         (_, Layout::Fixed(2)) => 1,
         (_, Layout::Fixed(4)) => 2,
@@ -134,24 +135,20 @@ fn key_kind(column: &DeviceColumn, grouping: bool) -> Result<u64> {
 }
 
 /// A key column as the kernels read it (`KeyCol` in volley.cuh).
-pub(crate) fn key_descriptor(column: &DeviceColumn, grouping: bool) -> Result<[u64; 4]> {
+pub(crate) fn key_descriptor(column: &DeviceColumn) -> Result<[u64; 4]> {
     Ok([
         column.values().addr(),
         column.validity().map_or(0, DeviceBuffer::addr),
         column.offsets().map_or(0, DeviceBuffer::addr),
-        key_kind(column, grouping)?,
+        key_kind(column)?,
     ])
 }
 
 /// The descriptors of key columns, uploaded (a table of `KeyCol`).
-pub(crate) fn key_descriptors(
-    device: &Device,
-    columns: &[&DeviceColumn],
-    grouping: bool,
-) -> Result<DeviceBuffer> {
+pub(crate) fn key_descriptors(device: &Device, columns: &[&DeviceColumn]) -> Result<DeviceBuffer> {
     let mut words = Vec::with_capacity(columns.len() * 4 + 1);
     for column in columns {
-        words.extend(key_descriptor(column, grouping)?);
+        words.extend(key_descriptor(column)?);
     }
     if words.is_empty() {
         words.push(0);
