@@ -95,14 +95,70 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     })?;
     let gather_bytes = rows * (4 + 8 + 8);
 
+    // GROUP BY key with count(*) and sum(v): 4 groups (per-block shared-memory tables)
+    // and every row its own group (the global table); reads keys and values once.
+    use volley_kernels::ops::aggregate::{AccInput, AccOp, GroupTable};
+    let mut group_by = Vec::new();
+    for (name, distinct) in [
+        ("group by, count + sum (4 groups)", 4i64),
+        ("group by, count + sum (all distinct)", i64::MAX),
+    ] {
+        let keys: arrow::array::Int64Array = (0..rows as i64)
+            .map(|i| i.wrapping_mul(2_654_435_761).rem_euclid(distinct))
+            .collect();
+        let keys = DeviceColumn::upload(&device, &keys)?;
+        let ms = median_ms(iterations, || {
+            let mut table = GroupTable::new(
+                &device,
+                &[arrow::datatypes::DataType::Int64],
+                &[AccOp::Count, AccOp::SumInt],
+            )?;
+            table.update(
+                &[&keys],
+                &[
+                    AccInput {
+                        values: None,
+                        filter: None,
+                    },
+                    AccInput {
+                        values: Some(&column),
+                        filter: None,
+                    },
+                ],
+                rows,
+            )
+        })?;
+        group_by.push((name.to_string(), ms, rows * 16));
+    }
+    // Join: a build side of up to 1M distinct keys probed by every row, keys verified,
+    // matching pairs compacted and brought to the host.
+    let build_rows = rows.min(1_000_000);
+    let build: arrow::array::Int64Array = (0..build_rows as i64).collect();
+    let build = DeviceColumn::upload(&device, &build)?;
+    let join = volley_kernels::ops::join::JoinTable::build(&device, vec![build], None, build_rows)?;
+    let join_ms = median_ms(iterations, || join.probe(&[&column], None, rows).map(drop))?;
+    let join_bytes = rows * 8 + build_rows * 8;
+
     println!();
     println!("| operation | rows | ms (median of {iterations}) | GB/s | of copy bandwidth |");
     println!("|---|---:|---:|---:|---:|");
     println!("| device copy | {rows} | {copy_ms:.3} | {copy_gbs:.1} | 100 % |");
     for (name, ms, moved) in [
-        ("filter + compaction (i64, 50 %)", filter_ms, filter_bytes),
-        ("gather (i64, random)", gather_ms, gather_bytes),
-    ] {
+        (
+            "filter + compaction (i64, 50 %)".to_string(),
+            filter_ms,
+            filter_bytes,
+        ),
+        ("gather (i64, random)".to_string(), gather_ms, gather_bytes),
+        (
+            format!("join probe + verify ({build_rows}-row build side)"),
+            join_ms,
+            join_bytes,
+        ),
+    ]
+    .into_iter()
+    .chain(group_by)
+    {
         let gbs = moved as f64 / ms / 1e6;
         println!(
             "| {name} | {rows} | {ms:.3} | {gbs:.1} | {:.0} % |",
