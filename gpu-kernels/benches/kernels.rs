@@ -98,6 +98,7 @@ fn kernels(c: &mut Criterion) {
         vec![DeviceColumn::upload(&d, &(0..1000).collect::<Int64Array>()).unwrap()],
         None,
         1000,
+        false,
     )
     .unwrap();
     group.throughput(Throughput::Bytes((rows * 8) as u64));

@@ -8,11 +8,15 @@
 //   hash_table_probe_count (keys, mask, hashes, valid, n, counts) candidates per probe row
 //   — scan.cu turns counts into exclusive offsets —
 //   hash_table_probe_emit  (keys, rows, mask, hashes, valid, n, offsets, out_build, out_probe)
+//                           each probe row's candidates at its offset, in build-row order
+//                           when there are at most SORT_RUN_MAX of them
 // capacity is a power of two and mask == capacity - 1; the table must keep a free slot, so
 // the host sizes it above the row count (load factor at most 1/2).
 #include "volley.cuh"
 
 #define EMPTY_SLOT 0xFFFFFFFFFFFFFFFFull
+// Longest run of one probe row's candidates that the emit kernel puts in build order.
+#define SORT_RUN_MAX 64
 
 // A real hash equal to the empty marker is stored as its neighbour.
 __device__ __forceinline__ uint64_t slot_key(uint64_t h) { return h == EMPTY_SLOT ? EMPTY_SLOT - 1 : h; }
@@ -60,12 +64,22 @@ VOLLEY_KERNEL hash_table_probe_emit(const uint64_t* keys, const uint32_t* rows, 
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         if (!bit_is_set(valid, i)) continue;
         uint64_t key = slot_key(hashes[i]);
-        uint64_t at = offsets[i];
+        uint64_t first = offsets[i], at = first;
         for (uint64_t slot = key & mask; keys[slot] != EMPTY_SLOT; slot = (slot + 1) & mask) {
             if (keys[slot] == key) {
                 out_build[at] = rows[slot];
                 out_probe[at] = (uint32_t)i;
                 ++at;
+            }
+        }
+        // A probe row's candidates in build order (the table holds them in the order the
+        // inserts won their slots): insertion sort of this thread's own short run.
+        if (at - first <= SORT_RUN_MAX) {
+            for (uint64_t a = first + 1; a < at; ++a) {
+                uint32_t v = out_build[a];
+                uint64_t b = a;
+                for (; b > first && out_build[b - 1] > v; --b) out_build[b] = out_build[b - 1];
+                out_build[b] = v;
             }
         }
     }

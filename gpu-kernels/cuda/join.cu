@@ -1,16 +1,27 @@
 // Hash joins: the probe of hash_table.cu gives candidate pairs (equal row hashes); these
 // kernels keep the pairs whose keys are really equal, in order.
-//   join_verify  (build_keys, probe_keys, ncols, build, probe, n, flags)
+//   join_verify  (build_keys, probe_keys, ncols, build, probe, n, nulls_match, flags)
 //       flags[i] = 1 when build row build[i] and probe row probe[i] have equal keys (u64, for
-//       the scan). NULL keys never reach here: the table leaves them out.
+//       the scan). Unless nulls_match, a NULL in either row's keys matches nothing (the
+//       table usually leaves NULL build keys out already).
 //   join_compact (build, probe, flags, offsets, n, out_build, out_probe)
 //       the flagged pairs, in order, at their exclusive-scan offsets
 #include "volley.cuh"
 
+__device__ __forceinline__ bool join_key_null(const KeyCol* keys, uint64_t row, uint32_t ncols) {
+    for (uint32_t c = 0; c < ncols; ++c)
+        if (!bit_is_set(keys[c].validity, row)) return true;
+    return false;
+}
+
 VOLLEY_KERNEL join_verify(const KeyCol* build_keys, const KeyCol* probe_keys, uint32_t ncols, const uint32_t* build,
-                          const uint32_t* probe, uint64_t n, uint64_t* flags) {
-    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE)
-        flags[i] = keys_equal(build_keys, build[i], probe_keys, probe[i], ncols) ? 1 : 0;
+                          const uint32_t* probe, uint64_t n, uint32_t nulls_match, uint64_t* flags) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        bool equal = keys_equal(build_keys, build[i], probe_keys, probe[i], ncols);
+        if (equal && !nulls_match)
+            equal = !join_key_null(build_keys, build[i], ncols) && !join_key_null(probe_keys, probe[i], ncols);
+        flags[i] = equal ? 1 : 0;
+    }
 }
 
 VOLLEY_KERNEL join_compact(const uint32_t* build, const uint32_t* probe, const uint64_t* flags,

@@ -53,10 +53,14 @@ use datafusion::physical_plan::{
     PlanProperties, Statistics, StatisticsArgs,
 };
 use futures::StreamExt;
+use volley_kernels::ops::gather;
 use volley_kernels::ops::join::{JoinTable, Matches};
 use volley_kernels::{Device, DeviceBuffer, DeviceColumn, KernelError};
 
-use super::gpu_stream::{GpuMetrics, OperatorKind, count_batch, count_operator, device_for};
+use super::gpu_stream::{
+    Chunk, ChunkStream, Col, DeviceResident, GpuMetrics, OperatorKind, Output, count_batch,
+    count_operator, device_for, input_chunks,
+};
 use crate::gpu::compile::Reason;
 use crate::gpu::devices::describe;
 
@@ -70,6 +74,7 @@ pub struct JoinWork {
     null_equals_null: bool,
     filter: Option<JoinFilter>,
     projection: Option<Vec<usize>>,
+    left_columns: usize,
     right_schema: SchemaRef,
     schema: SchemaRef,
 }
@@ -138,9 +143,35 @@ impl JoinWork {
             null_equals_null: join.null_equality() == NullEquality::NullEqualsNull,
             filter: join.filter().cloned(),
             projection: join.projection.as_ref().map(|p| p.to_vec()),
+            left_columns: left_schema.fields().len(),
             right_schema,
             schema: plan.schema(),
         })
+    }
+
+    /// Whether the output can stay on the device for a GPU parent: an inner join without
+    /// a residual filter (the others still assemble their output on the host).
+    fn device_output(&self) -> bool {
+        self.join_type == JoinType::Inner && self.filter.is_none()
+    }
+
+    /// Where each output column of an inner join comes from: (build side?, column).
+    fn output_sources(&self) -> Vec<(bool, usize)> {
+        let all = self.left_columns + self.right_schema.fields().len();
+        let columns: Vec<usize> = match &self.projection {
+            Some(p) => p.clone(),
+            None => (0..all).collect(),
+        };
+        columns
+            .into_iter()
+            .map(|c| {
+                if c < self.left_columns {
+                    (true, c)
+                } else {
+                    (false, c - self.left_columns)
+                }
+            })
+            .collect()
     }
 
     /// Whether build rows are emitted at the end (never matched, or matched).
@@ -568,36 +599,8 @@ impl ExecutionPlan for GpuHashJoinExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        let device = device_for(&self.devices, partition)
-            .ok_or_else(|| internal_datafusion_err!("GpuHashJoinExec without a device"))?;
-        let children = self.inner.children();
-        let (left, right) = (Arc::clone(children[0]), Arc::clone(children[1]));
-        let probe = right.execute(partition, Arc::clone(&context))?;
-        let probe_partitions = right.output_partitioning().partition_count();
-        let metrics = GpuMetrics::new(&self.metrics, partition, &device);
-        let label = || Label::new("device", device.to_string());
-        let extra = JoinMetrics {
-            build_rows: MetricBuilder::new(&self.metrics)
-                .with_label(label())
-                .counter("build_rows", partition),
-            cpu_fallback: MetricBuilder::new(&self.metrics)
-                .with_label(label())
-                .counter("cpu_fallback", partition),
-        };
-        count_operator(&self.executed, OperatorKind::Join);
-        super::gpu_stream::count_partition();
-        let run = JoinRun {
-            work: Arc::clone(&self.work),
-            device,
-            batch_rows: self.batch_rows,
-            metrics,
-            extra,
-            shared: (self.work.mode == PartitionMode::CollectLeft)
-                .then(|| (Arc::clone(&self.shared), probe_partitions)),
-            left,
-            partition,
-            context,
-        };
+        let (run, right) = self.run(partition, &context)?;
+        let probe = right.execute(partition, context)?;
         let schema = self.schema();
         let stream = futures::stream::once(run.start(probe)).flat_map(|r| match r {
             Ok(s) => s,
@@ -624,6 +627,66 @@ impl ExecutionPlan for GpuHashJoinExec {
 
     fn cardinality_effect(&self) -> CardinalityEffect {
         self.inner.cardinality_effect()
+    }
+}
+
+impl GpuHashJoinExec {
+    fn run(
+        &self,
+        partition: usize,
+        context: &Arc<TaskContext>,
+    ) -> Result<(JoinRun, Arc<dyn ExecutionPlan>)> {
+        let device = device_for(&self.devices, partition)
+            .ok_or_else(|| internal_datafusion_err!("GpuHashJoinExec without a device"))?;
+        let children = self.inner.children();
+        let (left, right) = (Arc::clone(children[0]), Arc::clone(children[1]));
+        let probe_partitions = right.output_partitioning().partition_count();
+        let metrics = GpuMetrics::new(&self.metrics, partition, &device);
+        let label = || Label::new("device", device.to_string());
+        let extra = JoinMetrics {
+            build_rows: MetricBuilder::new(&self.metrics)
+                .with_label(label())
+                .counter("build_rows", partition),
+            cpu_fallback: MetricBuilder::new(&self.metrics)
+                .with_label(label())
+                .counter("cpu_fallback", partition),
+        };
+        count_operator(&self.executed, OperatorKind::Join);
+        super::gpu_stream::count_partition();
+        let run = JoinRun {
+            work: Arc::clone(&self.work),
+            device,
+            batch_rows: self.batch_rows,
+            metrics,
+            extra,
+            shared: (self.work.mode == PartitionMode::CollectLeft)
+                .then(|| (Arc::clone(&self.shared), probe_partitions)),
+            left,
+            partition,
+            context: Arc::clone(context),
+        };
+        Ok((run, right))
+    }
+}
+
+impl DeviceResident for GpuHashJoinExec {
+    fn execute_chunks(&self, partition: usize, context: Arc<TaskContext>) -> Result<ChunkStream> {
+        if !self.work.device_output() {
+            let batches = self.execute(partition, context)?;
+            return Ok(Box::pin(batches.map(|b| b.map(Chunk::Host))));
+        }
+        let (run, right) = self.run(partition, &context)?;
+        // The probe side straight from a GPU child on the same devices, when it is one.
+        let probe = input_chunks(&right, partition, context, &self.devices)?;
+        let stream = futures::stream::once(run.start_device(probe)).flat_map(|r| match r {
+            Ok(s) => s,
+            Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
+        });
+        Ok(Box::pin(stream))
+    }
+
+    fn resident_devices(&self) -> &Arc<Vec<Device>> {
+        &self.devices
     }
 }
 
@@ -677,22 +740,7 @@ struct Probing {
 
 impl JoinRun {
     async fn start(self, probe: SendableRecordBatchStream) -> Result<BatchStream> {
-        let build = match &self.shared {
-            Some((shared, _)) => {
-                let left = Arc::clone(&self.left);
-                let context = Arc::clone(&self.context);
-                shared
-                    .batch
-                    .get_or_init(|| async move {
-                        collect_side(&left, 0, context).await.map_err(Arc::new)
-                    })
-                    .await
-                    .clone()
-                    .map_err(DataFusionError::Shared)?
-            }
-            None => collect_side(&self.left, self.partition, Arc::clone(&self.context)).await?,
-        };
-        self.extra.build_rows.add(build.num_rows());
+        let build = self.build_side().await?;
         // An empty build side matches nothing: no device work.
         let table = if build.num_rows() == 0 {
             None
@@ -733,6 +781,76 @@ impl JoinRun {
         )))
     }
 
+    /// The build side, collected once (shared by the partitions of a CollectLeft join).
+    async fn build_side(&self) -> Result<RecordBatch> {
+        let build = match &self.shared {
+            Some((shared, _)) => {
+                let left = Arc::clone(&self.left);
+                let context = Arc::clone(&self.context);
+                shared
+                    .batch
+                    .get_or_init(|| async move {
+                        collect_side(&left, 0, context).await.map_err(Arc::new)
+                    })
+                    .await
+                    .clone()
+                    .map_err(DataFusionError::Shared)?
+            }
+            None => collect_side(&self.left, self.partition, Arc::clone(&self.context)).await?,
+        };
+        self.extra.build_rows.add(build.num_rows());
+        Ok(build)
+    }
+
+    /// An inner join whose output stays on the device: the build side's keys and output
+    /// columns go up once, each probe chunk's matches are gathered there.
+    async fn start_device(self, probe: ChunkStream) -> Result<ChunkStream> {
+        let build = self.build_side().await?;
+        let mut table = None;
+        let mut build_columns = HashMap::new();
+        if build.num_rows() > 0 {
+            let on_device = self.build_table(&build).and_then(|t| {
+                for (from_build, c) in self.work.output_sources() {
+                    if from_build && !build_columns.contains_key(&c) {
+                        let column = self
+                            .metrics
+                            .upload(&self.device, build.column(c).as_ref())?;
+                        build_columns.insert(c, column);
+                    }
+                }
+                Ok(t)
+            });
+            match on_device {
+                Ok(t) => table = Some(t),
+                Err(e) => {
+                    log::warn!("{}: matching a join on the host: {e}", self.device);
+                    self.extra.cpu_fallback.add(1);
+                    build_columns.clear();
+                }
+            }
+        }
+        let state = DeviceProbing {
+            run: self,
+            build,
+            table,
+            build_columns,
+            host: None,
+            probe,
+        };
+        Ok(Box::pin(futures::stream::try_unfold(
+            state,
+            |mut state| async move {
+                while let Some(chunk) = state.probe.next().await {
+                    if let Some(out) = state.step(chunk?)? {
+                        return Ok(Some((out, state)));
+                    }
+                }
+                state.run.metrics.baseline.done();
+                Ok(None)
+            },
+        )))
+    }
+
     fn build_table(&self, build: &RecordBatch) -> Result<JoinTable, KernelError> {
         let keys: Vec<ArrayRef> = self
             .work
@@ -746,8 +864,15 @@ impl JoinRun {
             .map(|k| self.metrics.upload(&self.device, k.as_ref()))
             .collect::<Result<Vec<DeviceColumn>, _>>()?;
         let valid = upload_validity(&self.device, &valid)?;
-        self.metrics
-            .kernel(|| JoinTable::build(&self.device, columns, valid.as_ref(), build.num_rows()))
+        self.metrics.kernel(|| {
+            JoinTable::build(
+                &self.device,
+                columns,
+                valid.as_ref(),
+                build.num_rows(),
+                self.work.null_equals_null,
+            )
+        })
     }
 
     fn device_matches(
@@ -879,5 +1004,113 @@ impl Probing {
             self.run.metrics.baseline.record_output(b.num_rows());
         }
         Ok(out)
+    }
+}
+
+/// A partition of an inner join whose output stays on the device.
+struct DeviceProbing {
+    run: JoinRun,
+    build: RecordBatch,
+    table: Option<JoinTable>,
+    /// Build-side output columns on the device.
+    build_columns: HashMap<usize, DeviceColumn>,
+    host: Option<HostIndex>,
+    probe: ChunkStream,
+}
+
+impl DeviceProbing {
+    /// The output for one probe chunk (`None`: nothing matched).
+    fn step(&mut self, chunk: Chunk) -> Result<Option<Chunk>> {
+        if self.build.num_rows() == 0 || chunk.num_rows() == 0 {
+            return Ok(None);
+        }
+        let elapsed = self.run.metrics.baseline.elapsed_compute().clone();
+        let _timer = elapsed.timer();
+        if let Some(table) = &self.table {
+            match self.on_device(table, &chunk) {
+                Ok(out) => {
+                    self.run.metrics.gpu_batches.add(1);
+                    count_batch(true);
+                    if let Some(out) = &out {
+                        self.run.metrics.baseline.record_output(out.num_rows());
+                    }
+                    return Ok(out);
+                }
+                Err(e) => log::warn!("{}: matching a batch on the host: {e}", self.run.device),
+            }
+        }
+        self.run.metrics.cpu_batches.add(1);
+        count_batch(false);
+        let work = &self.run.work;
+        let probe = chunk
+            .to_host(&self.run.metrics)
+            .map_err(|e| DataFusionError::External(Box::new(e)))?;
+        if self.host.is_none() {
+            let keys: Vec<ArrayRef> = work
+                .left_keys
+                .iter()
+                .map(|&c| Arc::clone(self.build.column(c)))
+                .collect();
+            self.host = Some(HostIndex::new(&keys, work.null_equals_null)?);
+        }
+        let keys: Vec<ArrayRef> = work
+            .right_keys
+            .iter()
+            .map(|&c| Arc::clone(probe.column(c)))
+            .collect();
+        let matches = self
+            .host
+            .as_ref()
+            .expect("built above")
+            .probe(&keys, work.null_equals_null)?;
+        let mut visited = vec![false; self.build.num_rows()];
+        let out = work.probe_output(&self.build, &probe, &matches, &mut visited)?;
+        if let Some(out) = &out {
+            self.run.metrics.baseline.record_output(out.num_rows());
+        }
+        Ok(out.map(Chunk::Host))
+    }
+
+    fn on_device(&self, table: &JoinTable, chunk: &Chunk) -> Result<Option<Chunk>, KernelError> {
+        let run = &self.run;
+        let (device, metrics) = (&run.device, &run.metrics);
+        let n = chunk.num_rows();
+        let mut probe_columns: HashMap<usize, DeviceColumn> = HashMap::new();
+        for &c in &run.work.right_keys {
+            if let std::collections::hash_map::Entry::Vacant(slot) = probe_columns.entry(c) {
+                slot.insert(chunk.device_column(c, device, metrics)?);
+            }
+        }
+        let keys: Vec<&DeviceColumn> = run
+            .work
+            .right_keys
+            .iter()
+            .map(|c| &probe_columns[c])
+            .collect();
+        // NULL probe keys need no validity here: the verification rejects them.
+        let Some((build_rows, probe_rows)) =
+            metrics.kernel(|| table.probe_on_device(&keys, None, n))?
+        else {
+            return Ok(None);
+        };
+        let rows = build_rows.len();
+        let mut columns = Vec::new();
+        for (from_build, c) in run.work.output_sources() {
+            let column = if from_build {
+                let source = self.build_columns.get(&c).ok_or_else(|| {
+                    KernelError::InvalidData(format!("build column {c} is not on the device"))
+                })?;
+                metrics.kernel(|| gather::gather_column(source, &build_rows))?
+            } else {
+                if let std::collections::hash_map::Entry::Vacant(slot) = probe_columns.entry(c) {
+                    slot.insert(chunk.device_column(c, device, metrics)?);
+                }
+                metrics.kernel(|| gather::gather_column(&probe_columns[&c], &probe_rows))?
+            };
+            columns.push(Col::Device(column));
+        }
+        Output { columns, rows }
+            .to_device(&run.work.schema, device, metrics)
+            .map(Some)
     }
 }

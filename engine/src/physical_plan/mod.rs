@@ -24,6 +24,8 @@ pub fn resident(plan: &Arc<dyn ExecutionPlan>) -> Option<&dyn gpu_stream::Device
         Some(p)
     } else if let Some(p) = plan.downcast_ref::<GpuProjectionExec>() {
         Some(p)
+    } else if let Some(p) = plan.downcast_ref::<GpuHashJoinExec>() {
+        Some(p)
     } else {
         None
     }

@@ -135,7 +135,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let build_rows = rows.min(1_000_000);
     let build: arrow::array::Int64Array = (0..build_rows as i64).collect();
     let build = DeviceColumn::upload(&device, &build)?;
-    let join = volley_kernels::ops::join::JoinTable::build(&device, vec![build], None, build_rows)?;
+    let join =
+        volley_kernels::ops::join::JoinTable::build(&device, vec![build], None, build_rows, false)?;
     let join_ms = median_ms(iterations, || join.probe(&[&column], None, rows).map(drop))?;
     let join_bytes = rows * 8 + build_rows * 8;
 

@@ -5,7 +5,7 @@
 //! caller passes their validity.
 
 use super::hash_table::HashTable;
-use super::{BLOCK, check_rows, hash, key_descriptors, scan};
+use super::{BLOCK, RowIndices, check_rows, hash, key_descriptors, scan};
 use crate::column::DeviceColumn;
 use crate::device::{Arg, Device, LaunchConfig};
 use crate::kernels::Kernel;
@@ -16,6 +16,7 @@ use crate::{KernelError, Result};
 #[derive(Debug)]
 pub struct JoinTable {
     table: HashTable,
+    nulls_match: bool,
     keys: Vec<DeviceColumn>,
     descriptors: DeviceBuffer,
     rows: usize,
@@ -33,12 +34,14 @@ pub struct Matches {
 
 impl JoinTable {
     /// Builds the table over `keys` (the build side's key columns, `rows` rows);
-    /// `valid` (a bitmap, `None`: all) marks the rows that can match.
+    /// `valid` (a bitmap, `None`: all) marks the rows that can match. Unless
+    /// `nulls_match` (`IS NOT DISTINCT FROM` keys), a NULL key matches nothing.
     pub fn build(
         device: &Device,
         keys: Vec<DeviceColumn>,
         valid: Option<&DeviceBuffer>,
         rows: usize,
+        nulls_match: bool,
     ) -> Result<Self> {
         check_rows(rows)?;
         if keys.is_empty() || keys.iter().any(|k| k.len() != rows || k.device() != device) {
@@ -52,6 +55,7 @@ impl JoinTable {
         let descriptors = key_descriptors(device, &refs)?;
         Ok(Self {
             table,
+            nulls_match,
             keys,
             descriptors,
             rows,
@@ -72,13 +76,42 @@ impl JoinTable {
             + self.table.capacity() as usize * 12
     }
 
-    /// The pairs of build and probe rows whose keys are equal, for `n` probe rows.
+    /// The pairs of build and probe rows whose keys are equal, for `n` probe rows, on the
+    /// host.
     pub fn probe(
         &self,
         keys: &[&DeviceColumn],
         valid: Option<&DeviceBuffer>,
         n: usize,
     ) -> Result<Matches> {
+        let Some((build_rows, probe_rows)) = self.probe_on_device(keys, valid, n)? else {
+            return Ok(Matches::default());
+        };
+        let total = build_rows.len();
+        let mut build = build_rows.to_host()?;
+        let probe = probe_rows.to_host()?;
+        // The device sorts short runs; a longer one (a hot key) is sorted here.
+        let mut start = 0;
+        while start < total {
+            let mut end = start + 1;
+            while end < total && probe[end] == probe[start] {
+                end += 1;
+            }
+            build[start..end].sort_unstable();
+            start = end;
+        }
+        Ok(Matches { build, probe })
+    }
+
+    /// The matching pairs left on the device as row indices (build rows into the build
+    /// side, probe rows into the probe batch), in probe order and, within a probe row of
+    /// at most 64 matches, in build order; `None` when nothing matches.
+    pub fn probe_on_device(
+        &self,
+        keys: &[&DeviceColumn],
+        valid: Option<&DeviceBuffer>,
+        n: usize,
+    ) -> Result<Option<(RowIndices, RowIndices)>> {
         if keys.len() != self.keys.len()
             || keys.iter().zip(&self.keys).any(|(p, b)| {
                 p.len() != n || p.data_type() != b.data_type() || p.device() != b.device()
@@ -89,14 +122,14 @@ impl JoinTable {
             ));
         }
         if n == 0 || self.rows == 0 {
-            return Ok(Matches::default());
+            return Ok(None);
         }
         let device = self.keys[0].device();
         let hashes = hash::hash_columns(device, keys)?;
         let candidates = self.table.probe(&hashes, valid, n)?;
         let pairs = candidates.build.len();
         if pairs == 0 {
-            return Ok(Matches::default());
+            return Ok(None);
         }
         let probe_descriptors = key_descriptors(device, keys)?;
         let flags = device.alloc(pairs * 8)?;
@@ -115,6 +148,7 @@ impl JoinTable {
                     Arg::buf(candidates.build.buffer()),
                     Arg::buf(candidates.probe.buffer()),
                     Arg::U64(pairs as u64),
+                    Arg::U32(u32::from(self.nulls_match)),
                     Arg::buf(&flags),
                 ],
             )?;
@@ -122,7 +156,7 @@ impl JoinTable {
         let (offsets, total) = scan::exclusive_scan(device, &flags, pairs)?;
         let total = total as usize;
         if total == 0 {
-            return Ok(Matches::default());
+            return Ok(None);
         }
         let out_build = device.alloc(total * 4)?;
         let out_probe = device.alloc(total * 4)?;
@@ -143,26 +177,9 @@ impl JoinTable {
                 ],
             )?;
         }
-        let mut build = u32s(&out_build, total)?;
-        let probe = u32s(&out_probe, total)?;
-        // The table hands a probe row's matches over in slot order; DataFusion's in build
-        // order. Each probe row's run is sorted (runs are short: the rows sharing a key).
-        let mut start = 0;
-        while start < total {
-            let mut end = start + 1;
-            while end < total && probe[end] == probe[start] {
-                end += 1;
-            }
-            build[start..end].sort_unstable();
-            start = end;
-        }
-        Ok(Matches { build, probe })
+        Ok(Some((
+            RowIndices::new(out_build, total, self.rows, false),
+            RowIndices::new(out_probe, total, n, false),
+        )))
     }
-}
-
-fn u32s(buffer: &DeviceBuffer, count: usize) -> Result<Vec<u32>> {
-    Ok(buffer.to_host()?[..count * 4]
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
 }
