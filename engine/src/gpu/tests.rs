@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::arrow::util::pretty::{pretty_format_batches, pretty_format_batches_with_schema};
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::physical_plan::displayable;
 
@@ -40,6 +40,31 @@ async fn run(ctx: &VolleyContext, sql: &str) -> (String, String) {
     )
 }
 
+/// A query's rows (or error) and its plan with the GPU placement report.
+async fn answer(ctx: &VolleyContext, sql: &str) -> (Result<String, String>, String) {
+    let frame = match ctx.sql(sql).await {
+        Ok(f) => f,
+        Err(e) => return (Err(e.to_string()), String::new()),
+    };
+    let options = ctx.session_context().state().config().options().clone();
+    let plan = match frame.clone().create_physical_plan().await {
+        Ok(p) => format!(
+            "{}{}",
+            datafusion::physical_plan::displayable(p.as_ref()).indent(false),
+            crate::gpu::placement_report(&p, &options).join("\n")
+        ),
+        Err(e) => return (Err(e.to_string()), String::new()),
+    };
+    let schema = Arc::new(frame.schema().as_arrow().clone());
+    let rows = match frame.collect().await {
+        Ok(b) => pretty_format_batches_with_schema(schema, &b)
+            .map(|t| t.to_string())
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    (rows, plan)
+}
+
 #[tokio::test]
 async fn filters_and_projections_run_on_the_emulated_gpu() {
     let gpu = gpu_context("emulated:1");
@@ -72,12 +97,12 @@ mod properties {
         BooleanArray, Date32Array, Decimal128Array, Float64Array, Int32Array, Int64Array,
         RecordBatch, StringArray, TimestampMicrosecondArray,
     };
-    use datafusion::arrow::util::pretty::pretty_format_batches_with_schema;
     use datafusion::prelude::SessionConfig;
     use proptest::prelude::*;
     use proptest::test_runner::TestCaseError;
     use volley_kernels::FaultPlan;
 
+    use super::answer;
     use crate::config::GpuMode;
     use crate::gpu::devices::devices;
     use crate::{VolleyConfig, VolleyContext};
@@ -309,30 +334,6 @@ mod properties {
             }
         };
         VolleyContext::with_session_config(SessionConfig::new().with_target_partitions(1), config)
-    }
-
-    async fn answer(ctx: &VolleyContext, sql: &str) -> (Result<String, String>, String) {
-        let frame = match ctx.sql(sql).await {
-            Ok(f) => f,
-            Err(e) => return (Err(e.to_string()), String::new()),
-        };
-        let options = ctx.session_context().state().config().options().clone();
-        let plan = match frame.clone().create_physical_plan().await {
-            Ok(p) => format!(
-                "{}{}",
-                datafusion::physical_plan::displayable(p.as_ref()).indent(false),
-                crate::gpu::placement_report(&p, &options).join("\n")
-            ),
-            Err(e) => return (Err(e.to_string()), String::new()),
-        };
-        let schema = Arc::new(frame.schema().as_arrow().clone());
-        let rows = match frame.collect().await {
-            Ok(b) => pretty_format_batches_with_schema(schema, &b)
-                .map(|t| t.to_string())
-                .map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
-        (rows, plan)
     }
 
     fn check(rows: &[Row], sql: &str, operator: &str) -> Result<(), TestCaseError> {
@@ -742,6 +743,7 @@ mod aggregate_properties {
     use proptest::prelude::*;
     use proptest::test_runner::TestCaseError;
 
+    use super::answer;
     use crate::config::GpuMode;
     use crate::gpu::devices::devices;
     use crate::{VolleyConfig, VolleyContext};
@@ -841,29 +843,6 @@ mod aggregate_properties {
             SessionConfig::new().with_target_partitions(partitions),
             config,
         )
-    }
-
-    async fn answer(ctx: &VolleyContext, sql: &str) -> (Result<String, String>, String) {
-        let frame = match ctx.sql(sql).await {
-            Ok(f) => f,
-            Err(e) => return (Err(e.to_string()), String::new()),
-        };
-        let options = ctx.session_context().state().config().options().clone();
-        let plan = match frame.clone().create_physical_plan().await {
-            Ok(p) => format!(
-                "{}{}",
-                datafusion::physical_plan::displayable(p.as_ref()).indent(false),
-                crate::gpu::placement_report(&p, &options).join("\n")
-            ),
-            Err(e) => return (Err(e.to_string()), String::new()),
-        };
-        let rows = match frame.collect().await {
-            Ok(b) => datafusion::arrow::util::pretty::pretty_format_batches(&b)
-                .map(|t| t.to_string())
-                .map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
-        (rows, plan)
     }
 
     fn check(rows: &[Row], sql: &str, partitions: usize) -> Result<(), TestCaseError> {
@@ -968,6 +947,7 @@ mod join_properties {
     use proptest::prelude::*;
     use proptest::test_runner::TestCaseError;
 
+    use super::answer;
     use crate::config::GpuMode;
     use crate::gpu::devices::devices;
     use crate::{VolleyConfig, VolleyContext};
@@ -1047,29 +1027,6 @@ mod join_properties {
         ctx.session_context()
             .register_table(name, Arc::new(table))
             .unwrap();
-    }
-
-    async fn answer(ctx: &VolleyContext, sql: &str) -> (Result<String, String>, String) {
-        let frame = match ctx.sql(sql).await {
-            Ok(f) => f,
-            Err(e) => return (Err(e.to_string()), String::new()),
-        };
-        let options = ctx.session_context().state().config().options().clone();
-        let plan = match frame.clone().create_physical_plan().await {
-            Ok(p) => format!(
-                "{}{}",
-                datafusion::physical_plan::displayable(p.as_ref()).indent(false),
-                crate::gpu::placement_report(&p, &options).join("\n")
-            ),
-            Err(e) => return (Err(e.to_string()), String::new()),
-        };
-        let rows = match frame.collect().await {
-            Ok(b) => datafusion::arrow::util::pretty::pretty_format_batches(&b)
-                .map(|t| t.to_string())
-                .map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
-        (rows, plan)
     }
 
     fn check(l: &[Row], r: &[Row], sql: &str, partitions: usize) -> Result<(), TestCaseError> {

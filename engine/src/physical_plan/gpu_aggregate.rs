@@ -39,7 +39,6 @@ use datafusion::arrow::buffer::{Buffer, NullBuffer};
 use datafusion::arrow::compute::{cast, concat_batches};
 use datafusion::arrow::datatypes::{DataType, Schema, SchemaRef};
 use datafusion::common::internal_datafusion_err;
-use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::EmitTo;
@@ -49,19 +48,11 @@ use datafusion::physical_expr::expressions::{Column, Literal};
 use datafusion::physical_plan::aggregates::{
     AggregateExec, AggregateInputMode, AggregateMode, AggregateOutputMode, aggregate_expressions,
 };
-use datafusion::physical_plan::display::DisplayableExecutionPlan;
-use datafusion::physical_plan::distribution_requirements::InputDistributionRequirements;
-use datafusion::physical_plan::execution_plan::{
-    CardinalityEffect, ChildrenPropertiesMode, ReplaceChildrenOptions,
-};
 use datafusion::physical_plan::metrics::{
     Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
 };
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
-use datafusion::physical_plan::{
-    ChildStats, DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties, Statistics,
-    StatisticsArgs,
-};
+use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
 use futures::{StreamExt, TryStreamExt};
 use volley_kernels::ops::aggregate::{AccInput, AccOp, AccState, AccValues, GroupTable};
 use volley_kernels::ops::expr;
@@ -73,7 +64,6 @@ use super::gpu_stream::{
 };
 use super::once::OnceExec;
 use crate::gpu::compile::{CompiledExprs, Reason, compile, expr_name, is_output_type};
-use crate::gpu::devices::describe;
 
 /// The smallest piece a batch that does not fit in device memory is split into.
 const MIN_SPLIT_ROWS: usize = 4096;
@@ -714,22 +704,7 @@ impl GpuAggregateExec {
 
 impl DisplayAs for GpuAggregateExec {
     fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        match t {
-            DisplayFormatType::TreeRender => self.inner.fmt_as(t, f),
-            _ => {
-                let cpu = DisplayableExecutionPlan::new(self.inner.as_ref())
-                    .one_line()
-                    .to_string();
-                let prefix = format!("{}: ", self.inner.name());
-                let rest = cpu.trim_end();
-                let rest = rest.strip_prefix(&prefix).unwrap_or(rest);
-                write!(
-                    f,
-                    "GpuAggregateExec: device={}, {rest}",
-                    describe(&self.devices)
-                )
-            }
-        }
+        super::fmt_gpu_operator("GpuAggregateExec", &self.inner, &self.devices, t, f)
     }
 }
 
@@ -738,43 +713,7 @@ impl ExecutionPlan for GpuAggregateExec {
         "GpuAggregateExec"
     }
 
-    fn properties(&self) -> &Arc<PlanProperties> {
-        self.inner.properties()
-    }
-
-    fn input_distribution_requirements(&self) -> InputDistributionRequirements {
-        self.inner.input_distribution_requirements()
-    }
-
-    fn maintains_input_order(&self) -> Vec<bool> {
-        self.inner.maintains_input_order()
-    }
-
-    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
-        self.inner.benefits_from_input_partitioning()
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        self.inner.children()
-    }
-
-    fn apply_expressions(
-        &self,
-        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
-    ) -> Result<TreeNodeRecursion> {
-        self.inner.apply_expressions(f)
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        let recompute = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
-        let inner = Arc::clone(&self.inner).replace_children(children, recompute)?;
-        let gpu = Self::try_new(inner, Arc::clone(&self.devices), self.batch_rows)
-            .map_err(|reason| internal_datafusion_err!("GpuAggregateExec: {reason}"))?;
-        Ok(Arc::new(gpu))
-    }
+    delegate_to_cpu_operator!("GpuAggregateExec");
 
     fn execute(
         &self,
@@ -810,22 +749,6 @@ impl ExecutionPlan for GpuAggregateExec {
 
     fn metrics(&self) -> Option<MetricsSet> {
         Some(self.metrics.clone_inner())
-    }
-
-    fn statistics_from_inputs(
-        &self,
-        input_stats: &[Arc<Statistics>],
-        args: &StatisticsArgs,
-    ) -> Result<Arc<Statistics>> {
-        self.inner.statistics_from_inputs(input_stats, args)
-    }
-
-    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
-        self.inner.child_stats_requests(partition)
-    }
-
-    fn cardinality_effect(&self) -> CardinalityEffect {
-        self.inner.cardinality_effect()
     }
 }
 

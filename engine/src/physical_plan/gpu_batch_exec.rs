@@ -7,21 +7,11 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use datafusion::common::internal_datafusion_err;
-use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::Result;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::physical_expr::PhysicalExpr;
-use datafusion::physical_plan::display::DisplayableExecutionPlan;
-use datafusion::physical_plan::distribution_requirements::InputDistributionRequirements;
-use datafusion::physical_plan::execution_plan::{
-    CardinalityEffect, ChildrenPropertiesMode, ReplaceChildrenOptions,
-};
 use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricsSet};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
-use datafusion::physical_plan::{
-    ChildStats, DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties, Statistics,
-    StatisticsArgs,
-};
+use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
 use futures::StreamExt;
 use volley_kernels::Device;
 
@@ -30,7 +20,6 @@ use super::gpu_stream::{
     device_for, input_chunks,
 };
 use crate::gpu::compile::Reason;
-use crate::gpu::devices::describe;
 
 /// A GPU operator: the CPU operator `inner` with its work done by `W` on a device.
 #[derive(Debug)]
@@ -118,19 +107,7 @@ impl<W: BatchWork> DeviceResident for GpuBatchExec<W> {
 
 impl<W: BatchWork> DisplayAs for GpuBatchExec<W> {
     fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        match t {
-            // The tree's box is titled with name(); its lines are the CPU operator's.
-            DisplayFormatType::TreeRender => self.inner.fmt_as(t, f),
-            _ => {
-                let cpu = DisplayableExecutionPlan::new(self.inner.as_ref())
-                    .one_line()
-                    .to_string();
-                let prefix = format!("{}: ", self.inner.name());
-                let rest = cpu.trim_end();
-                let rest = rest.strip_prefix(&prefix).unwrap_or(rest);
-                write!(f, "{}: device={}, {rest}", W::NAME, describe(&self.devices))
-            }
-        }
+        super::fmt_gpu_operator(W::NAME, &self.inner, &self.devices, t, f)
     }
 }
 
@@ -139,43 +116,7 @@ impl<W: BatchWork> ExecutionPlan for GpuBatchExec<W> {
         W::NAME
     }
 
-    fn properties(&self) -> &Arc<PlanProperties> {
-        self.inner.properties()
-    }
-
-    fn input_distribution_requirements(&self) -> InputDistributionRequirements {
-        self.inner.input_distribution_requirements()
-    }
-
-    fn maintains_input_order(&self) -> Vec<bool> {
-        self.inner.maintains_input_order()
-    }
-
-    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
-        self.inner.benefits_from_input_partitioning()
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        self.inner.children()
-    }
-
-    fn apply_expressions(
-        &self,
-        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
-    ) -> Result<TreeNodeRecursion> {
-        self.inner.apply_expressions(f)
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        let recompute = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
-        let inner = Arc::clone(&self.inner).replace_children(children, recompute)?;
-        let gpu = Self::try_new(inner, Arc::clone(&self.devices), self.batch_rows)
-            .map_err(|reason| internal_datafusion_err!("{}: {reason}", W::NAME))?;
-        Ok(Arc::new(gpu))
-    }
+    delegate_to_cpu_operator!(W::NAME);
 
     fn execute(
         &self,
@@ -200,23 +141,7 @@ impl<W: BatchWork> ExecutionPlan for GpuBatchExec<W> {
         Some(self.metrics.clone_inner())
     }
 
-    fn statistics_from_inputs(
-        &self,
-        input_stats: &[Arc<Statistics>],
-        args: &StatisticsArgs,
-    ) -> Result<Arc<Statistics>> {
-        self.inner.statistics_from_inputs(input_stats, args)
-    }
-
-    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
-        self.inner.child_stats_requests(partition)
-    }
-
     fn fetch(&self) -> Option<usize> {
         self.fetch
-    }
-
-    fn cardinality_effect(&self) -> CardinalityEffect {
-        self.inner.cardinality_effect()
     }
 }

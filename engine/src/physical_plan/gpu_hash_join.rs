@@ -31,17 +31,11 @@ use datafusion::arrow::array::{
 use datafusion::arrow::compute::{concat_batches, take};
 use datafusion::arrow::datatypes::{DataType, SchemaRef};
 use datafusion::arrow::row::{RowConverter, SortField};
-use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::{JoinSide, JoinType, NullEquality, internal_datafusion_err};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::expressions::Column;
-use datafusion::physical_plan::display::DisplayableExecutionPlan;
-use datafusion::physical_plan::distribution_requirements::InputDistributionRequirements;
-use datafusion::physical_plan::execution_plan::{
-    CardinalityEffect, ChildrenPropertiesMode, ReplaceChildrenOptions,
-};
 use datafusion::physical_plan::joins::utils::JoinFilter;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::metrics::{
@@ -49,8 +43,7 @@ use datafusion::physical_plan::metrics::{
 };
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
-    ChildStats, DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties,
-    PlanProperties, Statistics, StatisticsArgs,
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties,
 };
 use futures::StreamExt;
 use volley_kernels::ops::gather;
@@ -62,7 +55,6 @@ use super::gpu_stream::{
     count_operator, device_for, input_chunks,
 };
 use crate::gpu::compile::Reason;
-use crate::gpu::devices::describe;
 
 /// What a `GpuHashJoinExec` needs to know of its join.
 #[derive(Debug)]
@@ -472,6 +464,27 @@ impl HostIndex {
     }
 }
 
+/// The matches of a probe batch found on the host (the index is built on first use).
+fn host_matches(
+    host: &mut Option<HostIndex>,
+    work: &JoinWork,
+    build: &RecordBatch,
+    probe: &RecordBatch,
+) -> Result<Matches> {
+    let columns = |batch: &RecordBatch, keys: &[usize]| -> Vec<ArrayRef> {
+        keys.iter().map(|&c| Arc::clone(batch.column(c))).collect()
+    };
+    if host.is_none() {
+        *host = Some(HostIndex::new(
+            &columns(build, &work.left_keys),
+            work.null_equals_null,
+        )?);
+    }
+    host.as_ref()
+        .expect("built above")
+        .probe(&columns(probe, &work.right_keys), work.null_equals_null)
+}
+
 /// The build side shared by the partitions of a CollectLeft join, and the build rows they
 /// matched; the last partition to finish emits the build rows the join type keeps.
 #[derive(Debug, Default)]
@@ -532,22 +545,7 @@ impl GpuHashJoinExec {
 
 impl DisplayAs for GpuHashJoinExec {
     fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        match t {
-            DisplayFormatType::TreeRender => self.inner.fmt_as(t, f),
-            _ => {
-                let cpu = DisplayableExecutionPlan::new(self.inner.as_ref())
-                    .one_line()
-                    .to_string();
-                let prefix = format!("{}: ", self.inner.name());
-                let rest = cpu.trim_end();
-                let rest = rest.strip_prefix(&prefix).unwrap_or(rest);
-                write!(
-                    f,
-                    "GpuHashJoinExec: device={}, {rest}",
-                    describe(&self.devices)
-                )
-            }
-        }
+        super::fmt_gpu_operator("GpuHashJoinExec", &self.inner, &self.devices, t, f)
     }
 }
 
@@ -556,43 +554,7 @@ impl ExecutionPlan for GpuHashJoinExec {
         "GpuHashJoinExec"
     }
 
-    fn properties(&self) -> &Arc<PlanProperties> {
-        self.inner.properties()
-    }
-
-    fn input_distribution_requirements(&self) -> InputDistributionRequirements {
-        self.inner.input_distribution_requirements()
-    }
-
-    fn maintains_input_order(&self) -> Vec<bool> {
-        self.inner.maintains_input_order()
-    }
-
-    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
-        self.inner.benefits_from_input_partitioning()
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        self.inner.children()
-    }
-
-    fn apply_expressions(
-        &self,
-        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
-    ) -> Result<TreeNodeRecursion> {
-        self.inner.apply_expressions(f)
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        let recompute = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
-        let inner = Arc::clone(&self.inner).replace_children(children, recompute)?;
-        let gpu = Self::try_new(inner, Arc::clone(&self.devices), self.batch_rows)
-            .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
-        Ok(Arc::new(gpu))
-    }
+    delegate_to_cpu_operator!("GpuHashJoinExec");
 
     fn execute(
         &self,
@@ -611,22 +573,6 @@ impl ExecutionPlan for GpuHashJoinExec {
 
     fn metrics(&self) -> Option<MetricsSet> {
         Some(self.metrics.clone_inner())
-    }
-
-    fn statistics_from_inputs(
-        &self,
-        input_stats: &[Arc<Statistics>],
-        args: &StatisticsArgs,
-    ) -> Result<Arc<Statistics>> {
-        self.inner.statistics_from_inputs(input_stats, args)
-    }
-
-    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
-        self.inner.child_stats_requests(partition)
-    }
-
-    fn cardinality_effect(&self) -> CardinalityEffect {
-        self.inner.cardinality_effect()
     }
 }
 
@@ -954,24 +900,7 @@ impl Probing {
         }
         self.run.metrics.cpu_batches.add(1);
         count_batch(false);
-        let work = &self.run.work;
-        if self.host.is_none() {
-            let keys: Vec<ArrayRef> = work
-                .left_keys
-                .iter()
-                .map(|&c| Arc::clone(self.build.column(c)))
-                .collect();
-            self.host = Some(HostIndex::new(&keys, work.null_equals_null)?);
-        }
-        let keys: Vec<ArrayRef> = work
-            .right_keys
-            .iter()
-            .map(|&c| Arc::clone(probe.column(c)))
-            .collect();
-        self.host
-            .as_ref()
-            .expect("built above")
-            .probe(&keys, work.null_equals_null)
+        host_matches(&mut self.host, &self.run.work, &self.build, probe)
     }
 
     /// The build rows the join type emits once this partition (or, for CollectLeft, the
@@ -1041,28 +970,11 @@ impl DeviceProbing {
         }
         self.run.metrics.cpu_batches.add(1);
         count_batch(false);
-        let work = &self.run.work;
         let probe = chunk
             .to_host(&self.run.metrics)
             .map_err(|e| DataFusionError::External(Box::new(e)))?;
-        if self.host.is_none() {
-            let keys: Vec<ArrayRef> = work
-                .left_keys
-                .iter()
-                .map(|&c| Arc::clone(self.build.column(c)))
-                .collect();
-            self.host = Some(HostIndex::new(&keys, work.null_equals_null)?);
-        }
-        let keys: Vec<ArrayRef> = work
-            .right_keys
-            .iter()
-            .map(|&c| Arc::clone(probe.column(c)))
-            .collect();
-        let matches = self
-            .host
-            .as_ref()
-            .expect("built above")
-            .probe(&keys, work.null_equals_null)?;
+        let matches = host_matches(&mut self.host, &self.run.work, &self.build, &probe)?;
+        let work = &self.run.work;
         let mut visited = vec![false; self.build.num_rows()];
         let out = work.probe_output(&self.build, &probe, &matches, &mut visited)?;
         if let Some(out) = &out {

@@ -1,6 +1,113 @@
 //! Volley's GPU operators: DataFusion's operators with a `Gpu` prefix, each keeping the
 //! CPU operator it replaces so that any batch can be redone on the CPU.
 
+/// The `ExecutionPlan` methods a GPU operator takes from the CPU operator it wraps (its
+/// `inner` field): plan properties, distribution and ordering, children, expressions and
+/// statistics; and `with_new_children`, which plans the GPU twin again (`Self::try_new(cpu,
+/// devices, batch_rows)`) over the CPU operator with the new children.
+macro_rules! delegate_to_cpu_operator {
+    ($name:expr) => {
+        fn properties(&self) -> &std::sync::Arc<datafusion::physical_plan::PlanProperties> {
+            self.inner.properties()
+        }
+
+        fn input_distribution_requirements(
+            &self,
+        ) -> datafusion::physical_plan::distribution_requirements::InputDistributionRequirements {
+            self.inner.input_distribution_requirements()
+        }
+
+        fn maintains_input_order(&self) -> Vec<bool> {
+            self.inner.maintains_input_order()
+        }
+
+        fn benefits_from_input_partitioning(&self) -> Vec<bool> {
+            self.inner.benefits_from_input_partitioning()
+        }
+
+        fn children(&self) -> Vec<&std::sync::Arc<dyn ExecutionPlan>> {
+            self.inner.children()
+        }
+
+        fn apply_expressions(
+            &self,
+            f: &mut dyn FnMut(
+                &std::sync::Arc<dyn datafusion::physical_expr::PhysicalExpr>,
+            ) -> datafusion::error::Result<
+                datafusion::common::tree_node::TreeNodeRecursion,
+            >,
+        ) -> datafusion::error::Result<datafusion::common::tree_node::TreeNodeRecursion> {
+            self.inner.apply_expressions(f)
+        }
+
+        fn with_new_children(
+            self: std::sync::Arc<Self>,
+            children: Vec<std::sync::Arc<dyn ExecutionPlan>>,
+        ) -> datafusion::error::Result<std::sync::Arc<dyn ExecutionPlan>> {
+            use datafusion::physical_plan::execution_plan::{
+                ChildrenPropertiesMode, ReplaceChildrenOptions,
+            };
+            let recompute = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
+            let inner = std::sync::Arc::clone(&self.inner).replace_children(children, recompute)?;
+            let gpu = Self::try_new(inner, std::sync::Arc::clone(&self.devices), self.batch_rows)
+                .map_err(|reason| {
+                datafusion::common::internal_datafusion_err!("{}: {reason}", $name)
+            })?;
+            Ok(std::sync::Arc::new(gpu))
+        }
+
+        fn statistics_from_inputs(
+            &self,
+            input_stats: &[std::sync::Arc<datafusion::physical_plan::Statistics>],
+            args: &datafusion::physical_plan::StatisticsArgs,
+        ) -> datafusion::error::Result<std::sync::Arc<datafusion::physical_plan::Statistics>> {
+            self.inner.statistics_from_inputs(input_stats, args)
+        }
+
+        fn child_stats_requests(
+            &self,
+            partition: Option<usize>,
+        ) -> Vec<datafusion::physical_plan::ChildStats> {
+            self.inner.child_stats_requests(partition)
+        }
+
+        fn cardinality_effect(
+            &self,
+        ) -> datafusion::physical_plan::execution_plan::CardinalityEffect {
+            self.inner.cardinality_effect()
+        }
+    };
+}
+
+/// How a GPU operator shows itself: `GpuXExec: device=…, <the CPU operator's line>`, and
+/// in tree renderings the CPU operator's lines under the GPU name.
+pub(crate) fn fmt_gpu_operator(
+    name: &str,
+    inner: &std::sync::Arc<dyn datafusion::physical_plan::ExecutionPlan>,
+    devices: &[volley_kernels::Device],
+    t: datafusion::physical_plan::DisplayFormatType,
+    f: &mut std::fmt::Formatter,
+) -> std::fmt::Result {
+    use datafusion::physical_plan::DisplayFormatType;
+    use datafusion::physical_plan::display::DisplayableExecutionPlan;
+    match t {
+        DisplayFormatType::TreeRender => inner.fmt_as(t, f),
+        _ => {
+            let cpu = DisplayableExecutionPlan::new(inner.as_ref())
+                .one_line()
+                .to_string();
+            let prefix = format!("{}: ", inner.name());
+            let rest = cpu.trim_end();
+            let rest = rest.strip_prefix(&prefix).unwrap_or(rest);
+            write!(
+                f,
+                "{name}: device={}, {rest}",
+                crate::gpu::devices::describe(devices)
+            )
+        }
+    }
+}
+
 pub mod gpu_aggregate;
 pub mod gpu_batch_exec;
 pub mod gpu_filter;
