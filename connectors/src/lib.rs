@@ -1,5 +1,20 @@
-//! Volley's connectors: Kafka sources and sinks and their message formats.
+//! Volley's connectors: Kafka live tables, continuous queries writing to Kafka sinks, and
+//! their message formats (DESIGN.md §7; the user's view is docs/streaming.md).
 //!
-//! Kafka live tables, continuous queries and sinks are planned in DESIGN.md §7 and are not
-//! in this crate yet; object stores for remote files live in `volley-engine`, next to the
-//! session that registers them.
+//! [`install`] adds them to a [`volley_engine::VolleyContext`]: `CREATE EXTERNAL TABLE …
+//! STORED AS KAFKA` then makes a [`live::LiveTable`], and `SHOW STREAMS`, `CREATE SINK`,
+//! `SHOW SINKS` and `DROP SINK` are understood by `VolleyContext::sql`. The event-time window
+//! functions (`TUMBLE`, `HOP`, `SESSION`) live in `volley_engine::streaming`, since they work
+//! on any table.
+
+pub mod format;
+pub mod live;
+pub mod options;
+pub mod producer;
+pub mod sink;
+pub mod streams;
+
+pub use streams::{Streams, install};
+
+#[cfg(test)]
+mod tests;

@@ -6,7 +6,7 @@
 //! `SELECT * FROM 'data/t.parquet'` works without registering anything).
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use datafusion::arrow::array::{RecordBatch, StringArray};
 use datafusion::arrow::datatypes::DataType;
@@ -24,6 +24,7 @@ use url::Url;
 
 use crate::gpu::{GpuOverrides, placement_report};
 use crate::object_store::{StoreKind, VolleyObjectStoreRegistry, build_store, take_store_options};
+use crate::streaming::register_window_functions;
 use crate::{EngineError, VolleyConfig, tpch};
 
 /// The file formats Volley registers by path.
@@ -75,6 +76,16 @@ impl TableFormat {
 #[derive(Clone)]
 pub struct VolleyContext {
     ctx: SessionContext,
+    handlers: Arc<RwLock<Vec<Arc<dyn StatementHandler>>>>,
+}
+
+/// Statements that a crate built on the engine answers itself, before DataFusion parses
+/// them (`volley-connectors` answers `SHOW STREAMS`, `CREATE SINK` and the like).
+#[async_trait::async_trait]
+pub trait StatementHandler: Send + Sync {
+    /// `Ok(Some(result))` when `sql` is one of this handler's statements, `Ok(None)` when it
+    /// is not.
+    async fn handle(&self, ctx: &VolleyContext, sql: &str) -> Result<Option<DataFrame>>;
 }
 
 impl std::fmt::Debug for VolleyContext {
@@ -113,9 +124,21 @@ impl VolleyContext {
             .with_default_features()
             .with_physical_optimizer_rule(Arc::new(GpuOverrides::new()))
             .build();
+        let ctx = SessionContext::new_with_state(state).enable_url_table();
+        register_window_functions(&ctx);
         Self {
-            ctx: SessionContext::new_with_state(state).enable_url_table(),
+            ctx,
+            handlers: Arc::default(),
         }
+    }
+
+    /// Lets `handler` answer statements before DataFusion sees them (see
+    /// [`StatementHandler`]); handlers are asked in the order they were added.
+    pub fn add_statement_handler(&self, handler: Arc<dyn StatementHandler>) {
+        self.handlers
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(handler);
     }
 
     /// The DataFusion session underneath, for anything Volley does not wrap.
@@ -140,6 +163,16 @@ impl VolleyContext {
     /// store from the environment and the statement's `aws.*` / `gcp.*` / `azure.*` /
     /// `http.*` options.
     pub async fn sql(&self, sql: &str) -> Result<DataFrame> {
+        let handlers = self
+            .handlers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for handler in handlers {
+            if let Some(frame) = handler.handle(self, sql).await? {
+                return Ok(frame);
+            }
+        }
         let mut plan = self.ctx.state().create_logical_plan(sql).await?;
         if let LogicalPlan::Ddl(DdlStatement::CreateExternalTable(cmd)) = &mut plan {
             let store_options = take_store_options(&mut cmd.options);

@@ -12,10 +12,11 @@ pub mod error;
 pub mod gpu;
 pub mod object_store;
 pub mod physical_plan;
+pub mod streaming;
 pub mod tpch;
 
 pub use config::{GpuMode, VolleyConfig};
-pub use context::{TableFormat, VolleyContext};
+pub use context::{StatementHandler, TableFormat, VolleyContext};
 pub use error::EngineError;
 pub use volley_kernels::DeviceSelection;
 

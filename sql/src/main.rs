@@ -72,6 +72,8 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
             .build()?,
     );
     let ctx = VolleyContext::with_config(config);
+    // Kafka live tables and sinks: `STORED AS KAFKA`, `SHOW STREAMS`, `CREATE SINK` …
+    let _streams = volley_connectors::install(&ctx);
     let interactive =
         args.commands.is_empty() && args.files.is_empty() && std::io::stdin().is_terminal();
     if let Some(sf) = args.demo {

@@ -1,0 +1,634 @@
+//! Kafka tests against librdkafka's in-process mock cluster, started by each test.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use datafusion::arrow::array::RecordBatch;
+use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::datasource::MemTable;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Headers;
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{BaseProducer, BaseRecord, DefaultProducerContext, Producer};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use volley_engine::VolleyContext;
+
+use crate::Streams;
+
+fn cluster(topics: &[(&str, i32)]) -> MockCluster<'static, DefaultProducerContext> {
+    let cluster = MockCluster::new(1).expect("mock cluster");
+    for (topic, partitions) in topics {
+        cluster.create_topic(topic, *partitions, 1).expect("topic");
+    }
+    cluster
+}
+
+fn session() -> (VolleyContext, Arc<Streams>) {
+    let ctx = VolleyContext::new().expect("context");
+    let streams = crate::install(&ctx);
+    (ctx, streams)
+}
+
+/// Produces `(partition, key, value)` messages and waits until all are acknowledged.
+fn produce(servers: &str, topic: &str, messages: &[(i32, Option<String>, Vec<u8>)]) {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", servers)
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    for (partition, key, value) in messages {
+        let mut record = BaseRecord::<String, Vec<u8>>::to(topic)
+            .partition(*partition)
+            .payload(value);
+        if let Some(key) = key {
+            record = record.key(key);
+        }
+        let mut record = Some(record);
+        while let Some(r) = record.take() {
+            if let Err((_, back)) = producer.send(r) {
+                producer.poll(Duration::from_millis(10));
+                record = Some(back);
+            }
+        }
+    }
+    producer.flush(Duration::from_secs(30)).expect("flush");
+}
+
+/// Every message of `topic` (read committed), with its `volley.error` header if any.
+fn read_topic(servers: &str, topic: &str, at_least: usize) -> Vec<(Vec<u8>, Option<String>)> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", servers)
+        .set("group.id", "test-reader")
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .create()
+        .expect("consumer");
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(5))
+        .expect("metadata");
+    let mut tpl = TopicPartitionList::new();
+    for p in metadata.topics()[0].partitions() {
+        tpl.add_partition_offset(topic, p.id(), Offset::Beginning)
+            .unwrap();
+    }
+    consumer.assign(&tpl).unwrap();
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut quiet_since = Instant::now();
+    while Instant::now() < deadline {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => {
+                let error = m.headers().and_then(|h| {
+                    h.iter()
+                        .find(|h| h.key == "volley.error")
+                        .and_then(|h| h.value)
+                        .map(|v| String::from_utf8_lossy(v).into_owned())
+                });
+                out.push((m.payload().unwrap_or_default().to_vec(), error));
+                quiet_since = Instant::now();
+            }
+            Some(Err(e)) => panic!("reading {topic}: {e}"),
+            None if out.len() >= at_least && quiet_since.elapsed() > Duration::from_millis(500) => {
+                break;
+            }
+            None => {}
+        }
+    }
+    out
+}
+
+async fn query(ctx: &VolleyContext, sql: &str) -> Vec<RecordBatch> {
+    ctx.sql(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .collect()
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+async fn text(ctx: &VolleyContext, sql: &str) -> String {
+    pretty_format_batches(&query(ctx, sql).await)
+        .unwrap()
+        .to_string()
+}
+
+async fn count(ctx: &VolleyContext, sql: &str) -> i64 {
+    let batches = query(ctx, sql).await;
+    let column = batches[0].column(0);
+    datafusion::arrow::compute::cast(column, &datafusion::arrow::datatypes::DataType::Int64)
+        .unwrap()
+        .as_any()
+        .downcast_ref::<datafusion::arrow::array::Int64Array>()
+        .unwrap()
+        .value(0)
+}
+
+/// Waits until `sql` (one integer) reaches `target`.
+async fn wait_for(ctx: &VolleyContext, sql: &str, target: i64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let n = count(ctx, sql).await;
+        if n == target {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{sql}: {n}, waited for {target}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An RFC 3339 time `ms` milliseconds after the epoch (under a day).
+fn iso(ms: i64) -> String {
+    let (s, milli) = (ms / 1000, ms % 1000);
+    format!(
+        "1970-01-01T{:02}:{:02}:{:02}.{milli:03}Z",
+        s / 3600,
+        s / 60 % 60,
+        s % 60
+    )
+}
+
+fn json(card: &str, amount: f64, ts_ms: i64) -> Vec<u8> {
+    format!(
+        r#"{{"card":"{card}","amount":{amount},"ts":"{}"}}"#,
+        iso(ts_ms)
+    )
+    .into_bytes()
+}
+
+/// A small deterministic generator (a linear congruential one).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % below
+    }
+}
+
+/// Waits until every sink has emitted the windows ending at or before `up_to_ms`.
+async fn wait_for_sinks(streams: &Streams, up_to_ms: i64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let sinks = streams.sinks().list();
+        if sinks
+            .iter()
+            .all(|(_, _, _, s)| s.emitted_up_to.is_some_and(|e| e >= up_to_ms * 1_000_000))
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "sinks did not catch up: {:?}",
+            sinks.iter().map(|s| (&s.0, &s.3)).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_format_and_the_metadata_columns_are_ingested() {
+    let cluster = cluster(&[("j", 2), ("c", 1), ("r", 1)]);
+    let servers = cluster.bootstrap_servers();
+    let (ctx, streams) = session();
+    produce(
+        &servers,
+        "j",
+        &[
+            (0, Some("k1".into()), json("a", 1.5, 1_000)),
+            (1, None, json("b", 2.0, 2_000)),
+            (1, Some("k3".into()), json("a", 4.0, 3_000)),
+        ],
+    );
+    produce(
+        &servers,
+        "c",
+        &[(0, None, b"a;1.5".to_vec()), (0, None, b"b;2".to_vec())],
+    );
+    produce(&servers, "r", &[(0, None, "héllo".as_bytes().to_vec())]);
+    for sql in [
+        format!(
+            "CREATE EXTERNAL TABLE j (card VARCHAR, amount DOUBLE, ts TIMESTAMP, _partition INT, \
+             _offset BIGINT, _key VARCHAR, _timestamp TIMESTAMP) STORED AS KAFKA LOCATION 'j' \
+             OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest')"
+        ),
+        format!(
+            "CREATE EXTERNAL TABLE c (card VARCHAR, amount DOUBLE) STORED AS KAFKA LOCATION 'c' \
+             OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest', 'format' 'csv', \
+             'csv.delimiter' ';')"
+        ),
+        format!(
+            "CREATE EXTERNAL TABLE r (line VARCHAR) STORED AS KAFKA LOCATION 'r' \
+             OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest', 'format' 'raw')"
+        ),
+    ] {
+        query(&ctx, &sql).await;
+    }
+    wait_for(&ctx, "SELECT count(*) FROM j", 3).await;
+    wait_for(&ctx, "SELECT count(*) FROM c", 2).await;
+    wait_for(&ctx, "SELECT count(*) FROM r", 1).await;
+    assert_eq!(
+        text(
+            &ctx,
+            "SELECT card, amount, ts, _partition, _offset, _key, _timestamp IS NOT NULL AS stamped \
+             FROM j ORDER BY ts"
+        )
+        .await,
+        "+------+--------+---------------------+------------+---------+------+---------+\n\
+         | card | amount | ts                  | _partition | _offset | _key | stamped |\n\
+         +------+--------+---------------------+------------+---------+------+---------+\n\
+         | a    | 1.5    | 1970-01-01T00:00:01 | 0          | 0       | k1   | true    |\n\
+         | b    | 2.0    | 1970-01-01T00:00:02 | 1          | 0       |      | true    |\n\
+         | a    | 4.0    | 1970-01-01T00:00:03 | 1          | 1       | k3   | true    |\n\
+         +------+--------+---------------------+------------+---------+------+---------+"
+    );
+    assert_eq!(count(&ctx, "SELECT sum(amount) * 10 FROM c").await, 35);
+    assert_eq!(
+        count(&ctx, "SELECT count(*) FROM r WHERE line = 'héllo'").await,
+        1
+    );
+    let streams_text = text(&ctx, "SHOW STREAMS").await;
+    assert!(
+        streams_text.contains("| j    | j     | 3"),
+        "{streams_text}"
+    );
+    streams.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_options_and_missing_topics_are_named() {
+    let cluster = cluster(&[("t", 1)]);
+    let servers = cluster.bootstrap_servers();
+    let (ctx, _streams) = session();
+    let err = |sql: String| {
+        let ctx = ctx.clone();
+        async move { ctx.sql(&sql).await.unwrap_err().to_string() }
+    };
+    let e = err(format!(
+        "CREATE EXTERNAL TABLE t (a INT) STORED AS KAFKA LOCATION 't' \
+         OPTIONS ('bootstrap.servers' '{servers}', 'grup.id' 'g')"
+    ))
+    .await;
+    assert!(
+        e.contains("unknown Kafka option 'grup.id' (did you mean 'group.id'?)"),
+        "{e}"
+    );
+    let e = err(format!(
+        "CREATE EXTERNAL TABLE t (a INT) STORED AS KAFKA LOCATION 'nope' \
+         OPTIONS ('bootstrap.servers' '{servers}')"
+    ))
+    .await;
+    assert!(e.contains("topic 'nope' does not exist"), "{e}");
+    let e = err(format!(
+        "CREATE EXTERNAL TABLE t (a INT, _offset VARCHAR) STORED AS KAFKA LOCATION 't' \
+         OPTIONS ('bootstrap.servers' '{servers}')"
+    ))
+    .await;
+    assert!(
+        e.contains("metadata column '_offset' must be BIGINT"),
+        "{e}"
+    );
+    let e = err(format!(
+        "CREATE EXTERNAL TABLE t (a INT) STORED AS KAFKA LOCATION 't' \
+         OPTIONS ('bootstrap.servers' '{servers}', 'event_time' 'a')"
+    ))
+    .await;
+    assert!(e.contains("must be a TIMESTAMP"), "{e}");
+    let e = err("DROP SINK nothing".into()).await;
+    assert!(e.contains("sink 'nothing' does not exist"), "{e}");
+    ctx.sql("DROP SINK IF EXISTS nothing").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_messages_are_counted_and_dead_lettered_and_retention_holds() {
+    let cluster = cluster(&[("tx", 2), ("dlq", 1)]);
+    let servers = cluster.bootstrap_servers();
+    let (ctx, streams) = session();
+    let messages: Vec<(i32, Option<String>, Vec<u8>)> = (0..2000)
+        .map(|i| {
+            let value = if i % 100 == 7 {
+                format!("{{broken {i}").into_bytes()
+            } else {
+                json(&format!("c{}", i % 13), f64::from(i), 1_000 * i64::from(i))
+            };
+            (i % 2, None, value)
+        })
+        .collect();
+    produce(&servers, "tx", &messages);
+    query(
+        &ctx,
+        &format!(
+            "CREATE EXTERNAL TABLE tx (card VARCHAR, amount DOUBLE, ts TIMESTAMP) STORED AS KAFKA \
+             LOCATION 'tx' OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest', \
+             'dead_letter' 'dlq')"
+        ),
+    )
+    .await;
+    query(
+        &ctx,
+        &format!(
+            "CREATE EXTERNAL TABLE recent (card VARCHAR, amount DOUBLE, ts TIMESTAMP, \
+             _offset BIGINT, _partition INT) STORED AS KAFKA LOCATION 'tx' OPTIONS \
+             ('bootstrap.servers' '{servers}', 'start' 'earliest', 'retention' '100 rows')"
+        ),
+    )
+    .await;
+    wait_for(&ctx, "SELECT count(*) FROM tx", 1980).await;
+    assert_eq!(
+        count(&ctx, "SELECT sum(amount) FROM tx").await,
+        (0..2000).filter(|i| i % 100 != 7).sum::<i64>()
+    );
+    let dead = read_topic(&servers, "dlq", 20);
+    assert_eq!(dead.len(), 20);
+    assert!(dead.iter().all(|(v, e)| v.starts_with(b"{broken")
+        && e.as_deref().is_some_and(|e| e.starts_with("undecodable"))));
+    // Retention keeps the newest rows of what has arrived.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while count(&ctx, "SELECT count(*) FROM recent").await != 100
+        || streams
+            .tables()
+            .iter()
+            .any(|t| t.name == "recent" && t.status().messages < 2000)
+    {
+        assert!(Instant::now() < deadline, "retention never settled");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = streams
+        .tables()
+        .into_iter()
+        .find(|t| t.name == "tx")
+        .unwrap()
+        .status();
+    assert_eq!(
+        (status.rows, status.malformed, status.dead_lettered),
+        (1980, 20, 20)
+    );
+    streams.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windowed_sinks_equal_the_same_batch_sql_and_late_rows_are_counted() {
+    let cluster = cluster(&[("events", 2), ("out_t", 1), ("out_h", 1), ("out_s", 1)]);
+    let servers = cluster.bootstrap_servers();
+    let (ctx, streams) = session();
+    // 600 rows, 100 ms apart, each up to 1.5 s early (out of order within the 2 s watermark).
+    let mut rng = Lcg(7);
+    let rows: Vec<(String, f64, i64)> = (0..600)
+        .map(|i| {
+            let card = format!("c{}", rng.next(5));
+            let amount = rng.next(100) as f64;
+            (card, amount, i * 100 - rng.next(1500) as i64 + 1500)
+        })
+        .collect();
+    let messages: Vec<_> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, (c, a, t))| ((i % 2) as i32, None, json(c, *a, *t)))
+        .collect();
+    produce(&servers, "events", &messages);
+    query(
+        &ctx,
+        &format!(
+            "CREATE EXTERNAL TABLE events (card VARCHAR, amount DOUBLE, ts TIMESTAMP) \
+             STORED AS KAFKA LOCATION 'events' OPTIONS ('bootstrap.servers' '{servers}', \
+             'start' 'earliest', 'event_time' 'ts', 'watermark' '2 seconds', \
+             'idle_timeout' '5 seconds')"
+        ),
+    )
+    .await;
+    let windows = [
+        ("t", "TUMBLE(events, ts, INTERVAL '10 seconds')"),
+        (
+            "h",
+            "HOP(events, ts, INTERVAL '5 seconds', INTERVAL '15 seconds')",
+        ),
+        (
+            "s",
+            "SESSION(events, ts, INTERVAL '700 milliseconds', card)",
+        ),
+    ];
+    let select = |from: &str| {
+        format!(
+            "SELECT card, window_start, window_end, count(*) AS n, sum(amount) AS total \
+             FROM {from} GROUP BY card, window_start, window_end"
+        )
+    };
+    for (suffix, from) in windows {
+        query(
+            &ctx,
+            &format!(
+                "CREATE EXTERNAL TABLE out_{suffix} (card VARCHAR, window_start TIMESTAMP, \
+                 window_end TIMESTAMP, n BIGINT, total DOUBLE) STORED AS KAFKA \
+                 LOCATION 'out_{suffix}' OPTIONS ('bootstrap.servers' '{servers}', \
+                 'start' 'earliest')"
+            ),
+        )
+        .await;
+        query(
+            &ctx,
+            &format!(
+                "CREATE SINK s_{suffix} INTO out_{suffix} AS {}",
+                select(from)
+            ),
+        )
+        .await;
+    }
+    wait_for(&ctx, "SELECT count(*) FROM events", 600).await;
+    // Late rows (far behind the watermark), then one row per partition far ahead, which
+    // closes every window of the 600.
+    let late: Vec<_> = (0..5)
+        .map(|i| (i % 2, None, json("late", 1.0, 1_000 + i as i64)))
+        .collect();
+    produce(&servers, "events", &late);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while streams
+        .tables()
+        .iter()
+        .find(|t| t.name == "events")
+        .unwrap()
+        .status()
+        .late
+        < 5
+    {
+        assert!(Instant::now() < deadline, "late rows never counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    produce(
+        &servers,
+        "events",
+        &[
+            (0, None, json("zz", 0.0, 3_600_000)),
+            (1, None, json("zz", 0.0, 3_600_000)),
+        ],
+    );
+    wait_for_sinks(&streams, 3_500_000).await;
+
+    // The same SQL over the same 600 rows as a plain table.
+    let batch = query(
+        &ctx,
+        "SELECT card, amount, ts FROM events WHERE card <> 'zz'",
+    )
+    .await;
+    let plain = VolleyContext::new().unwrap();
+    let schema = batch[0].schema();
+    plain
+        .session_context()
+        .register_table(
+            "events",
+            Arc::new(MemTable::try_new(schema, vec![batch]).unwrap()),
+        )
+        .unwrap();
+    for (suffix, from) in windows {
+        let order = "ORDER BY card, window_start, window_end";
+        let expected = text(&plain, &format!("SELECT * FROM ({}) {order}", select(from))).await;
+        let rows = count(&plain, &format!("SELECT count(*) FROM ({})", select(from))).await;
+        wait_for(&ctx, &format!("SELECT count(*) FROM out_{suffix}"), rows).await;
+        let got = text(&ctx, &format!("SELECT * FROM out_{suffix} {order}")).await;
+        assert_eq!(got, expected, "{from}");
+    }
+    let sinks = text(&ctx, "SHOW SINKS").await;
+    assert!(sinks.contains("windowed"), "{sinks}");
+    let status = streams
+        .tables()
+        .into_iter()
+        .find(|t| t.name == "events")
+        .unwrap()
+        .status();
+    assert_eq!((status.rows, status.late), (602, 5));
+    ctx.sql("DROP SINK s_t").await.unwrap();
+    assert!(!text(&ctx, "SHOW SINKS").await.contains("s_t"));
+    streams.shutdown();
+}
+
+/// Runs the restart scenario for one delivery mode: a sink counting rows per 5-second window
+/// is stopped mid-stream and started again in a new session from its committed offsets.
+async fn restart_loses_nothing(delivery: &str) {
+    let cluster = cluster(&[("pay", 2), ("counts", 1)]);
+    let servers = cluster.bootstrap_servers();
+    let messages: Vec<_> = (0..1000)
+        .map(|i| (i % 2, None, json("c", 1.0, i64::from(i) * 100)))
+        .collect();
+    let ddl = [
+        format!(
+            "CREATE EXTERNAL TABLE pay (card VARCHAR, amount DOUBLE, ts TIMESTAMP) STORED AS \
+             KAFKA LOCATION 'pay' OPTIONS ('bootstrap.servers' '{servers}', 'group.id' 'pipe', \
+             'start' 'committed', 'event_time' 'ts', 'watermark' '1 second', \
+             'idle_timeout' '5 seconds')"
+        ),
+        format!(
+            "CREATE EXTERNAL TABLE counts (window_start TIMESTAMP, n BIGINT) STORED AS KAFKA \
+             LOCATION 'counts' OPTIONS ('bootstrap.servers' '{servers}', 'delivery' '{delivery}')"
+        ),
+        "CREATE SINK per_window INTO counts AS SELECT window_start, count(*) AS n \
+         FROM TUMBLE(pay, ts, INTERVAL '5 seconds') GROUP BY window_start"
+            .to_owned(),
+    ];
+    produce(&servers, "pay", &messages[..500]);
+    {
+        let (ctx, streams) = session();
+        for sql in &ddl {
+            query(&ctx, sql).await;
+        }
+        wait_for_sinks(&streams, 40_000).await;
+        streams.shutdown();
+    }
+    let sentinel = [
+        (0, None, json("c", 0.0, 3_600_000)),
+        (1, None, json("c", 0.0, 3_600_000)),
+    ];
+    produce(&servers, "pay", &messages[500..]);
+    produce(&servers, "pay", &sentinel);
+    let (ctx, streams) = session();
+    for sql in &ddl {
+        query(&ctx, sql).await;
+    }
+    wait_for_sinks(&streams, 3_500_000).await;
+    streams.shutdown();
+
+    let mut per_window: BTreeMap<String, BTreeSet<i64>> = BTreeMap::new();
+    let mut messages_read = 0;
+    for (value, _) in read_topic(&servers, "counts", 20) {
+        let row: serde_json::Value = serde_json::from_slice(&value).unwrap();
+        let start = row["window_start"].as_str().unwrap().to_owned();
+        per_window
+            .entry(start)
+            .or_default()
+            .insert(row["n"].as_i64().unwrap());
+        messages_read += 1;
+    }
+    assert_eq!(per_window.len(), 20, "{per_window:?}");
+    assert!(
+        per_window.values().all(|n| n.len() == 1 && n.contains(&50)),
+        "{per_window:?}"
+    );
+    if delivery == "exactly_once" {
+        assert_eq!(messages_read, 20, "exactly-once wrote a window twice");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_sink_loses_no_input_at_least_once() {
+    restart_loses_nothing("at_least_once").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_sink_loses_no_input_exactly_once() {
+    restart_loses_nothing("exactly_once").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_sink_writes_each_new_row_once_and_survives_a_broker_outage() {
+    let cluster = cluster(&[("payments", 1), ("big", 1)]);
+    let servers = cluster.bootstrap_servers();
+    let (ctx, streams) = session();
+    query(
+        &ctx,
+        &format!(
+            "CREATE EXTERNAL TABLE payments (card VARCHAR, amount DOUBLE, ts TIMESTAMP) \
+             STORED AS KAFKA LOCATION 'payments' OPTIONS ('bootstrap.servers' '{servers}', \
+             'start' 'earliest')"
+        ),
+    )
+    .await;
+    query(
+        &ctx,
+        &format!(
+            "CREATE EXTERNAL TABLE big (card VARCHAR, amount DOUBLE) STORED AS KAFKA \
+             LOCATION 'big' OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest', \
+             'format' 'csv')"
+        ),
+    )
+    .await;
+    query(
+        &ctx,
+        "CREATE SINK big_payments INTO big AS SELECT card, amount FROM payments WHERE amount > 150",
+    )
+    .await;
+    let batch = |from: i64| -> Vec<_> {
+        (from..from + 100)
+            .map(|i| (0, None, json(&format!("c{i}"), i as f64, i * 10)))
+            .collect()
+    };
+    produce(&servers, "payments", &batch(0));
+    wait_for(&ctx, "SELECT count(*) FROM payments", 100).await;
+    cluster.broker_down(1).unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    cluster.broker_up(1).unwrap();
+    produce(&servers, "payments", &batch(100));
+    wait_for(&ctx, "SELECT count(*) FROM payments", 200).await;
+    wait_for(&ctx, "SELECT count(*) FROM big", 49).await;
+    assert_eq!(
+        count(&ctx, "SELECT count(DISTINCT card) FROM big").await,
+        49
+    );
+    assert_eq!(
+        count(&ctx, "SELECT sum(amount) FROM big").await,
+        (151..200).sum::<i64>()
+    );
+    let sinks = text(&ctx, "SHOW SINKS").await;
+    assert!(sinks.contains("append"), "{sinks}");
+    streams.shutdown();
+}
