@@ -82,6 +82,20 @@ struct Handler {
     streams: Arc<Streams>,
 }
 
+/// `sql` without the whitespace, `-- …` lines and `/* … */` blocks it starts with.
+fn without_leading_comments(mut sql: &str) -> &str {
+    loop {
+        sql = sql.trim_start();
+        if let Some(rest) = sql.strip_prefix("--") {
+            sql = rest.split_once('\n').map_or("", |(_, after)| after);
+        } else if let Some(rest) = sql.strip_prefix("/*") {
+            sql = rest.split_once("*/").map_or("", |(_, after)| after);
+        } else {
+            return sql;
+        }
+    }
+}
+
 /// Splits off the next word (letters, digits, `_`, `.`), case kept.
 fn word(text: &str) -> Option<(&str, &str)> {
     let text = text.trim_start();
@@ -104,7 +118,10 @@ fn name(text: &str) -> Option<(String, &str)> {
 #[async_trait::async_trait]
 impl StatementHandler for Handler {
     async fn handle(&self, ctx: &VolleyContext, sql: &str) -> Result<Option<DataFrame>> {
-        let text = sql.trim().trim_end_matches(';').trim_end();
+        let text = without_leading_comments(sql)
+            .trim_end()
+            .trim_end_matches(';')
+            .trim_end();
         if let Some(rest) = keyword(text, "show") {
             if keyword(rest, "streams").is_some_and(|r| r.trim().is_empty()) {
                 return Ok(Some(self.show_streams(ctx)?));

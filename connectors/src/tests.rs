@@ -4,7 +4,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use datafusion::arrow::array::RecordBatch;
+use datafusion::arrow::array::{AsArray, RecordBatch};
+use datafusion::arrow::datatypes::Int64Type;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::datasource::MemTable;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -630,5 +631,127 @@ async fn an_append_sink_writes_each_new_row_once_and_survives_a_broker_outage() 
     );
     let sinks = text(&ctx, "SHOW SINKS").await;
     assert!(sinks.contains("append"), "{sinks}");
+    streams.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fraud_pipeline_raises_exactly_the_planted_alerts() {
+    let cluster = cluster(&[
+        ("transactions", 3),
+        ("alerts", 1),
+        ("transactions-dead-letters", 1),
+    ]);
+    let servers = cluster.bootstrap_servers();
+    let options = volley_fraud::Options::default();
+    let generated = volley_fraud::generate(options);
+    let dir = tempfile::tempdir().unwrap();
+    let profiles = dir.path().join("fraud-profiles.csv");
+    std::fs::write(&profiles, volley_fraud::profiles_csv(&generated.profiles)).unwrap();
+    let pipeline = include_str!("../../examples/fraud/pipeline.sql")
+        .replace("localhost:9092", &servers)
+        .replace("fraud-profiles.csv", profiles.to_str().unwrap());
+
+    let mut messages: Vec<_> = generated
+        .transactions
+        .iter()
+        .map(|t| {
+            let partition = t.card.bytes().map(i32::from).sum::<i32>() % 3;
+            (partition, Some(t.card.clone()), t.to_json().into_bytes())
+        })
+        .collect();
+    let end_ms = volley_fraud::START_MS + options.minutes * 60_000;
+    let heartbeat = volley_fraud::Transaction {
+        card: "heartbeat".into(),
+        customer: "none".into(),
+        amount: 0.0,
+        country: "--".into(),
+        ts_ms: end_ms + 86_400_000,
+    };
+    messages.extend((0..3).map(|p| (p, None, heartbeat.to_json().into_bytes())));
+    let (ctx, streams) = session();
+    for statement in pipeline.split(";\n").filter(|s| {
+        s.lines()
+            .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with("--"))
+    }) {
+        query(&ctx, statement).await;
+    }
+    produce(&servers, "transactions", &messages);
+    wait_for_sinks(&streams, end_ms + 3_600_000).await;
+    wait_for(
+        &ctx,
+        "SELECT count(*) FROM alerts",
+        generated.planted.len() as i64,
+    )
+    .await;
+    let batches = query(
+        &ctx,
+        "SELECT rule, card, CAST(window_start AS BIGINT) / 1000000 AS start FROM alerts",
+    )
+    .await;
+    let mut alerts = BTreeSet::new();
+    for batch in &batches {
+        let rule = batch.column(0).as_string_view();
+        let card = batch.column(1).as_string_view();
+        let start = batch.column(2).as_primitive::<Int64Type>();
+        for row in 0..batch.num_rows() {
+            alerts.insert((
+                rule.value(row).to_owned(),
+                card.value(row).to_owned(),
+                start.value(row),
+            ));
+        }
+    }
+    assert_eq!(alerts, generated.planted);
+    let status = streams
+        .tables()
+        .into_iter()
+        .find(|t| t.name == "transactions")
+        .unwrap()
+        .status();
+    assert_eq!((status.malformed, status.late), (0, 0));
+    streams.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_partition_does_not_hold_the_watermark_back() {
+    let cluster = cluster(&[("quiet", 2)]);
+    let servers = cluster.bootstrap_servers();
+    let (ctx, streams) = session();
+    for (table, idle) in [("quiet", "300 milliseconds"), ("stalled", "none")] {
+        query(
+            &ctx,
+            &format!(
+                "CREATE EXTERNAL TABLE {table} (card VARCHAR, amount DOUBLE, ts TIMESTAMP) \
+                 STORED AS KAFKA LOCATION 'quiet' OPTIONS ('bootstrap.servers' '{servers}', \
+                 'start' 'earliest', 'event_time' 'ts', 'idle_timeout' '{idle}')"
+            ),
+        )
+        .await;
+    }
+    // Only partition 0 receives rows; partition 1 stays empty.
+    let messages: Vec<_> = (0..50)
+        .map(|i| (0, None, json("c", 1.0, i * 1000)))
+        .collect();
+    produce(&servers, "quiet", &messages);
+    wait_for(&ctx, "SELECT count(*) FROM quiet", 50).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let watermark = |name: &str| {
+        streams
+            .tables()
+            .into_iter()
+            .find(|t| t.name == name)
+            .unwrap()
+            .watermark()
+    };
+    while watermark("quiet") != Some(49_000_000_000) {
+        assert!(
+            Instant::now() < deadline,
+            "watermark {:?}",
+            watermark("quiet")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Waiting for every partition (no idle timeout), the empty one holds it back.
+    assert_eq!(watermark("stalled"), None);
     streams.shutdown();
 }
