@@ -37,6 +37,10 @@ for benchmark in tpch ssb; do
     "$benchmark" --sf 0.01 --iterations 1 --output "${CARGO_TARGET_DIR:-target}/bench-smoke"
 done
 
+step "benchmark smoke run: Kafka ingest and window-close-to-alert latency (mock cluster)"
+cargo run --locked -q -p volley-benches --bin volley-bench -- \
+  stream --events 20000 --latency-seconds 3 --output "${CARGO_TARGET_DIR:-target}/bench-smoke"
+
 step "kernel micro-benchmarks compile (cargo bench --no-run)"
 cargo bench --locked --no-run -p volley-kernels
 

@@ -7,6 +7,8 @@
 //! compare ── every engine's rows against DataFusion's: a mismatch fails the run
 //! report ── JSON, a markdown table (medians, ratios to DataFusion, geometric means), SVG
 //! ```
+//! `stream` measures Kafka ingest and window-close-to-alert latency (mock cluster).
+//!
 //! Benchmarks are not tests: they report ratios measured in one run (DESIGN.md §9).
 
 pub mod compare;
@@ -14,3 +16,4 @@ pub mod data;
 pub mod engines;
 pub mod report;
 pub mod ssb;
+pub mod stream;

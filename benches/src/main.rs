@@ -3,6 +3,7 @@
 //! ```text
 //! volley-bench tpch --sf 1 --engines volley,volley-gpu,datafusion,duckdb --iterations 5
 //! volley-bench ssb --sf 1
+//! volley-bench stream --events 500000
 //! ```
 //! Generates the data once per scale factor (Parquet, cached), runs every query on every
 //! engine, fails loudly when an engine's answer differs from DataFusion's, and writes
@@ -34,6 +35,37 @@ enum Benchmark {
     Tpch(Options),
     /// The 13 Star Schema Benchmark queries, on tables derived from TPC-H.
     Ssb(Options),
+    /// Kafka ingest rate and window-close-to-alert latency (librdkafka's mock cluster).
+    Stream(StreamOptions),
+}
+
+#[derive(clap::Args, Debug)]
+struct StreamOptions {
+    /// JSON events (about 200 bytes each) ingested into a live table.
+    #[arg(long, default_value_t = 500_000)]
+    events: usize,
+    /// Seconds of wall-clock-stamped events for the latency measurement.
+    #[arg(long, default_value_t = 20)]
+    latency_seconds: u64,
+    /// Where the report goes.
+    #[arg(long, default_value = "bench-results")]
+    output: PathBuf,
+}
+
+async fn run_stream(options: StreamOptions) -> Result<bool> {
+    eprintln!("machine: {}", machine());
+    let report = volley_benches::stream::run(options.events, options.latency_seconds).await?;
+    std::fs::create_dir_all(&options.output)?;
+    let stem = options.output.join("stream");
+    std::fs::write(
+        stem.with_extension("json"),
+        serde_json::to_string_pretty(&report.json())?,
+    )?;
+    let markdown = report.markdown();
+    std::fs::write(stem.with_extension("md"), &markdown)?;
+    println!("{markdown}");
+    eprintln!("wrote {}.{{json,md}}", stem.display());
+    Ok(report.windows > 0)
 }
 
 #[derive(clap::Args, Debug)]
@@ -244,6 +276,7 @@ fn main() -> ExitCode {
         match args.benchmark {
             Benchmark::Tpch(options) => run("tpch", options).await,
             Benchmark::Ssb(options) => run("ssb", options).await,
+            Benchmark::Stream(options) => run_stream(options).await,
         }
     });
     match outcome {
