@@ -29,9 +29,9 @@ use datafusion::arrow::array::{
     Array, ArrayRef, AsArray, BinaryArray, BooleanArray, Int32Array, Int64Array, RecordBatch,
     StringArray, TimestampMillisecondArray,
 };
-use datafusion::arrow::compute::{cast, filter_record_batch};
+use datafusion::arrow::compute::{cast, filter, filter_record_batch};
 use datafusion::arrow::datatypes::{
-    DataType, Schema, SchemaRef, TimeUnit, TimestampNanosecondType,
+    DataType, Int32Type, Int64Type, Schema, SchemaRef, TimeUnit, TimestampNanosecondType,
 };
 use datafusion::catalog::{Session, TableProvider, TableProviderFactory};
 use datafusion::common::{plan_datafusion_err, plan_err};
@@ -743,11 +743,10 @@ impl Shared {
         let mut partitions = Int32Array::from_iter_values(kept.iter().map(|m| m.partition()));
         let mut offsets = Int64Array::from_iter_values(kept.iter().map(|m| m.offset()));
         let mut batch = batch;
-        let watermark = self.watermark();
-        let times = self.event_nanos(&batch);
+        let mut times = self.event_nanos(&batch);
         let mut late_count = 0;
-        if let (Some(times), Some(watermark)) = (&times, watermark) {
-            let on_time: BooleanArray = times
+        if let (Some(event_times), Some(watermark)) = (&times, self.watermark()) {
+            let on_time: BooleanArray = event_times
                 .iter()
                 .map(|t| Some(t.is_none_or(|t| t >= watermark)))
                 .collect();
@@ -758,9 +757,27 @@ impl Shared {
                         self.dead_letter(kept[row], "late: older than the watermark");
                     }
                 }
-                batch = filter_record_batch(&batch, &on_time).unwrap_or(batch);
-                partitions = filter_i32(&partitions, &on_time);
-                offsets = filter_i64(&offsets, &on_time);
+                let kept_rows = (|| -> Result<_> {
+                    Ok((
+                        filter_record_batch(&batch, &on_time)?,
+                        filter(&partitions, &on_time)?
+                            .as_primitive::<Int32Type>()
+                            .clone(),
+                        filter(&offsets, &on_time)?
+                            .as_primitive::<Int64Type>()
+                            .clone(),
+                        filter(event_times, &on_time)?
+                            .as_primitive::<Int64Type>()
+                            .clone(),
+                    ))
+                })();
+                match kept_rows {
+                    Ok((b, p, o, t)) => (batch, partitions, offsets, times) = (b, p, o, Some(t)),
+                    Err(e) => {
+                        self.note_error(format!("setting late rows aside: {e}"));
+                        return;
+                    }
+                }
             }
         }
         let now = Instant::now();
@@ -778,7 +795,7 @@ impl Shared {
                 p.last_message = now;
             }
         }
-        if let Some(times) = self.event_nanos(&batch) {
+        if let Some(times) = &times {
             for row in 0..batch.num_rows() {
                 if times.is_valid(row)
                     && let Some(p) = state.partitions.get_mut(&partitions.value(row))
@@ -949,28 +966,6 @@ pub(crate) fn is_text_or_bytes(data_type: &DataType) -> bool {
             | DataType::LargeUtf8
             | DataType::Binary
             | DataType::BinaryView
-    )
-}
-
-fn filter_i32(array: &Int32Array, keep: &BooleanArray) -> Int32Array {
-    Int32Array::from_iter_values(
-        array
-            .values()
-            .iter()
-            .zip(keep.iter())
-            .filter(|(_, k)| *k == Some(true))
-            .map(|(v, _)| *v),
-    )
-}
-
-fn filter_i64(array: &Int64Array, keep: &BooleanArray) -> Int64Array {
-    Int64Array::from_iter_values(
-        array
-            .values()
-            .iter()
-            .zip(keep.iter())
-            .filter(|(_, k)| *k == Some(true))
-            .map(|(v, _)| *v),
     )
 }
 

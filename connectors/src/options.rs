@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use datafusion::arrow::compute::kernels::cast_utils::parse_interval_month_day_nano;
-use datafusion::common::utils::datafusion_strsim::levenshtein;
 use datafusion::error::{DataFusionError, Result};
+use volley_engine::error::did_you_mean;
 
 /// Every option a Kafka table takes, besides `kafka.*`.
 pub const KNOWN: &[&str] = &[
@@ -223,13 +223,7 @@ fn config(message: impl Into<String>) -> DataFusionError {
 }
 
 fn unknown_option(key: &str) -> DataFusionError {
-    let hint = KNOWN
-        .iter()
-        .map(|k| (levenshtein(key, k), *k))
-        .filter(|(d, _)| *d <= 3)
-        .min()
-        .map(|(_, k)| format!(" (did you mean '{k}'?)"))
-        .unwrap_or_default();
+    let hint = did_you_mean(key, KNOWN.iter().copied(), "");
     config(format!(
         "unknown Kafka option '{key}'{hint}; librdkafka options take the prefix 'kafka.'"
     ))

@@ -136,10 +136,9 @@ impl StatementHandler for Handler {
                 Some(r) => (true, r),
                 None => (false, rest),
             };
-            let Some((sink, tail)) = name(rest).filter(|(_, t)| t.trim().is_empty()) else {
+            let Some((sink, _)) = name(rest).filter(|(_, t)| t.trim().is_empty()) else {
                 return plan_err!("usage: DROP SINK [IF EXISTS] name");
             };
-            let _ = tail;
             match self.streams.sinks.remove(&sink) {
                 Some(s) => {
                     tokio::task::spawn_blocking(move || s.stop())

@@ -138,21 +138,10 @@ async fn wait_for(ctx: &VolleyContext, sql: &str, target: i64) {
     }
 }
 
-/// An RFC 3339 time `ms` milliseconds after the epoch (under a day).
-fn iso(ms: i64) -> String {
-    let (s, milli) = (ms / 1000, ms % 1000);
-    format!(
-        "1970-01-01T{:02}:{:02}:{:02}.{milli:03}Z",
-        s / 3600,
-        s / 60 % 60,
-        s % 60
-    )
-}
-
 fn json(card: &str, amount: f64, ts_ms: i64) -> Vec<u8> {
     format!(
         r#"{{"card":"{card}","amount":{amount},"ts":"{}"}}"#,
-        iso(ts_ms)
+        volley_fraud::rfc3339(ts_ms)
     )
     .into_bytes()
 }

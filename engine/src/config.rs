@@ -9,9 +9,10 @@ use std::fmt;
 use std::str::FromStr;
 
 use datafusion::common::config::{ConfigEntry, ConfigExtension, ExtensionOptions};
-use datafusion::common::utils::datafusion_strsim::levenshtein;
 use datafusion::error::{DataFusionError, Result};
 use volley_kernels::DeviceSelection;
+
+use crate::error::did_you_mean;
 
 /// Where operators that can run on a GPU are placed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -176,13 +177,7 @@ impl VolleyConfig {
     }
 
     fn unknown_key(key: &str) -> DataFusionError {
-        let closest = SETTINGS
-            .iter()
-            .map(|s| (levenshtein(key, s.key), s.key))
-            .min()
-            .filter(|(distance, _)| *distance <= 3)
-            .map(|(_, k)| format!(" (did you mean 'volley.{k}'?)"))
-            .unwrap_or_default();
+        let closest = did_you_mean(key, SETTINGS.iter().map(|s| s.key), "volley.");
         DataFusionError::Configuration(format!("unknown setting 'volley.{key}'{closest}"))
     }
 }

@@ -3,7 +3,24 @@
 //! Inside the engine, DataFusion's `plan_err!` / `exec_err!` are used where a query is at
 //! fault; [`EngineError`] covers the rest and converts into `DataFusionError::External`.
 
+use datafusion::common::utils::datafusion_strsim::levenshtein;
 use datafusion::error::DataFusionError;
+
+/// ` (did you mean '<prefix><candidate>'?)` for the candidate nearest to a misspelled `key`
+/// (at most 3 edits away), or nothing when none is that close.
+pub fn did_you_mean<'a>(
+    key: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+    prefix: &str,
+) -> String {
+    candidates
+        .into_iter()
+        .map(|c| (levenshtein(key, c), c))
+        .min()
+        .filter(|(distance, _)| *distance <= 3)
+        .map(|(_, c)| format!(" (did you mean '{prefix}{c}'?)"))
+        .unwrap_or_default()
+}
 
 /// Errors raised by Volley's engine outside of DataFusion's own checks.
 #[derive(Debug, thiserror::Error)]

@@ -13,8 +13,9 @@ use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use datafusion::common::utils::datafusion_strsim::levenshtein;
 use datafusion::error::{DataFusionError, Result};
+
+use crate::error::did_you_mean;
 use datafusion::execution::object_store::{DefaultObjectStoreRegistry, ObjectStoreRegistry};
 use object_store::ClientConfigKey;
 use object_store::ObjectStore;
@@ -122,14 +123,8 @@ pub fn take_store_options(options: &mut HashMap<String, String>) -> Vec<(String,
 }
 
 fn unknown_option(kind: StoreKind, key: &str, full: &str) -> DataFusionError {
-    let hint = kind
-        .common_keys()
-        .iter()
-        .map(|k| (levenshtein(key, k), *k))
-        .min()
-        .filter(|(d, _)| *d <= 3)
-        .map(|(_, k)| format!(" (did you mean '{}.{k}'?)", kind.option_prefix()))
-        .unwrap_or_default();
+    let prefix = format!("{}.", kind.option_prefix());
+    let hint = did_you_mean(key, kind.common_keys().iter().copied(), &prefix);
     DataFusionError::Configuration(format!("unknown object store option '{full}'{hint}"))
 }
 

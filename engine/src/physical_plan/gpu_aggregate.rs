@@ -32,8 +32,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use datafusion::arrow::array::{
-    Array, ArrayData, ArrayRef, Decimal128Array, Float32Array, Float64Array, RecordBatch,
-    UInt64Array,
+    Array, ArrayData, ArrayRef, Decimal128Array, Float64Array, RecordBatch, UInt64Array,
 };
 use datafusion::arrow::buffer::{Buffer, NullBuffer};
 use datafusion::arrow::compute::{cast, concat_batches};
@@ -575,7 +574,9 @@ pub(crate) fn canonical_zeros(
 ) -> Result<ArrayRef, datafusion::arrow::error::ArrowError> {
     Ok(match array.data_type() {
         DataType::Float64 => {
-            let a = array.as_any().downcast_ref::<Float64Array>().expect("f64");
+            let a = datafusion::arrow::array::AsArray::as_primitive::<
+                datafusion::arrow::datatypes::Float64Type,
+            >(&array);
             Arc::new(
                 a.unary::<_, datafusion::arrow::datatypes::Float64Type>(|v| {
                     if v == 0.0 { 0.0 } else { v }
@@ -583,7 +584,9 @@ pub(crate) fn canonical_zeros(
             )
         }
         DataType::Float32 => {
-            let a = array.as_any().downcast_ref::<Float32Array>().expect("f32");
+            let a = datafusion::arrow::array::AsArray::as_primitive::<
+                datafusion::arrow::datatypes::Float32Type,
+            >(&array);
             Arc::new(
                 a.unary::<_, datafusion::arrow::datatypes::Float32Type>(|v| {
                     if v == 0.0 { 0.0 } else { v }
@@ -907,10 +910,10 @@ impl Run {
             pending.clear();
             return Ok(());
         }
-        if table.is_none() {
-            *table = Some(self.work.new_table(&self.device)?);
-        }
-        let table = table.as_mut().expect("created above");
+        let table = match table {
+            Some(table) => table,
+            None => table.insert(self.work.new_table(&self.device)?),
+        };
         let chunk = match pending.len() {
             0 => return Ok(()),
             1 => pending[0].clone(),

@@ -474,15 +474,14 @@ fn host_matches(
     let columns = |batch: &RecordBatch, keys: &[usize]| -> Vec<ArrayRef> {
         keys.iter().map(|&c| Arc::clone(batch.column(c))).collect()
     };
-    if host.is_none() {
-        *host = Some(HostIndex::new(
+    let index = match host {
+        Some(index) => index,
+        None => host.insert(HostIndex::new(
             &columns(build, &work.left_keys),
             work.null_equals_null,
-        )?);
-    }
-    host.as_ref()
-        .expect("built above")
-        .probe(&columns(probe, &work.right_keys), work.null_equals_null)
+        )?),
+    };
+    index.probe(&columns(probe, &work.right_keys), work.null_equals_null)
 }
 
 /// The build side shared by the partitions of a CollectLeft join, and the build rows they

@@ -10,10 +10,7 @@
 
 pub mod window;
 
-use std::sync::{Arc, Mutex};
-
-use datafusion::execution::SessionState;
-use datafusion::prelude::SessionContext;
+use std::sync::Mutex;
 
 pub use window::{WindowKind, register_window_functions};
 
@@ -50,17 +47,4 @@ impl StreamScope {
             .unwrap_or_else(|p| p.into_inner())
             .push(kind);
     }
-
-    /// Whether a window ending at `end` (nanoseconds) is emitted in this scope.
-    pub fn emits(&self, end: i64) -> bool {
-        self.emitted_up_to.is_none_or(|after| end > after)
-            && self.emit_up_to.is_none_or(|up_to| end <= up_to)
-    }
-}
-
-/// A session over `state`'s catalogs whose queries run inside `scope`.
-pub fn scoped_session(state: &SessionState, scope: Arc<StreamScope>) -> SessionContext {
-    let mut state = state.clone();
-    state.config_mut().set_extension(scope);
-    SessionContext::new_with_state(state)
 }
