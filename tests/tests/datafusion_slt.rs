@@ -53,6 +53,12 @@ const EXCLUDED: &[(&str, &str)] = &[
          filter empty (answers are the same: the filter only prunes)",
     ),
     (
+        "spark/datetime/date_trunc.slt",
+        "DataFusion's own answer changes from run to run with the GPU off (which of two \
+     registered `date_trunc` functions a session resolves varies per process: DataFusion's \
+     rejects the Spark granularity 'yyyy')",
+    ),
+    (
         "spark/array/array_contains.slt",
         "DataFusion's own answer changes from run to run with the GPU off (which of two \
      registered `array_contains` functions a session resolves varies per process)",
@@ -274,13 +280,15 @@ fn main() -> ExitCode {
                 // more runs: a regression fails every forced run while every run with the
                 // GPU off passes.
                 Ok(()) => {
-                    let off_varies = (0..3).any(|_| {
+                    // Five more runs each way: a file whose answer is a coin toss per
+                    // session passes this as a regression once in 2^11 runs.
+                    let off_varies = (0..5).any(|_| {
                         runtime
                             .block_on(run_file(file, &relative, Mode::Off))
                             .is_err()
                     });
                     let forced_passes = !off_varies
-                        && (0..2).any(|_| {
+                        && (0..5).any(|_| {
                             runtime
                                 .block_on(run_file(file, &relative, Mode::Forced))
                                 .is_ok()
@@ -326,6 +334,9 @@ fn main() -> ExitCode {
         EXCLUDED.len(),
         started.elapsed().as_secs_f64()
     );
+    for file in &regressions {
+        println!("GPU regression: {}", file.display());
+    }
     if regressions.is_empty() && !files.is_empty() {
         ExitCode::SUCCESS
     } else {
