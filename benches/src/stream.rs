@@ -2,6 +2,7 @@
 //! close to its alert on the sink topic. Both run against librdkafka's in-process mock
 //! cluster, so the broker shares the machine (and the process) with Volley.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
@@ -10,29 +11,28 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use std::sync::Arc;
+
+use datafusion::arrow::datatypes::{DataType, Field, Schema, TimeUnit};
+use volley_connectors::avro::{AvroSpec, Framing};
+use volley_connectors::format::{Decoder, Encoder};
+use volley_connectors::options::Format;
 use volley_engine::VolleyContext;
 use volley_fraud::rfc3339;
 
 /// What the streaming benchmark measured.
 #[derive(Debug)]
 pub struct StreamReport {
-    /// Events ingested.
+    /// Events ingested (each format).
     pub events: usize,
     /// Average size of an event's JSON, bytes.
     pub event_bytes: usize,
-    /// Seconds from `CREATE EXTERNAL TABLE` until every event was held.
-    pub ingest_seconds: f64,
-    /// Events per second of wall time.
-    pub ingest_events_per_second: f64,
-    /// CPU seconds the table's ingestion thread used.
-    pub ingest_thread_cpu_seconds: f64,
-    /// Events per CPU second of the ingestion thread (events/s per core).
-    pub ingest_events_per_core_second: f64,
-    /// CPU seconds of the whole process meanwhile (librdkafka's threads and the in-process
-    /// mock broker included).
-    pub ingest_process_cpu_seconds: f64,
-    /// Events per CPU second of the whole process.
-    pub ingest_events_per_process_cpu_second: f64,
+    /// Average size of the same event as an Avro message (Confluent framing), bytes.
+    pub avro_event_bytes: usize,
+    /// The JSON topic's ingest.
+    pub json: Ingest,
+    /// The Avro topic's ingest.
+    pub avro: Ingest,
     /// Windows measured for latency.
     pub windows: usize,
     /// Median milliseconds from a window's end to its result on the sink topic.
@@ -63,8 +63,8 @@ fn new_producer(servers: &str) -> Result<BaseProducer> {
         .create()?)
 }
 
-fn send(producer: &BaseProducer, topic: &str, partition: i32, value: &str) {
-    let mut record = BaseRecord::<(), str>::to(topic)
+fn send(producer: &BaseProducer, topic: &str, partition: i32, value: &[u8]) {
+    let mut record = BaseRecord::<(), [u8]>::to(topic)
         .partition(partition)
         .payload(value);
     loop {
@@ -95,22 +95,33 @@ fn process_cpu_seconds() -> f64 {
     stat_cpu_seconds(&std::fs::read_to_string("/proc/self/stat").unwrap_or_default())
 }
 
-/// CPU seconds used so far by this process's threads whose name starts with `prefix`.
-fn thread_cpu_seconds(prefix: &str) -> f64 {
+/// CPU seconds used so far by each of this process's threads whose name starts with
+/// `prefix`, by thread id.
+fn thread_cpu_seconds(prefix: &str) -> HashMap<String, f64> {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0.0;
+        return HashMap::new();
     };
-    let mut total = 0.0;
+    let mut threads = HashMap::new();
     for task in tasks.flatten() {
         let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
         if !comm.trim().starts_with(prefix) {
             continue;
         }
-        total += stat_cpu_seconds(
+        let cpu = stat_cpu_seconds(
             &std::fs::read_to_string(task.path().join("stat")).unwrap_or_default(),
         );
+        threads.insert(task.file_name().to_string_lossy().into_owned(), cpu);
     }
-    total
+    threads
+}
+
+/// CPU seconds the threads named `prefix…` alive now used since `before` was read (a thread
+/// that ended meanwhile, such as an earlier table's, is not counted).
+fn thread_cpu_since(prefix: &str, before: &HashMap<String, f64>) -> f64 {
+    thread_cpu_seconds(prefix)
+        .iter()
+        .map(|(tid, cpu)| cpu - before.get(tid).copied().unwrap_or(0.0))
+        .sum()
 }
 
 fn now_ms() -> i64 {
@@ -119,41 +130,40 @@ fn now_ms() -> i64 {
         .map_or(0, |d| d.as_millis() as i64)
 }
 
-/// Runs both measurements.
-pub async fn run(events: usize, latency_seconds: u64) -> Result<StreamReport> {
-    let cluster = MockCluster::new(1)?;
-    let servers = cluster.bootstrap_servers();
-    // The mock cluster keeps at most 5 MB (and 100 000 message sets) per partition and
-    // drops older messages, so the topic gets a partition per 4 MB of events.
-    let partitions = (events * 200 / (4 << 20) + 1).max(4) as i32;
-    cluster.create_topic("ingest", partitions, 1)?;
-    cluster.create_topic("live", 2, 1)?;
-    cluster.create_topic("counts", 1, 1)?;
+/// One live table's ingest of a filled topic.
+#[derive(Debug, Clone, Copy)]
+pub struct Ingest {
+    /// Seconds from `CREATE EXTERNAL TABLE` until every event was held.
+    pub seconds: f64,
+    /// CPU seconds the table's ingestion thread used.
+    pub thread_cpu_seconds: f64,
+    /// CPU seconds of the whole process meanwhile (librdkafka's threads and the in-process
+    /// mock broker included).
+    pub process_cpu_seconds: f64,
+}
 
-    // 1. Ingest: the topic is filled first, then a live table reads it from the start.
-    let producer = new_producer(&servers)?;
-    let mut bytes = 0;
-    for i in 0..events {
-        let value = event(i, "2026-01-01T00:00:00.000Z");
-        bytes += value.len();
-        send(&producer, "ingest", i as i32 % partitions, &value);
-    }
-    producer.flush(Duration::from_secs(120))?;
-    eprintln!("produced {events} events");
-    let ctx = VolleyContext::new()?;
-    let streams = volley_connectors::install(&ctx);
+/// Creates a live table over `topic` (`options` are added to its OPTIONS) and waits until it
+/// holds `events` rows.
+async fn ingest(
+    ctx: &VolleyContext,
+    streams: &volley_connectors::Streams,
+    servers: &str,
+    topic: &str,
+    options: &str,
+    events: usize,
+) -> Result<Ingest> {
     let cpu_before = thread_cpu_seconds("volley-ingest");
     let process_before = process_cpu_seconds();
     let started = Instant::now();
     ctx.sql(&format!(
-        "CREATE EXTERNAL TABLE ingest ({COLUMNS}) STORED AS KAFKA LOCATION 'ingest' \
-         OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest')"
+        "CREATE EXTERNAL TABLE {topic} ({COLUMNS}) STORED AS KAFKA LOCATION '{topic}' \
+         OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest'{options})"
     ))
     .await?;
     let table = streams
         .tables()
         .into_iter()
-        .find(|t| t.name == "ingest")
+        .find(|t| t.name == topic)
         .context("the live table")?;
     loop {
         let status = table.status();
@@ -165,11 +175,102 @@ pub async fn run(events: usize, latency_seconds: u64) -> Result<StreamReport> {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let ingest_seconds = started.elapsed().as_secs_f64();
-    let cpu = thread_cpu_seconds("volley-ingest") - cpu_before;
-    let process_cpu = process_cpu_seconds() - process_before;
+    let seconds = started.elapsed().as_secs_f64();
+    let thread_cpu_seconds = thread_cpu_since("volley-ingest", &cpu_before);
+    let process_cpu_seconds = process_cpu_seconds() - process_before;
     table.stop();
-    drop(table);
+    Ok(Ingest {
+        seconds,
+        thread_cpu_seconds,
+        process_cpu_seconds,
+    })
+}
+
+/// Runs both measurements.
+pub async fn run(events: usize, latency_seconds: u64) -> Result<StreamReport> {
+    let cluster = MockCluster::new(1)?;
+    let servers = cluster.bootstrap_servers();
+    // The mock cluster keeps at most 5 MB (and 100 000 message sets) per partition and
+    // drops older messages, so the topic gets a partition per 4 MB of events.
+    let partitions = (events * 200 / (4 << 20) + 1).max(4) as i32;
+    cluster.create_topic("ingest", partitions, 1)?;
+    cluster.create_topic("ingest_avro", partitions, 1)?;
+    cluster.create_topic("warmup", 1, 1)?;
+    cluster.create_topic("live", 2, 1)?;
+    cluster.create_topic("counts", 1, 1)?;
+
+    // 1. Ingest: a topic is filled first, then a live table reads it from the start; once
+    //    with the events as JSON, once as Avro records (Confluent framing) of the same rows.
+    let producer = new_producer(&servers)?;
+    let json_format = Format::Json;
+    let avro_format = Format::Avro(Arc::new(AvroSpec {
+        schema: None,
+        framing: Framing::Confluent(1),
+    }));
+    let payload = Arc::new(Schema::new(vec![
+        Field::new("event_id", DataType::Int64, true),
+        Field::new("card", DataType::Utf8, true),
+        Field::new("merchant", DataType::Utf8, true),
+        Field::new("amount", DataType::Float64, true),
+        Field::new("country", DataType::Utf8, true),
+        Field::new("channel", DataType::Utf8, true),
+        Field::new("device", DataType::Utf8, true),
+        // TIMESTAMP in SQL: nanoseconds, so the derived Avro schemas of this payload and of
+        // the table's columns are the same schema.
+        Field::new("ts", DataType::Timestamp(TimeUnit::Nanosecond, None), true),
+    ]));
+    let rows = Decoder::try_new(&json_format, Arc::clone(&payload))?;
+    let to_avro = Encoder::try_new(&avro_format, Arc::clone(&payload))?;
+    let (mut bytes, mut avro_bytes) = (0, 0);
+    for first in (0..events).step_by(4096) {
+        let chunk: Vec<String> = (first..(first + 4096).min(events))
+            .map(|i| event(i, "2026-01-01T00:00:00.000Z"))
+            .collect();
+        let values: Vec<Option<&[u8]>> = chunk.iter().map(|v| Some(v.as_bytes())).collect();
+        let decoded = rows.decode(&values);
+        if !decoded.bad.is_empty() {
+            bail!(
+                "the benchmark's own events did not decode: {:?}",
+                decoded.bad[0]
+            );
+        }
+        for (n, (json, avro)) in chunk
+            .iter()
+            .zip(to_avro.encode(&decoded.batch)?)
+            .enumerate()
+        {
+            let partition = (first + n) as i32 % partitions;
+            bytes += json.len();
+            avro_bytes += avro.len();
+            send(&producer, "ingest", partition, json.as_bytes());
+            send(&producer, "ingest_avro", partition, &avro);
+        }
+    }
+    producer.flush(Duration::from_secs(120))?;
+    eprintln!("produced {events} events, as JSON and as Avro");
+    let ctx = VolleyContext::new()?;
+    let streams = volley_connectors::install(&ctx);
+    // A first live table waits a few seconds for its first fetch from the mock cluster
+    // (once per process): a one-message warm-up table takes that wait out of the measures.
+    send(
+        &producer,
+        "warmup",
+        0,
+        event(0, "2026-01-01T00:00:00.000Z").as_bytes(),
+    );
+    producer.flush(Duration::from_secs(10))?;
+    let warmup = ingest(&ctx, &streams, &servers, "warmup", "", 1).await?;
+    eprintln!("warm-up table: {:.2} s", warmup.seconds);
+    let json = ingest(&ctx, &streams, &servers, "ingest", "", events).await?;
+    let avro = ingest(
+        &ctx,
+        &streams,
+        &servers,
+        "ingest_avro",
+        ", 'format' 'avro', 'avro.schema_id' '1'",
+        events,
+    )
+    .await?;
 
     // 2. Latency: events stamped with the wall clock, 500 ms tumbling windows, no lateness.
     for sql in [
@@ -198,7 +299,7 @@ pub async fn run(events: usize, latency_seconds: u64) -> Result<StreamReport> {
             let mut i = 0;
             while Instant::now() < until {
                 let value = event(i, &rfc3339(now_ms()));
-                send(&producer, "live", (i % 2) as i32, &value);
+                send(&producer, "live", (i % 2) as i32, value.as_bytes());
                 producer.poll(Duration::ZERO);
                 i += 1;
                 std::thread::sleep(Duration::from_micros(500));
@@ -246,16 +347,31 @@ pub async fn run(events: usize, latency_seconds: u64) -> Result<StreamReport> {
     Ok(StreamReport {
         events,
         event_bytes: bytes / events.max(1),
-        ingest_seconds,
-        ingest_events_per_second: events as f64 / ingest_seconds,
-        ingest_thread_cpu_seconds: cpu,
-        ingest_events_per_core_second: events as f64 / cpu.max(0.01),
-        ingest_process_cpu_seconds: process_cpu,
-        ingest_events_per_process_cpu_second: events as f64 / process_cpu.max(0.01),
+        avro_event_bytes: avro_bytes / events.max(1),
+        json,
+        avro,
         windows: latencies.len(),
         close_to_alert_p50_ms: percentile(0.5),
         close_to_alert_p99_ms: percentile(0.99),
     })
+}
+
+impl Ingest {
+    fn json(&self, events: usize) -> serde_json::Value {
+        serde_json::json!({
+            "seconds": self.seconds,
+            "events_per_second": events as f64 / self.seconds,
+            "thread_cpu_seconds": self.thread_cpu_seconds,
+            "events_per_core_second": self.per_core(events),
+            "process_cpu_seconds": self.process_cpu_seconds,
+            "events_per_process_cpu_second": events as f64 / self.process_cpu_seconds.max(0.01),
+        })
+    }
+
+    /// Events per CPU second of the ingestion thread (events/s per core).
+    pub fn per_core(&self, events: usize) -> f64 {
+        events as f64 / self.thread_cpu_seconds.max(0.01)
+    }
 }
 
 impl StreamReport {
@@ -264,12 +380,9 @@ impl StreamReport {
         serde_json::json!({
             "events": self.events,
             "event_bytes": self.event_bytes,
-            "ingest_seconds": self.ingest_seconds,
-            "ingest_events_per_second": self.ingest_events_per_second,
-            "ingest_thread_cpu_seconds": self.ingest_thread_cpu_seconds,
-            "ingest_events_per_core_second": self.ingest_events_per_core_second,
-            "ingest_process_cpu_seconds": self.ingest_process_cpu_seconds,
-            "ingest_events_per_process_cpu_second": self.ingest_events_per_process_cpu_second,
+            "avro_event_bytes": self.avro_event_bytes,
+            "ingest_json": self.json.json(self.events),
+            "ingest_avro": self.avro.json(self.events),
             "windows": self.windows,
             "close_to_alert_p50_ms": self.close_to_alert_p50_ms,
             "close_to_alert_p99_ms": self.close_to_alert_p99_ms,
@@ -278,23 +391,33 @@ impl StreamReport {
 
     /// The report as a markdown table.
     pub fn markdown(&self) -> String {
+        let n = self.events as f64;
+        let (j, a) = (&self.json, &self.avro);
         format!(
-            "| measure | value |\n|---|---|\n\
-             | events ingested (JSON, {} bytes each) | {} |\n\
-             | ingest wall time | {:.2} s |\n\
-             | ingest rate | {:.0} events/s |\n\
-             | ingest thread CPU | {:.2} s |\n\
-             | ingest per core (decoding thread) | {:.0} events/s (Flink Nexmark q0: 155 000) |\n\
-             | ingest per CPU second of the process (librdkafka and mock broker included) | {:.0} events/s |\n\
+            "| measure | JSON ({} bytes/event) | Avro ({} bytes/event) |\n|---|---|---|\n\
+             | events ingested | {} | {} |\n\
+             | ingest wall time | {:.2} s | {:.2} s |\n\
+             | ingest rate | {:.0} events/s | {:.0} events/s |\n\
+             | ingest thread CPU | {:.2} s | {:.2} s |\n\
+             | ingest per core (decoding thread; Flink Nexmark q0: 155 000) | {:.0} events/s | {:.0} events/s |\n\
+             | ingest per CPU second of the process (librdkafka and mock broker included) | {:.0} events/s | {:.0} events/s |\n\
+             \n| measure | value |\n|---|---|\n\
              | window close → alert on the sink topic, p50 | {:.0} ms ({} windows) |\n\
              | window close → alert on the sink topic, p99 | {:.0} ms |\n",
             self.event_bytes,
+            self.avro_event_bytes,
             self.events,
-            self.ingest_seconds,
-            self.ingest_events_per_second,
-            self.ingest_thread_cpu_seconds,
-            self.ingest_events_per_core_second,
-            self.ingest_events_per_process_cpu_second,
+            self.events,
+            j.seconds,
+            a.seconds,
+            n / j.seconds,
+            n / a.seconds,
+            j.thread_cpu_seconds,
+            a.thread_cpu_seconds,
+            j.per_core(self.events),
+            a.per_core(self.events),
+            n / j.process_cpu_seconds.max(0.01),
+            n / a.process_cpu_seconds.max(0.01),
             self.close_to_alert_p50_ms,
             self.windows,
             self.close_to_alert_p99_ms,

@@ -7,6 +7,7 @@
 //! functions (`TUMBLE`, `HOP`, `SESSION`) live in `volley_engine::streaming`, since they work
 //! on any table.
 
+pub mod avro;
 pub mod format;
 pub mod live;
 pub mod options;

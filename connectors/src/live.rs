@@ -265,7 +265,7 @@ impl LiveTable {
             columns.push(source);
         }
         let payload = Arc::new(Schema::new(payload_fields));
-        let decoder = Decoder::try_new(options.format, Arc::clone(&payload))?;
+        let decoder = Decoder::try_new(&options.format, Arc::clone(&payload))?;
         let event_time = match &options.event_time {
             Some(column) => {
                 let (index, field) = schema.column_with_name(column).ok_or_else(|| {

@@ -6,11 +6,14 @@
 //! [`KNOWN`], and a misspelled one is named together with its nearest match.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use datafusion::arrow::compute::kernels::cast_utils::parse_interval_month_day_nano;
 use datafusion::error::{DataFusionError, Result};
 use volley_engine::error::did_you_mean;
+
+use crate::avro::{AvroSpec, Framing};
 
 /// Every option a Kafka table takes, besides `kafka.*`.
 pub const KNOWN: &[&str] = &[
@@ -25,10 +28,13 @@ pub const KNOWN: &[&str] = &[
     "dead_letter",
     "delivery",
     "csv.delimiter",
+    "avro.schema",
+    "avro.framing",
+    "avro.schema_id",
 ];
 
 /// How a message's value is read into (and written from) a row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Format {
     /// One JSON object per message; fields matched to columns by name.
     Json,
@@ -39,6 +45,8 @@ pub enum Format {
     },
     /// The whole value as the table's one column (text or bytes).
     Raw,
+    /// One Avro record per message; fields matched to columns by name.
+    Avro(Arc<AvroSpec>),
 }
 
 /// Where ingestion starts when a table is created.
@@ -123,6 +131,7 @@ impl KafkaOptions {
             client: Vec::new(),
         };
         let mut delimiter = b',';
+        let (mut avro_schema, mut framing, mut schema_id) = (None, None, None);
         let mut entries: Vec<(&String, &String)> = options.iter().collect();
         entries.sort();
         for (raw_key, value) in entries {
@@ -138,14 +147,13 @@ impl KafkaOptions {
                         "json" => Format::Json,
                         "csv" => Format::Csv { delimiter: b',' },
                         "raw" => Format::Raw,
-                        "avro" => {
-                            return Err(config(
-                                "format 'avro' is not supported yet; use 'json', 'csv' or 'raw'",
-                            ));
-                        }
+                        "avro" => Format::Avro(Arc::new(AvroSpec {
+                            schema: None,
+                            framing: Framing::Bare,
+                        })),
                         other => {
                             return Err(config(format!(
-                                "unknown format '{other}' (one of 'json', 'csv', 'raw')"
+                                "unknown format '{other}' (one of 'json', 'csv', 'avro', 'raw')"
                             )));
                         }
                     }
@@ -190,6 +198,16 @@ impl KafkaOptions {
                     [b] => delimiter = *b,
                     _ => return Err(config("option 'csv.delimiter' takes one character")),
                 },
+                "avro.schema" => avro_schema = Some(value.clone()),
+                "avro.framing" => framing = Some(value.to_ascii_lowercase()),
+                "avro.schema_id" => {
+                    schema_id = Some(value.trim().parse::<u32>().map_err(|_| {
+                        config(format!(
+                            "option 'avro.schema_id': '{value}' is not a schema registry id \
+                             (a number from 0 to 4294967295)"
+                        ))
+                    })?)
+                }
                 _ => return Err(unknown_option(key)),
             }
         }
@@ -200,6 +218,48 @@ impl KafkaOptions {
         }
         if let Format::Csv { .. } = parsed.format {
             parsed.format = Format::Csv { delimiter };
+        }
+        if let Format::Avro(_) = parsed.format {
+            let framing = match (framing.as_deref(), schema_id) {
+                (None | Some("confluent"), Some(id)) => Framing::Confluent(id),
+                (None | Some("confluent"), None) => {
+                    return Err(config(
+                        "format 'avro' reads Confluent-framed messages (a zero byte and a \
+                         schema id before each record) by default: give the writer schema's \
+                         registry id with 'avro.schema_id', or choose 'avro.framing' \
+                         'single_object' or 'bare'",
+                    ));
+                }
+                (Some("single_object" | "bare"), Some(_)) => {
+                    return Err(config(
+                        "option 'avro.schema_id' goes with 'avro.framing' 'confluent' only",
+                    ));
+                }
+                (Some("single_object"), None) => Framing::SingleObject,
+                (Some("bare"), None) => Framing::Bare,
+                (Some(other), _) => {
+                    return Err(config(format!(
+                        "unknown avro.framing '{other}' (one of 'confluent', 'single_object', \
+                         'bare')"
+                    )));
+                }
+            };
+            parsed.format = Format::Avro(Arc::new(AvroSpec {
+                schema: avro_schema,
+                framing,
+            }));
+        } else if let Some(key) = [
+            avro_schema.as_ref().map(|_| "avro.schema"),
+            framing.as_ref().map(|_| "avro.framing"),
+            schema_id.as_ref().map(|_| "avro.schema_id"),
+        ]
+        .into_iter()
+        .flatten()
+        .next()
+        {
+            return Err(config(format!(
+                "option '{key}' applies to format 'avro' only"
+            )));
         }
         if parsed.start == Start::Committed && parsed.group_id.is_none() {
             return Err(config("start 'committed' needs the option 'group.id'"));
@@ -342,5 +402,50 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("needs the option 'group.id'"), "{e}");
+
+        let avro = |pairs: &[(&str, &str)]| {
+            let mut all = vec![("bootstrap.servers", "b"), ("format.format", "avro")];
+            all.extend_from_slice(pairs);
+            KafkaOptions::parse("tx", &options(&all))
+        };
+        let framing = |parsed: KafkaOptions| match parsed.format {
+            Format::Avro(spec) => spec.framing,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            framing(avro(&[("avro.schema_id", "12")]).unwrap()),
+            Framing::Confluent(12)
+        );
+        assert_eq!(
+            framing(avro(&[("avro.framing", "single_object")]).unwrap()),
+            Framing::SingleObject
+        );
+        assert_eq!(
+            framing(avro(&[("avro.framing", "BARE")]).unwrap()),
+            Framing::Bare
+        );
+        for (pairs, expected) in [
+            (&[][..], "give the writer schema's registry id"),
+            (
+                &[("avro.schema_id", "-1")][..],
+                "'-1' is not a schema registry id",
+            ),
+            (
+                &[("avro.framing", "bare"), ("avro.schema_id", "3")][..],
+                "goes with 'avro.framing' 'confluent' only",
+            ),
+            (&[("avro.framing", "soe")][..], "unknown avro.framing 'soe'"),
+            (&[("avro.shema", "{}")][..], "(did you mean 'avro.schema'?)"),
+        ] {
+            let e = avro(pairs).unwrap_err().to_string();
+            assert!(e.contains(expected), "{pairs:?}: {e}");
+        }
+        let e = KafkaOptions::parse(
+            "tx",
+            &options(&[("bootstrap.servers", "b"), ("avro.schema_id", "1")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("applies to format 'avro' only"), "{e}");
     }
 }

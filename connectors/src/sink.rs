@@ -30,7 +30,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use datafusion::arrow::array::{Array, AsArray, RecordBatch};
-use datafusion::arrow::datatypes::{DataType, Schema, SchemaRef};
+use datafusion::arrow::datatypes::{DataType, Schema};
 use datafusion::common::{plan_datafusion_err, plan_err};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::SessionState;
@@ -39,8 +39,9 @@ use rdkafka::consumer::Consumer;
 use rdkafka::producer::Producer as _;
 use volley_engine::streaming::StreamScope;
 
+use crate::format::Encoder;
 use crate::live::{LiveScope, LiveTable, OffsetRange, Shared};
-use crate::options::{Delivery, Format};
+use crate::options::Delivery;
 use crate::producer::{Producer, kafka_error};
 
 /// How often a sink looks for new input.
@@ -85,8 +86,7 @@ struct Plan {
     windowed: bool,
     span: Option<i64>,
     target_topic: String,
-    format: Format,
-    payload: SchemaRef,
+    encoder: Encoder,
     delivery: Delivery,
 }
 
@@ -193,8 +193,10 @@ impl Sink {
             windowed,
             span,
             target_topic: target_shared.options.topic.clone(),
-            format: target_shared.options.format,
-            payload: Arc::new(Schema::new(payload_fields)),
+            encoder: Encoder::try_new(
+                &target_shared.options.format,
+                Arc::new(Schema::new(payload_fields)),
+            )?,
             delivery,
         };
         let producer = {
@@ -456,7 +458,7 @@ fn write(producer: &mut Producer, plan: &Plan, batches: &[RecordBatch]) -> Resul
         if batch.num_rows() == 0 {
             continue;
         }
-        let values = crate::format::encode(plan.format, &plan.payload, batch)?;
+        let values = plan.encoder.encode(batch)?;
         let keys = batch.column_by_name("_key").map(|k| {
             datafusion::arrow::compute::cast(k, &DataType::Utf8)
                 .map(|k| k.as_string::<i32>().clone())

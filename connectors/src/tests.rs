@@ -181,7 +181,7 @@ async fn wait_for_sinks(streams: &Streams, up_to_ms: i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_format_and_the_metadata_columns_are_ingested() {
-    let cluster = cluster(&[("j", 2), ("c", 1), ("r", 1)]);
+    let cluster = cluster(&[("j", 2), ("c", 1), ("r", 1), ("a", 1), ("a_out", 1)]);
     let servers = cluster.bootstrap_servers();
     let (ctx, streams) = session();
     produce(
@@ -199,6 +199,20 @@ async fn every_format_and_the_metadata_columns_are_ingested() {
         &[(0, None, b"a;1.5".to_vec()), (0, None, b"b;2".to_vec())],
     );
     produce(&servers, "r", &[(0, None, "héllo".as_bytes().to_vec())]);
+    use crate::format::tests::{TX_SCHEMA, confluent, tx_body};
+    produce(
+        &servers,
+        "a",
+        &[
+            (
+                0,
+                None,
+                confluent(9, &tx_body("a", "shop", Some(2.5), 1_000)),
+            ),
+            (0, None, confluent(8, &tx_body("x", "other", None, 0))),
+            (0, None, confluent(9, &tx_body("b", "cafe", None, 2_000))),
+        ],
+    );
     for sql in [
         format!(
             "CREATE EXTERNAL TABLE j (card VARCHAR, amount DOUBLE, ts TIMESTAMP, _partition INT, \
@@ -214,12 +228,27 @@ async fn every_format_and_the_metadata_columns_are_ingested() {
             "CREATE EXTERNAL TABLE r (line VARCHAR) STORED AS KAFKA LOCATION 'r' \
              OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest', 'format' 'raw')"
         ),
+        // Avro with a registered writer schema (id 9); the table reads three of its fields.
+        format!(
+            "CREATE EXTERNAL TABLE a (ts TIMESTAMP, amount DOUBLE, card VARCHAR) STORED AS KAFKA \
+             LOCATION 'a' OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest', \
+             'format' 'avro', 'avro.schema_id' '9', 'avro.schema' '{TX_SCHEMA}')"
+        ),
+        // Avro written by a sink, with the schema derived from the columns.
+        format!(
+            "CREATE EXTERNAL TABLE a_out (card VARCHAR, amount DOUBLE, ts TIMESTAMP) \
+             STORED AS KAFKA LOCATION 'a_out' OPTIONS ('bootstrap.servers' '{servers}', \
+             'start' 'earliest', 'format' 'avro', 'avro.framing' 'single_object')"
+        ),
+        "CREATE SINK to_avro INTO a_out AS SELECT card, amount, ts FROM j".to_owned(),
     ] {
         query(&ctx, &sql).await;
     }
     wait_for(&ctx, "SELECT count(*) FROM j", 3).await;
     wait_for(&ctx, "SELECT count(*) FROM c", 2).await;
     wait_for(&ctx, "SELECT count(*) FROM r", 1).await;
+    wait_for(&ctx, "SELECT count(*) FROM a", 2).await;
+    wait_for(&ctx, "SELECT count(*) FROM a_out", 3).await;
     assert_eq!(
         text(
             &ctx,
@@ -240,11 +269,31 @@ async fn every_format_and_the_metadata_columns_are_ingested() {
         count(&ctx, "SELECT count(*) FROM r WHERE line = 'héllo'").await,
         1
     );
+    assert_eq!(
+        text(&ctx, "SELECT * FROM a ORDER BY ts").await,
+        "+---------------------+--------+------+\n\
+         | ts                  | amount | card |\n\
+         +---------------------+--------+------+\n\
+         | 1970-01-01T00:00:01 | 2.5    | a    |\n\
+         | 1970-01-01T00:00:02 |        | b    |\n\
+         +---------------------+--------+------+"
+    );
+    assert_eq!(
+        text(&ctx, "SELECT * FROM a_out ORDER BY ts").await,
+        text(&ctx, "SELECT card, amount, ts FROM j ORDER BY ts").await
+    );
     let streams_text = text(&ctx, "SHOW STREAMS").await;
     assert!(
-        streams_text.contains("| j    | j     | 3"),
+        streams_text.contains("| j     | j     | 3"),
         "{streams_text}"
     );
+    // The message framed with another schema id (8) is counted as malformed.
+    let a = streams
+        .tables()
+        .into_iter()
+        .find(|t| t.status().name == "a");
+    let status = a.expect("table a streams").status();
+    assert_eq!((status.messages, status.malformed), (3, 1), "{status:?}");
     streams.shutdown();
 }
 

@@ -1,0 +1,436 @@
+//! Avro message values (`'format' 'avro'`), through `arrow-avro`.
+//!
+//! Every message holds one Avro record, framed one of three ways ([`Framing`]): Confluent's
+//! wire format (a zero byte and the registry's 4-byte schema id), Avro's single-object
+//! encoding (`C3 01` and the schema's 8-byte Rabin fingerprint), or bare (the record alone).
+//! Without a schema registry to ask, the writer schema is the table's option
+//! `'avro.schema'`, or, where that is absent, the one `arrow-avro` derives from the table's
+//! columns. A message framed with any other schema id or fingerprint is undecodable (counted
+//! and dead-lettered like any bad message). Table columns are matched to the record's
+//! top-level fields by name and cast to their declared types; fields no column names are
+//! skipped.
+//!
+//! `arrow-avro`'s streaming decoder appends a record field by field, so a bad record leaves
+//! it half-written: the good messages since the last bad one are then decoded again in a
+//! fresh decoder, which goes on with the rest (each message is decoded at most twice).
+
+use std::sync::{Arc, Mutex};
+
+use arrow_avro::reader::{Decoder as AvroStreamDecoder, ReaderBuilder};
+use arrow_avro::schema::{
+    AvroSchema, Fingerprint, FingerprintAlgorithm, FingerprintStrategy, SCHEMA_METADATA_KEY,
+    SINGLE_OBJECT_MAGIC, SchemaStore,
+};
+use arrow_avro::writer::WriterBuilder;
+use arrow_avro::writer::format::{AvroBinaryFormat, AvroSoeFormat};
+use datafusion::arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions, new_null_array};
+use datafusion::arrow::compute::{can_cast_types, cast, concat_batches};
+use datafusion::arrow::datatypes::{DataType, Schema, SchemaRef};
+use datafusion::error::{DataFusionError, Result};
+use volley_engine::error::did_you_mean;
+
+use crate::format::Decoded;
+
+/// How each message frames its Avro record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// Confluent's wire format: `0x00`, then this schema id (4 bytes, big-endian).
+    Confluent(u32),
+    /// Avro's single-object encoding: `C3 01`, then the schema's Rabin fingerprint.
+    SingleObject,
+    /// The record's bytes alone.
+    Bare,
+}
+
+/// Format `avro`'s options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AvroSpec {
+    /// `avro.schema`: the writer schema's JSON (else derived from the table's columns).
+    pub schema: Option<String>,
+    /// `avro.framing` and `avro.schema_id`.
+    pub framing: Framing,
+}
+
+/// Reads and writes one table's Avro messages.
+#[derive(Debug)]
+pub struct AvroCodec {
+    framing: Framing,
+    store: SchemaStore,
+    fingerprint: Fingerprint,
+    /// What a bare record is given so that the framed decoder reads it.
+    bare_prefix: Vec<u8>,
+    /// The writer schema's JSON.
+    writer_json: String,
+    /// The Arrow form of the whole writer record.
+    record: SchemaRef,
+    /// Indices into `record` of the fields the table reads, in the table's column order.
+    projection: Vec<usize>,
+    /// The table's payload columns.
+    schema: SchemaRef,
+    /// A clean decoder (no rows held) of [`REUSED_ROWS`] rows, kept between calls.
+    idle: Mutex<Option<AvroStreamDecoder>>,
+}
+
+/// The rows of the decoder kept between calls: a live table's largest chunk.
+const REUSED_ROWS: usize = 4096;
+
+fn config(message: impl Into<String>) -> DataFusionError {
+    DataFusionError::Configuration(message.into())
+}
+
+/// What a call of [`AvroCodec::decode`] has collected so far.
+#[derive(Default)]
+struct Collected {
+    batches: Vec<RecordBatch>,
+    good: Vec<usize>,
+    bad: Vec<(usize, String)>,
+}
+
+impl Collected {
+    /// Takes the rows of `decoder` (the messages `pending`) into `batches` and their
+    /// messages into `good`, or all into `bad` where the rows cannot be taken.
+    fn flush(&mut self, decoder: &mut AvroStreamDecoder, pending: &mut Vec<usize>) {
+        match decoder.flush() {
+            Ok(Some(batch)) => {
+                self.batches.push(batch);
+                self.good.append(pending);
+            }
+            Ok(None) => {}
+            Err(e) => self
+                .bad
+                .extend(pending.drain(..).map(|j| (j, e.to_string()))),
+        }
+    }
+}
+
+/// Whether an Avro field read as `from` may fill a column of type `to`: the same kind of
+/// value (numbers, times, text, bytes, or nested values arrow can cast), or text from
+/// any scalar.
+fn readable_as(from: &DataType, to: &DataType) -> bool {
+    let nested = |t: &DataType| t.is_nested();
+    let temporal = |t: &DataType| t.is_temporal();
+    let text =
+        |t: &DataType| matches!(t, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View);
+    let bytes = |t: &DataType| {
+        matches!(
+            t,
+            DataType::Binary
+                | DataType::LargeBinary
+                | DataType::BinaryView
+                | DataType::FixedSizeBinary(_)
+        )
+    };
+    if from == to {
+        return true;
+    }
+    if let DataType::Dictionary(_, value) = from {
+        return readable_as(value, to);
+    }
+    if nested(from) || nested(to) {
+        return nested(from) && nested(to) && can_cast_types(from, to);
+    }
+    text(to)
+        || (from.is_numeric() && to.is_numeric())
+        || (temporal(from) && temporal(to))
+        || (bytes(from) && bytes(to))
+        || matches!(to, DataType::Dictionary(_, value) if readable_as(from, value))
+}
+
+fn avro(error: arrow_avro::errors::AvroError) -> DataFusionError {
+    DataFusionError::External(Box::new(error))
+}
+
+impl AvroCodec {
+    /// A codec producing (and writing) `schema`, the table's columns besides metadata.
+    pub fn try_new(spec: &AvroSpec, schema: SchemaRef) -> Result<Self> {
+        let writer = match &spec.schema {
+            Some(json) => AvroSchema::new(json.clone()),
+            None => AvroSchema::try_from(schema.as_ref()).map_err(|e| {
+                config(format!(
+                    "format 'avro' cannot derive an Avro schema from the table's columns ({e}); \
+                     give one with the option 'avro.schema'"
+                ))
+            })?,
+        };
+        let invalid = |e: &dyn std::fmt::Display| {
+            config(format!(
+                "option 'avro.schema' is not a usable Avro schema: {e}"
+            ))
+        };
+        let (store, fingerprint) = match spec.framing {
+            Framing::Confluent(id) => {
+                let mut store = SchemaStore::new_with_type(FingerprintAlgorithm::Id);
+                let fingerprint = Fingerprint::Id(id);
+                store
+                    .set(fingerprint, writer.clone())
+                    .map_err(|e| invalid(&e))?;
+                (store, fingerprint)
+            }
+            Framing::SingleObject | Framing::Bare => {
+                let mut store = SchemaStore::new();
+                let fingerprint = store.register(writer.clone()).map_err(|e| invalid(&e))?;
+                (store, fingerprint)
+            }
+        };
+        let bare_prefix = match (spec.framing, fingerprint) {
+            (Framing::Bare, Fingerprint::Rabin(fp)) => {
+                let mut prefix = SINGLE_OBJECT_MAGIC.to_vec();
+                prefix.extend_from_slice(&fp.to_le_bytes());
+                prefix
+            }
+            _ => Vec::new(),
+        };
+        let record = ReaderBuilder::new()
+            .with_writer_schema_store(store.clone())
+            .with_active_fingerprint(fingerprint)
+            .build_decoder()
+            .map_err(|e| invalid(&e))?
+            .schema();
+        if record.fields().is_empty() {
+            return Err(config(
+                "format 'avro' needs a record schema with at least one field",
+            ));
+        }
+        let mut projection = Vec::with_capacity(schema.fields().len());
+        for field in schema.fields() {
+            let Some((index, found)) = record.column_with_name(field.name()) else {
+                let names = record.fields().iter().map(|f| f.name().as_str());
+                let hint = did_you_mean(field.name(), names, "");
+                return Err(config(format!(
+                    "column '{}' is not a field of the Avro record{hint}",
+                    field.name()
+                )));
+            };
+            if !readable_as(found.data_type(), field.data_type()) {
+                return Err(config(format!(
+                    "column '{}' is {}, but its Avro field reads as {}",
+                    field.name(),
+                    field.data_type(),
+                    found.data_type()
+                )));
+            }
+            projection.push(index);
+        }
+        Ok(Self {
+            framing: spec.framing,
+            store,
+            fingerprint,
+            bare_prefix,
+            writer_json: writer.json_string,
+            record,
+            projection,
+            schema,
+            idle: Mutex::new(None),
+        })
+    }
+
+    fn decoder(&self, rows: usize) -> Result<AvroStreamDecoder> {
+        Ok(ReaderBuilder::new()
+            .with_batch_size(rows.max(1))
+            .with_writer_schema_store(self.store.clone())
+            .with_active_fingerprint(self.fingerprint)
+            .with_projection(self.projection.clone())
+            .build_decoder()?)
+    }
+
+    /// Decodes one message into `decoder`, which holds one row more afterwards; on an error
+    /// the decoder may hold part of a row and must not be used again.
+    fn feed(
+        &self,
+        decoder: &mut AvroStreamDecoder,
+        value: Option<&[u8]>,
+        framed: &mut Vec<u8>,
+    ) -> std::result::Result<(), String> {
+        let value = value.ok_or("the message has no value")?;
+        let bytes = if self.framing == Framing::Bare {
+            framed.clear();
+            framed.extend_from_slice(&self.bare_prefix);
+            framed.extend_from_slice(value);
+            framed.as_slice()
+        } else {
+            value
+        };
+        let room = decoder.capacity();
+        let used = decoder.decode(bytes);
+        let rows = room - decoder.capacity();
+        let used = used.map_err(|e| match e.to_string() {
+            _ if rows > 0 => "the message holds bytes after its Avro record".to_owned(),
+            m if m.contains("Unknown fingerprint") || m.contains("Missing magic") => format!(
+                "the message is not framed for this table's Avro schema ({}): {m}",
+                self.framing_name()
+            ),
+            m => format!("undecodable Avro record: {m}"),
+        })?;
+        match (rows, used == bytes.len()) {
+            (1, true) => Ok(()),
+            (0, _) => Err("the message ends inside its Avro record".into()),
+            _ => Err("the message holds bytes after its Avro record".into()),
+        }
+    }
+
+    fn framing_name(&self) -> String {
+        match self.framing {
+            Framing::Confluent(id) => format!("Confluent framing, schema id {id}"),
+            Framing::SingleObject => "single-object encoding".into(),
+            Framing::Bare => "bare records".into(),
+        }
+    }
+
+    /// Decodes each message's record; the bad ones are set aside with their errors.
+    pub fn decode(&self, values: &[Option<&[u8]>]) -> Decoded {
+        let all_bad = |e: &DataFusionError| Decoded {
+            batch: RecordBatch::new_empty(self.schema.clone()),
+            good: Vec::new(),
+            bad: (0..values.len()).map(|i| (i, e.to_string())).collect(),
+        };
+        let rows = values.len().max(REUSED_ROWS);
+        let idle = self.idle.lock().map(|mut d| d.take()).ok().flatten();
+        let mut decoder = match idle.filter(|_| rows == REUSED_ROWS) {
+            Some(decoder) => decoder,
+            None => match self.decoder(rows) {
+                Ok(decoder) => decoder,
+                Err(e) => return all_bad(&e),
+            },
+        };
+        let mut framed = Vec::new();
+        let mut out = Collected::default();
+        // The messages whose rows `decoder` holds.
+        let mut pending: Vec<usize> = Vec::new();
+        for (i, value) in values.iter().enumerate() {
+            match self.feed(&mut decoder, *value, &mut framed) {
+                Ok(()) => pending.push(i),
+                Err(e) => {
+                    out.bad.push((i, e));
+                    // The decoder may hold half of message i: decode the rows before it again.
+                    decoder = match self.decoder(rows) {
+                        Ok(d) => d,
+                        Err(e) => return all_bad(&e),
+                    };
+                    let mut clean = true;
+                    for j in std::mem::take(&mut pending) {
+                        match self.feed(&mut decoder, values[j], &mut framed) {
+                            Ok(()) => pending.push(j),
+                            Err(e) => {
+                                out.bad.push((j, e));
+                                clean = false;
+                            }
+                        }
+                    }
+                    out.flush(&mut decoder, &mut pending);
+                    // Flushed, it goes on with the next message (unless the replay failed,
+                    // which a deterministic decoder does not do).
+                    if !clean || !decoder.batch_is_empty() {
+                        decoder = match self.decoder(rows) {
+                            Ok(d) => d,
+                            Err(e) => return all_bad(&e),
+                        };
+                    }
+                }
+            }
+        }
+        out.flush(&mut decoder, &mut pending);
+        // Flushed, the decoder holds nothing and serves the next call.
+        if rows == REUSED_ROWS
+            && decoder.batch_is_empty()
+            && let Ok(mut idle) = self.idle.lock()
+        {
+            *idle = Some(decoder);
+        }
+        let Collected {
+            batches,
+            mut good,
+            mut bad,
+        } = out;
+        bad.sort_by_key(|(i, _)| *i);
+        match self.to_table(&batches) {
+            Ok(batch) => Decoded { batch, good, bad },
+            Err(e) => {
+                bad.extend(good.drain(..).map(|i| (i, e.to_string())));
+                bad.sort_by_key(|(i, _)| *i);
+                Decoded {
+                    batch: RecordBatch::new_empty(self.schema.clone()),
+                    good,
+                    bad,
+                }
+            }
+        }
+    }
+
+    /// Decoded batches (projected record fields) as the table's columns.
+    fn to_table(&self, batches: &[RecordBatch]) -> Result<RecordBatch> {
+        let Some(first) = batches.first() else {
+            return Ok(RecordBatch::new_empty(self.schema.clone()));
+        };
+        let decoded = concat_batches(&first.schema(), batches)?;
+        let columns = self
+            .schema
+            .fields()
+            .iter()
+            .map(|field| {
+                let column = decoded.column_by_name(field.name()).ok_or_else(|| {
+                    DataFusionError::Internal(format!(
+                        "the Avro decoder gave no field '{}'",
+                        field.name()
+                    ))
+                })?;
+                Ok(cast(column, field.data_type())?)
+            })
+            .collect::<Result<Vec<ArrayRef>>>()?;
+        let options = RecordBatchOptions::new().with_row_count(Some(decoded.num_rows()));
+        Ok(RecordBatch::try_new_with_options(
+            self.schema.clone(),
+            columns,
+            &options,
+        )?)
+    }
+
+    /// Checks that every field of the writer record can be written from the table's columns
+    /// (a field no column names is written as null, so it must be nullable).
+    pub fn check_writable(&self) -> Result<()> {
+        for field in self.record.fields() {
+            if self.schema.column_with_name(field.name()).is_none() && !field.is_nullable() {
+                return Err(config(format!(
+                    "the Avro record's field '{}' is not nullable and the table has no column \
+                     of that name to write it from",
+                    field.name()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// One message value per row of `batch` (the table's payload columns).
+    pub fn encode(&self, batch: &RecordBatch) -> Result<Vec<Vec<u8>>> {
+        let rows = batch.num_rows();
+        let columns = self
+            .record
+            .fields()
+            .iter()
+            .map(|field| match batch.column_by_name(field.name()) {
+                Some(column) => Ok(cast(column, field.data_type())?),
+                None => Ok(new_null_array(field.data_type(), rows)),
+            })
+            .collect::<Result<Vec<ArrayRef>>>()?;
+        let mut metadata = self.record.metadata().clone();
+        metadata.insert(SCHEMA_METADATA_KEY.to_owned(), self.writer_json.clone());
+        let schema = Schema::new_with_metadata(self.record.fields().clone(), metadata);
+        let record = RecordBatch::try_new_with_options(
+            Arc::new(schema.clone()),
+            columns,
+            &RecordBatchOptions::new().with_row_count(Some(rows)),
+        )?;
+        let builder = WriterBuilder::new(schema);
+        let mut encoder = match self.framing {
+            Framing::Confluent(id) => builder
+                .with_fingerprint_strategy(FingerprintStrategy::Id(id))
+                .build_encoder::<AvroSoeFormat>(),
+            Framing::SingleObject => builder
+                .with_fingerprint_strategy(FingerprintStrategy::Rabin)
+                .build_encoder::<AvroSoeFormat>(),
+            Framing::Bare => builder.build_encoder::<AvroBinaryFormat>(),
+        }
+        .map_err(avro)?;
+        encoder.encode(&record).map_err(avro)?;
+        Ok(encoder.flush().iter().map(|row| row.to_vec()).collect())
+    }
+}
