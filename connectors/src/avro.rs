@@ -18,13 +18,15 @@ use std::sync::{Arc, Mutex};
 
 use arrow_avro::reader::{Decoder as AvroStreamDecoder, ReaderBuilder};
 use arrow_avro::schema::{
-    AvroSchema, Fingerprint, FingerprintAlgorithm, FingerprintStrategy, SCHEMA_METADATA_KEY,
-    SINGLE_OBJECT_MAGIC, SchemaStore,
+    AvroSchema, CONFLUENT_MAGIC, Fingerprint, FingerprintAlgorithm, FingerprintStrategy,
+    SCHEMA_METADATA_KEY, SINGLE_OBJECT_MAGIC, SchemaStore,
 };
 use arrow_avro::writer::WriterBuilder;
 use arrow_avro::writer::format::{AvroBinaryFormat, AvroSoeFormat};
-use datafusion::arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions, new_null_array};
-use datafusion::arrow::compute::{can_cast_types, cast, concat_batches};
+use datafusion::arrow::array::{
+    Array, ArrayRef, BooleanArray, RecordBatch, RecordBatchOptions, new_null_array,
+};
+use datafusion::arrow::compute::{can_cast_types, cast, concat_batches, filter_record_batch};
 use datafusion::arrow::datatypes::{DataType, Schema, SchemaRef};
 use datafusion::error::{DataFusionError, Result};
 use volley_engine::error::did_you_mean;
@@ -57,14 +59,16 @@ pub struct AvroCodec {
     framing: Framing,
     store: SchemaStore,
     fingerprint: Fingerprint,
-    /// What a bare record is given so that the framed decoder reads it.
-    bare_prefix: Vec<u8>,
+    /// The bytes that frame a record: what a bare record is given so that the framed
+    /// decoder reads it, and what a message must not end with after its record.
+    prefix: Vec<u8>,
     /// The writer schema's JSON.
     writer_json: String,
     /// The Arrow form of the whole writer record.
     record: SchemaRef,
-    /// Indices into `record` of the fields the table reads, in the table's column order.
-    projection: Vec<usize>,
+    /// Indices into `record` of the fields the table reads, in record order (`None`: all of
+    /// them, where arrow-avro cannot project the record).
+    projection: Option<Vec<usize>>,
     /// The table's payload columns.
     schema: SchemaRef,
     /// A clean decoder (no rows held) of [`REUSED_ROWS`] rows, kept between calls.
@@ -129,11 +133,12 @@ fn readable_as(from: &DataType, to: &DataType) -> bool {
     if nested(from) || nested(to) {
         return nested(from) && nested(to) && can_cast_types(from, to);
     }
-    text(to)
+    let same_kind = text(to)
         || (from.is_numeric() && to.is_numeric())
         || (temporal(from) && temporal(to))
         || (bytes(from) && bytes(to))
-        || matches!(to, DataType::Dictionary(_, value) if readable_as(from, value))
+        || matches!(to, DataType::Dictionary(_, value) if readable_as(from, value));
+    same_kind && can_cast_types(from, to)
 }
 
 fn avro(error: arrow_avro::errors::AvroError) -> DataFusionError {
@@ -172,13 +177,14 @@ impl AvroCodec {
                 (store, fingerprint)
             }
         };
-        let bare_prefix = match (spec.framing, fingerprint) {
-            (Framing::Bare, Fingerprint::Rabin(fp)) => {
-                let mut prefix = SINGLE_OBJECT_MAGIC.to_vec();
-                prefix.extend_from_slice(&fp.to_le_bytes());
-                prefix
+        let prefix = match fingerprint {
+            Fingerprint::Rabin(fp) => [&SINGLE_OBJECT_MAGIC[..], &fp.to_le_bytes()].concat(),
+            Fingerprint::Id(id) => [&CONFLUENT_MAGIC[..], &id.to_be_bytes()].concat(),
+            other => {
+                return Err(DataFusionError::Internal(format!(
+                    "unexpected Avro fingerprint {other:?}"
+                )));
             }
-            _ => Vec::new(),
         };
         let record = ReaderBuilder::new()
             .with_writer_schema_store(store.clone())
@@ -211,26 +217,37 @@ impl AvroCodec {
             }
             projection.push(index);
         }
-        Ok(Self {
+        projection.sort_unstable();
+        projection.dedup();
+        let mut codec = Self {
             framing: spec.framing,
             store,
             fingerprint,
-            bare_prefix,
+            prefix,
             writer_json: writer.json_string,
             record,
-            projection,
+            projection: Some(projection),
             schema,
             idle: Mutex::new(None),
-        })
+        };
+        // Projection resolves the kept fields alone; one naming a type that a skipped field
+        // defines does not resolve, and then every field is read.
+        if codec.decoder(1).is_err() {
+            codec.projection = None;
+            codec.decoder(1).map_err(|e| invalid(&e))?;
+        }
+        Ok(codec)
     }
 
     fn decoder(&self, rows: usize) -> Result<AvroStreamDecoder> {
-        Ok(ReaderBuilder::new()
+        let mut builder = ReaderBuilder::new()
             .with_batch_size(rows.max(1))
             .with_writer_schema_store(self.store.clone())
-            .with_active_fingerprint(self.fingerprint)
-            .with_projection(self.projection.clone())
-            .build_decoder()?)
+            .with_active_fingerprint(self.fingerprint);
+        if let Some(projection) = &self.projection {
+            builder = builder.with_projection(projection.clone());
+        }
+        Ok(builder.build_decoder()?)
     }
 
     /// Decodes one message into `decoder`, which holds one row more afterwards; on an error
@@ -244,7 +261,7 @@ impl AvroCodec {
         let value = value.ok_or("the message has no value")?;
         let bytes = if self.framing == Framing::Bare {
             framed.clear();
-            framed.extend_from_slice(&self.bare_prefix);
+            framed.extend_from_slice(&self.prefix);
             framed.extend_from_slice(value);
             framed.as_slice()
         } else {
@@ -262,6 +279,16 @@ impl AvroCodec {
             m => format!("undecodable Avro record: {m}"),
         })?;
         match (rows, used == bytes.len()) {
+            // A record followed by one more frame prefix is read whole, and the decoder is
+            // left waiting for the next record's body: a decoder of one row stops after
+            // the record and tells the two apart.
+            (1, true) if bytes.len() > self.prefix.len() * 2 && bytes.ends_with(&self.prefix) => {
+                let mut one = self.decoder(1).map_err(|e| e.to_string())?;
+                match one.decode(bytes) {
+                    Ok(n) if n == bytes.len() => Ok(()),
+                    _ => Err("the message holds bytes after its Avro record".into()),
+                }
+            }
             (1, true) => Ok(()),
             (0, _) => Err("the message ends inside its Avro record".into()),
             _ => Err("the message holds bytes after its Avro record".into()),
@@ -343,7 +370,22 @@ impl AvroCodec {
         } = out;
         bad.sort_by_key(|(i, _)| *i);
         match self.to_table(&batches) {
-            Ok(batch) => Decoded { batch, good, bad },
+            Ok((batch, rejected)) => {
+                if !rejected.is_empty() {
+                    let mut dropped = vec![false; good.len()];
+                    for (row, reason) in rejected {
+                        dropped[row] = true;
+                        bad.push((good[row], reason));
+                    }
+                    let mut row = 0;
+                    good.retain(|_| {
+                        row += 1;
+                        !dropped[row - 1]
+                    });
+                    bad.sort_by_key(|(i, _)| *i);
+                }
+                Decoded { batch, good, bad }
+            }
             Err(e) => {
                 bad.extend(good.drain(..).map(|i| (i, e.to_string())));
                 bad.sort_by_key(|(i, _)| *i);
@@ -356,47 +398,116 @@ impl AvroCodec {
         }
     }
 
-    /// Decoded batches (projected record fields) as the table's columns.
-    fn to_table(&self, batches: &[RecordBatch]) -> Result<RecordBatch> {
+    /// Decoded batches (projected record fields) as the table's columns. A row whose value
+    /// does not fit its column (the cast loses it, or it is NULL in a NOT NULL column) is
+    /// left out and returned, by its row number, with the reason.
+    fn to_table(&self, batches: &[RecordBatch]) -> Result<(RecordBatch, Vec<(usize, String)>)> {
         let Some(first) = batches.first() else {
-            return Ok(RecordBatch::new_empty(self.schema.clone()));
+            return Ok((RecordBatch::new_empty(self.schema.clone()), Vec::new()));
         };
         let decoded = concat_batches(&first.schema(), batches)?;
-        let columns = self
-            .schema
-            .fields()
-            .iter()
-            .map(|field| {
-                let column = decoded.column_by_name(field.name()).ok_or_else(|| {
-                    DataFusionError::Internal(format!(
-                        "the Avro decoder gave no field '{}'",
-                        field.name()
-                    ))
-                })?;
-                Ok(cast(column, field.data_type())?)
-            })
-            .collect::<Result<Vec<ArrayRef>>>()?;
-        let options = RecordBatchOptions::new().with_row_count(Some(decoded.num_rows()));
-        Ok(RecordBatch::try_new_with_options(
-            self.schema.clone(),
+        let rows = decoded.num_rows();
+        let mut rejected: Vec<Option<String>> = vec![None; rows];
+        let mut columns = Vec::with_capacity(self.schema.fields().len());
+        for field in self.schema.fields() {
+            let column = decoded.column_by_name(field.name()).ok_or_else(|| {
+                DataFusionError::Internal(format!(
+                    "the Avro decoder gave no field '{}'",
+                    field.name()
+                ))
+            })?;
+            let cast_column = cast(column, field.data_type())?;
+            let lost = cast_column.null_count() > column.null_count();
+            if lost || (!field.is_nullable() && cast_column.null_count() > 0) {
+                for (row, reason) in rejected.iter_mut().enumerate() {
+                    if reason.is_some() || !cast_column.is_null(row) {
+                        continue;
+                    }
+                    *reason = if column.is_valid(row) {
+                        Some(format!(
+                            "field '{}' holds a value that does not fit the column's type {}",
+                            field.name(),
+                            field.data_type()
+                        ))
+                    } else if !field.is_nullable() {
+                        Some(format!(
+                            "field '{}' is null, but the column is NOT NULL",
+                            field.name()
+                        ))
+                    } else {
+                        None
+                    };
+                }
+            }
+            columns.push(cast_column);
+        }
+        let options = RecordBatchOptions::new().with_row_count(Some(rows));
+        let mut batch = RecordBatch::try_new_with_options(
+            Arc::new(Schema::new(
+                self.schema
+                    .fields()
+                    .iter()
+                    .map(|f| f.as_ref().clone().with_nullable(true))
+                    .collect::<Vec<_>>(),
+            )),
             columns,
             &options,
-        )?)
+        )?;
+        let mut out = Vec::new();
+        if rejected.iter().any(Option::is_some) {
+            let keep = BooleanArray::from_iter(rejected.iter().map(|r| Some(r.is_none())));
+            batch = filter_record_batch(&batch, &keep)?;
+            out = rejected
+                .into_iter()
+                .enumerate()
+                .filter_map(|(row, reason)| reason.map(|r| (row, r)))
+                .collect();
+        }
+        let batch = RecordBatch::try_new_with_options(
+            self.schema.clone(),
+            batch.columns().to_vec(),
+            &RecordBatchOptions::new().with_row_count(Some(batch.num_rows())),
+        )?;
+        Ok((batch, out))
     }
 
-    /// Checks that every field of the writer record can be written from the table's columns
-    /// (a field no column names is written as null, so it must be nullable).
+    /// Checks that every field of the writer record can be written from the table's columns:
+    /// a field no column names is written as null, so it must be nullable; a column must
+    /// cast to its field's type; enum fields are not written (arrow-avro needs the enum's
+    /// own symbol dictionary).
     pub fn check_writable(&self) -> Result<()> {
         for field in self.record.fields() {
-            if self.schema.column_with_name(field.name()).is_none() && !field.is_nullable() {
-                return Err(config(format!(
-                    "the Avro record's field '{}' is not nullable and the table has no column \
-                     of that name to write it from",
-                    field.name()
-                )));
+            match self.schema.column_with_name(field.name()) {
+                None if !field.is_nullable() => {
+                    return Err(config(format!(
+                        "the Avro record's field '{}' is not nullable and the table has no \
+                         column of that name to write it from",
+                        field.name()
+                    )));
+                }
+                None => {}
+                Some((_, column)) => {
+                    if matches!(field.data_type(), DataType::Dictionary(_, _)) {
+                        return Err(config(format!(
+                            "the Avro record's field '{}' is an enum, which Volley does not \
+                             write yet",
+                            field.name()
+                        )));
+                    }
+                    if !can_cast_types(column.data_type(), field.data_type()) {
+                        return Err(config(format!(
+                            "column '{}' ({}) cannot be written as its Avro field ({})",
+                            field.name(),
+                            column.data_type(),
+                            field.data_type()
+                        )));
+                    }
+                }
             }
         }
-        Ok(())
+        self.encode(&RecordBatch::new_empty(self.schema.clone()))
+            .map(|_| ())
+            .map_err(|e| config(format!("format 'avro' cannot write this table: {e}")))
     }
 
     /// One message value per row of `batch` (the table's payload columns).

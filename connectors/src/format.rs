@@ -571,4 +571,147 @@ pub(crate) mod tests {
         let e = Decoder::try_new(&broken, schema()).unwrap_err();
         assert!(e.to_string().contains("not a usable Avro schema"), "{e}");
     }
+
+    /// The types `CREATE EXTERNAL TABLE` gives SQL's column types round-trip through Avro
+    /// with the schema derived from the columns, NULLs included.
+    #[test]
+    fn sql_column_types_round_trip_through_derived_avro() {
+        use datafusion::arrow::array::{
+            BooleanArray, Date32Array, Decimal128Array, Float64Array, Int32Array, Int64Array,
+            StringViewArray, TimestampNanosecondArray,
+        };
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("s", DataType::Utf8View, true),
+            Field::new("i", DataType::Int32, true),
+            Field::new("b", DataType::Int64, true),
+            Field::new("f", DataType::Float64, true),
+            Field::new("ok", DataType::Boolean, true),
+            Field::new("d", DataType::Date32, true),
+            Field::new("m", DataType::Decimal128(10, 2), true),
+            Field::new("t", DataType::Timestamp(TimeUnit::Nanosecond, None), true),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(StringViewArray::from(vec![Some("héllo"), None, Some("")])),
+                Arc::new(Int32Array::from(vec![Some(-7), Some(i32::MAX), None])),
+                Arc::new(Int64Array::from(vec![None, Some(i64::MIN), Some(1)])),
+                Arc::new(Float64Array::from(vec![Some(0.5), None, Some(-1e300)])),
+                Arc::new(BooleanArray::from(vec![Some(true), Some(false), None])),
+                Arc::new(Date32Array::from(vec![Some(20_454), None, Some(-1)])),
+                Arc::new(
+                    Decimal128Array::from(vec![Some(12_345), None, Some(-1)])
+                        .with_precision_and_scale(10, 2)
+                        .unwrap(),
+                ),
+                Arc::new(TimestampNanosecondArray::from(vec![
+                    Some(1_767_225_600_123_456_789),
+                    None,
+                    Some(-1),
+                ])),
+            ],
+        )
+        .unwrap();
+        for framing in [Framing::Confluent(1), Framing::SingleObject, Framing::Bare] {
+            let format = Format::Avro(Arc::new(AvroSpec {
+                schema: None,
+                framing,
+            }));
+            let messages = Encoder::try_new(&format, schema.clone())
+                .unwrap()
+                .encode(&batch)
+                .unwrap();
+            let refs: Vec<Option<&[u8]>> = messages.iter().map(|m| Some(m.as_slice())).collect();
+            let decoded = Decoder::try_new(&format, schema.clone())
+                .unwrap()
+                .decode(&refs);
+            assert!(decoded.bad.is_empty(), "{framing:?}: {:?}", decoded.bad);
+            assert_eq!(decoded.batch, batch, "{framing:?}");
+        }
+    }
+
+    #[test]
+    fn avro_values_that_do_not_fit_and_trailing_frames_are_set_aside_alone() {
+        // amount NOT NULL; a long into an INT column.
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("amount", DataType::Float64, false),
+            Field::new("n", DataType::Int32, true),
+        ]));
+        let format = Format::Avro(Arc::new(AvroSpec {
+            schema: Some(
+                r#"{"type":"record","name":"R","fields":[
+                    {"name":"amount","type":["null","double"]},{"name":"n","type":"long"}]}"#
+                    .into(),
+            ),
+            framing: Framing::Confluent(3),
+        }));
+        let record = |amount: Option<f64>, n: i64| {
+            let mut body = Vec::new();
+            match amount {
+                None => body.extend(zigzag(0)),
+                Some(a) => {
+                    body.extend(zigzag(1));
+                    body.extend_from_slice(&a.to_le_bytes());
+                }
+            }
+            body.extend(zigzag(n));
+            confluent(3, &body)
+        };
+        let ok = record(Some(1.5), 7);
+        let null_amount = record(None, 8);
+        let too_big = record(Some(2.5), 1 << 40);
+        // A record followed by one more frame prefix: read whole, it would leave the
+        // decoder waiting for a body.
+        let mut trailing_frame = record(Some(3.5), 9);
+        trailing_frame.extend_from_slice(&[0, 0, 0, 0, 3]);
+        let values: Vec<Option<&[u8]>> = vec![
+            Some(&ok),
+            Some(&null_amount),
+            Some(&too_big),
+            Some(&trailing_frame),
+            Some(&ok),
+        ];
+        let decoder = Decoder::try_new(&format, schema).unwrap();
+        for _ in 0..2 {
+            let decoded = decoder.decode(&values);
+            assert_eq!(decoded.good, vec![0, 4], "{:?}", decoded.bad);
+            assert_eq!(decoded.batch.num_rows(), 2);
+            let reasons: Vec<&str> = decoded.bad.iter().map(|(_, r)| r.as_str()).collect();
+            assert!(reasons[0].contains("'amount' is null"), "{reasons:?}");
+            assert!(reasons[1].contains("does not fit"), "{reasons:?}");
+            assert!(reasons[2].contains("bytes after"), "{reasons:?}");
+        }
+    }
+
+    #[test]
+    fn avro_fields_naming_a_type_defined_by_a_skipped_field_are_read() {
+        let format = Format::Avro(Arc::new(AvroSpec {
+            schema: Some(
+                r#"{"type":"record","name":"P","fields":[
+                    {"name":"home","type":{"type":"record","name":"Addr",
+                        "fields":[{"name":"city","type":"string"}]}},
+                    {"name":"work","type":"Addr"}]}"#
+                    .into(),
+            ),
+            framing: Framing::Bare,
+        }));
+        let city = Field::new("city", DataType::Utf8, false);
+        let schema = Arc::new(Schema::new(vec![Field::new(
+            "work",
+            DataType::Struct(vec![city].into()),
+            true,
+        )]));
+        let decoder = Decoder::try_new(&format, schema).unwrap();
+        let mut body = Vec::new();
+        for text in ["Oslo", "Bergen"] {
+            body.extend(zigzag(text.len() as i64));
+            body.extend_from_slice(text.as_bytes());
+        }
+        let decoded = decoder.decode(&[Some(body.as_slice())]);
+        assert!(decoded.bad.is_empty(), "{:?}", decoded.bad);
+        let text = datafusion::arrow::util::pretty::pretty_format_batches(&[decoded.batch])
+            .unwrap()
+            .to_string();
+        assert!(text.contains("{city: Bergen}"), "{text}");
+    }
 }

@@ -199,7 +199,7 @@ impl KafkaOptions {
                     _ => return Err(config("option 'csv.delimiter' takes one character")),
                 },
                 "avro.schema" => avro_schema = Some(value.clone()),
-                "avro.framing" => framing = Some(value.to_ascii_lowercase()),
+                "avro.framing" => framing = Some(value.trim().to_ascii_lowercase()),
                 "avro.schema_id" => {
                     schema_id = Some(value.trim().parse::<u32>().map_err(|_| {
                         config(format!(
