@@ -21,8 +21,8 @@ use arrow_avro::schema::{
     AvroSchema, CONFLUENT_MAGIC, Fingerprint, FingerprintAlgorithm, FingerprintStrategy,
     SCHEMA_METADATA_KEY, SINGLE_OBJECT_MAGIC, SchemaStore,
 };
-use arrow_avro::writer::WriterBuilder;
 use arrow_avro::writer::format::{AvroBinaryFormat, AvroSoeFormat};
+use arrow_avro::writer::{Encoder as AvroRowEncoder, WriterBuilder};
 use datafusion::arrow::array::{
     Array, ArrayRef, BooleanArray, RecordBatch, RecordBatchOptions, new_null_array,
 };
@@ -73,6 +73,8 @@ pub struct AvroCodec {
     schema: SchemaRef,
     /// A clean decoder (no rows held) of [`REUSED_ROWS`] rows, kept between calls.
     idle: Mutex<Option<AvroStreamDecoder>>,
+    /// A flushed row writer, kept between calls of [`AvroCodec::encode`].
+    idle_writer: Mutex<Option<AvroRowEncoder>>,
 }
 
 /// The rows of the decoder kept between calls: a live table's largest chunk.
@@ -229,6 +231,7 @@ impl AvroCodec {
             projection: Some(projection),
             schema,
             idle: Mutex::new(None),
+            idle_writer: Mutex::new(None),
         };
         // Projection resolves the kept fields alone; one naming a type that a skipped field
         // defines does not resolve, and then every field is read.
@@ -510,6 +513,26 @@ impl AvroCodec {
             .map_err(|e| config(format!("format 'avro' cannot write this table: {e}")))
     }
 
+    /// arrow-avro's row writer for this record and framing.
+    fn writer(&self) -> Result<AvroRowEncoder> {
+        let mut metadata = self.record.metadata().clone();
+        metadata.insert(SCHEMA_METADATA_KEY.to_owned(), self.writer_json.clone());
+        let builder = WriterBuilder::new(Schema::new_with_metadata(
+            self.record.fields().clone(),
+            metadata,
+        ));
+        match self.framing {
+            Framing::Confluent(id) => builder
+                .with_fingerprint_strategy(FingerprintStrategy::Id(id))
+                .build_encoder::<AvroSoeFormat>(),
+            Framing::SingleObject => builder
+                .with_fingerprint_strategy(FingerprintStrategy::Rabin)
+                .build_encoder::<AvroSoeFormat>(),
+            Framing::Bare => builder.build_encoder::<AvroBinaryFormat>(),
+        }
+        .map_err(avro)
+    }
+
     /// One message value per row of `batch` (the table's payload columns).
     pub fn encode(&self, batch: &RecordBatch) -> Result<Vec<Vec<u8>>> {
         let rows = batch.num_rows();
@@ -522,26 +545,23 @@ impl AvroCodec {
                 None => Ok(new_null_array(field.data_type(), rows)),
             })
             .collect::<Result<Vec<ArrayRef>>>()?;
-        let mut metadata = self.record.metadata().clone();
-        metadata.insert(SCHEMA_METADATA_KEY.to_owned(), self.writer_json.clone());
-        let schema = Schema::new_with_metadata(self.record.fields().clone(), metadata);
         let record = RecordBatch::try_new_with_options(
-            Arc::new(schema.clone()),
+            Arc::clone(&self.record),
             columns,
             &RecordBatchOptions::new().with_row_count(Some(rows)),
         )?;
-        let builder = WriterBuilder::new(schema);
-        let mut encoder = match self.framing {
-            Framing::Confluent(id) => builder
-                .with_fingerprint_strategy(FingerprintStrategy::Id(id))
-                .build_encoder::<AvroSoeFormat>(),
-            Framing::SingleObject => builder
-                .with_fingerprint_strategy(FingerprintStrategy::Rabin)
-                .build_encoder::<AvroSoeFormat>(),
-            Framing::Bare => builder.build_encoder::<AvroBinaryFormat>(),
+        let idle = self.idle_writer.lock().map(|mut w| w.take()).ok().flatten();
+        let mut writer = match idle {
+            Some(writer) => writer,
+            None => self.writer()?,
+        };
+        writer.encode(&record).map_err(avro)?;
+        let messages = writer.flush().iter().map(|row| row.to_vec()).collect();
+        // Flushed, the writer holds nothing and serves the next batch (one that failed is
+        // dropped above, with whatever it held).
+        if let Ok(mut idle) = self.idle_writer.lock() {
+            *idle = Some(writer);
         }
-        .map_err(avro)?;
-        encoder.encode(&record).map_err(avro)?;
-        Ok(encoder.flush().iter().map(|row| row.to_vec()).collect())
+        Ok(messages)
     }
 }

@@ -146,19 +146,6 @@ fn json(card: &str, amount: f64, ts_ms: i64) -> Vec<u8> {
     .into_bytes()
 }
 
-/// A small deterministic generator (a linear congruential one).
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self, below: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % below
-    }
-}
-
 /// Waits until every sink has emitted the windows ending at or before `up_to_ms`.
 async fn wait_for_sinks(streams: &Streams, up_to_ms: i64) {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -414,12 +401,12 @@ async fn windowed_sinks_equal_the_same_batch_sql_and_late_rows_are_counted() {
     let servers = cluster.bootstrap_servers();
     let (ctx, streams) = session();
     // 600 rows, 100 ms apart, each up to 1.5 s early (out of order within the 2 s watermark).
-    let mut rng = Lcg(7);
+    let mut rng = volley_fraud::Rng(7);
     let rows: Vec<(String, f64, i64)> = (0..600)
         .map(|i| {
-            let card = format!("c{}", rng.next(5));
-            let amount = rng.next(100) as f64;
-            (card, amount, i * 100 - rng.next(1500) as i64 + 1500)
+            let card = format!("c{}", rng.below(5));
+            let amount = rng.below(100) as f64;
+            (card, amount, i * 100 - rng.below(1500) as i64 + 1500)
         })
         .collect();
     let messages: Vec<_> = rows

@@ -107,10 +107,12 @@ impl Default for Options {
     }
 }
 
-struct Rng(u64);
+/// A small deterministic generator (a linear congruential one), seeded by its value.
+pub struct Rng(pub u64);
 
 impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
+    /// The next number below `n` (0 when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
         self.0 = self
             .0
             .wrapping_mul(6_364_136_223_846_793_005)
