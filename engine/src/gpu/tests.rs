@@ -362,7 +362,9 @@ mod properties {
                     && !l.contains("nothing to compute")
             });
             prop_assert!(!on_cpu, "{} not on GPU:\n{}", sql, gpu_plan);
-            if !rows.is_empty() && gpu_plan.contains(operator) {
+            // A query that fails (a cast overflowing, in both engines) may fail before a
+            // launch: the device leaves rows it cannot compute to DataFusion, which raises.
+            if !rows.is_empty() && gpu_plan.contains(operator) && gpu_rows.is_ok() {
                 prop_assert!(device.counters().1 > launches, "no kernel ran for {}", sql);
             }
             Ok(())
@@ -932,6 +934,164 @@ mod aggregate_properties {
             };
             check(&rows, &sql, partitions)?;
         }
+
+        /// count(DISTINCT …) accumulators (two distinct arguments and a count keep
+        /// DataFusion from rewriting them into GROUP BYs) on the device.
+        #[test]
+        fn gpu_distinct_counts_equal_datafusion(
+            rows in rows(),
+            keys in keys(),
+            partitions in prop_oneof![Just(1usize), Just(3)],
+        ) {
+            let sql = if keys.is_empty() {
+                format!("SELECT {DISTINCT} FROM r")
+            } else {
+                let order: Vec<String> = (1..=keys.split(',').count()).map(|i| i.to_string()).collect();
+                format!(
+                    "SELECT {keys}, {DISTINCT} FROM r GROUP BY {keys} ORDER BY {}",
+                    order.join(", ")
+                )
+            };
+            check(&rows, &sql, partitions)?;
+        }
+    }
+
+    const DISTINCT: &str = "count(DISTINCT v) AS dv, count(DISTINCT s) AS ds, \
+         count(DISTINCT d) AS dd, count(DISTINCT t) AS dt, count(DISTINCT v % 5) AS dm, \
+         count(DISTINCT k) FILTER (WHERE v > 0) AS dk, count(*) AS n, sum(v) AS sv";
+    // Not count(DISTINCT x) or of f: DataFusion tells -0.0 from 0.0 there, and such
+    // aggregates stay on the CPU (tests/slt/gpu/distinct.slt shows it).
+
+    fn fixed_rows() -> Vec<Row> {
+        (0..600i64)
+            .map(|i| {
+                (
+                    (i % 13 != 0).then_some((i % 9) as i32),
+                    (i % 7 != 0).then(|| ["a", "bb", "é", ""][i as usize % 4].to_string()),
+                    Some([0.0, -0.0, 1.5][i as usize % 3]),
+                    (i % 11 != 0).then_some(i % 37 - 18),
+                    Some(i % 23 * 100),
+                    Some(i as f64 / 4.0),
+                    Some((i % 41) as i32 * 3),
+                )
+            })
+            .collect()
+    }
+
+    const DISTINCT_QUERY: &str = "SELECT k, x, count(DISTINCT s) AS ds, \
+         count(DISTINCT t) FILTER (WHERE v > 0) AS dt, count(*) AS n FROM r GROUP BY k, x \
+         ORDER BY k, x";
+
+    /// Registers `rows` as `r` in `partitions` partitions.
+    fn register(ctx: &VolleyContext, rows: &[Row], partitions: usize) {
+        let data = batch(rows);
+        let parts: Vec<Vec<RecordBatch>> = (0..partitions)
+            .map(|p| {
+                let n = data.num_rows();
+                let (from, to) = (n * p / partitions, n * (p + 1) / partitions);
+                vec![data.slice(from, to - from)]
+            })
+            .collect();
+        let table = datafusion::datasource::MemTable::try_new(data.schema(), parts).unwrap();
+        ctx.session_context()
+            .register_table("r", Arc::new(table))
+            .unwrap();
+    }
+
+    /// Failing each allocation, then each launch, of an aggregation with count(DISTINCT …)
+    /// in turn (in two partitions: raw rows into partial list states, then those merged)
+    /// still gives DataFusion's answer.
+    #[tokio::test]
+    async fn distinct_counts_survive_every_device_fault() {
+        use volley_kernels::FaultPlan;
+
+        let rows = &fixed_rows()[..200];
+        // One device of its own (devices opened with another memory limit are others), so
+        // that other tests do not move its counters and both partitions meet the faults.
+        let limit = Some(3 << 30);
+        let selection = "emulated:1".parse().unwrap();
+        let device = crate::gpu::devices::devices_with_limit(&selection, limit).unwrap()[0].clone();
+        let partitions = 2;
+        let gpu = VolleyContext::with_session_config(
+            SessionConfig::new().with_target_partitions(partitions),
+            VolleyConfig {
+                devices: selection,
+                gpu_mode: GpuMode::Force,
+                gpu_memory_limit: limit,
+                ..VolleyConfig::default()
+            },
+        );
+        let cpu = context(false, partitions);
+        register(&gpu, rows, partitions);
+        register(&cpu, rows, partitions);
+        let (want, _) = answer(&cpu, DISTINCT_QUERY).await;
+        let (allocations, launches) = device.counters();
+        let (clean, plan) = answer(&gpu, DISTINCT_QUERY).await;
+        assert_eq!(clean, want);
+        assert!(
+            plan.contains("GpuAggregateExec") && !plan.contains("AggregateExec stays on CPU"),
+            "{plan}"
+        );
+        let (allocations, launches) = {
+            let (a, l) = device.counters();
+            (a - allocations, l - launches)
+        };
+        assert!(allocations > 10 && launches > 10);
+        println!("{allocations} allocations and {launches} launches fail in turn");
+        for (kind, count) in [("allocation", allocations), ("launch", launches)] {
+            for k in 1..=count {
+                let faults = if kind == "allocation" {
+                    FaultPlan {
+                        fail_allocation: Some(k),
+                        fail_launch: None,
+                    }
+                } else {
+                    FaultPlan {
+                        fail_allocation: None,
+                        fail_launch: Some(k),
+                    }
+                };
+                device.inject_faults(faults).unwrap();
+                let (got, _) = answer(&gpu, DISTINCT_QUERY).await;
+                device.inject_faults(FaultPlan::default()).unwrap();
+                assert_eq!(got, want, "{kind} {k} failing");
+            }
+        }
+    }
+
+    /// With too little device memory for the pair tables, count(DISTINCT …) splits its
+    /// batches or finishes on the CPU, and the answer is still DataFusion's.
+    #[tokio::test]
+    async fn distinct_counts_are_right_under_device_memory_pressure() {
+        let rows: Vec<Row> = fixed_rows().into_iter().cycle().take(6000).collect();
+        let gpu = VolleyContext::with_session_config(
+            SessionConfig::new().with_target_partitions(1),
+            VolleyConfig {
+                devices: "emulated:1".parse().unwrap(),
+                gpu_mode: GpuMode::Force,
+                gpu_memory_limit: Some(160 << 10),
+                ..VolleyConfig::default()
+            },
+        );
+        let cpu = context(false, 1);
+        register(&gpu, &rows, 1);
+        register(&cpu, &rows, 1);
+        let (want, _) = answer(&cpu, DISTINCT_QUERY).await;
+        let frame = gpu.sql(DISTINCT_QUERY).await.unwrap();
+        let plan = frame.create_physical_plan().await.unwrap();
+        let batches =
+            datafusion::physical_plan::collect(Arc::clone(&plan), gpu.session_context().task_ctx())
+                .await
+                .unwrap();
+        let got = datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+            .unwrap()
+            .to_string();
+        assert_eq!(Ok(got), want);
+        let (split, fallback) = (
+            super::metric_sum(&plan, "split_batches"),
+            super::metric_sum(&plan, "cpu_fallback"),
+        );
+        assert!(split + fallback > 0, "{split} split, {fallback} fell back");
     }
 }
 

@@ -22,9 +22,20 @@
 //! ```
 //!
 //! Aggregates on the device: `count` (rows and values), `sum`, `min`, `max` and `avg` over
-//! integers, floats, decimals and (min/max) dates and timestamps; any other aggregate, a
-//! DISTINCT or ordered aggregate, grouping sets and group limits leave the node on the CPU
-//! with the reason.
+//! integers, floats, decimals and (min/max) dates and timestamps, and `count(DISTINCT x)`
+//! over integers, decimals, dates, times and strings; any other aggregate, another DISTINCT
+//! or ordered aggregate, grouping sets and group limits leave the node on the CPU with the
+//! reason.
+//!
+//! `count(DISTINCT x)` keeps a second table of its own, keyed by (group keys…, x) and
+//! without accumulators: each distinct pair is one entry. Rows with a NULL x or a false
+//! `FILTER` are left out on the device (compaction); merging partial states flattens their
+//! lists on the host and inserts the pairs the same way. When the input ends the pairs come
+//! down and are matched to their groups by key: a partial state is the list of a group's
+//! values, a final count the length of that list. The pair tables are updated before the
+//! group table, and inserting a pair twice changes nothing, so an update that fails half
+//! way leaves nothing a CPU redo of the batch would count twice (pairs whose group never
+//! made it into the group table are dropped when they are matched).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -32,11 +43,13 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use datafusion::arrow::array::{
-    Array, ArrayData, ArrayRef, Decimal128Array, Float64Array, RecordBatch, UInt64Array,
+    Array, ArrayData, ArrayRef, AsArray, Decimal128Array, Float64Array, Int64Array, ListArray,
+    RecordBatch, UInt32Array, UInt64Array,
 };
-use datafusion::arrow::buffer::{Buffer, NullBuffer};
-use datafusion::arrow::compute::{cast, concat_batches};
+use datafusion::arrow::buffer::{Buffer, NullBuffer, OffsetBuffer};
+use datafusion::arrow::compute::{cast, concat_batches, take};
 use datafusion::arrow::datatypes::{DataType, Schema, SchemaRef};
+use datafusion::arrow::row::{RowConverter, SortField};
 use datafusion::common::internal_datafusion_err;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
@@ -54,7 +67,9 @@ use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
 use futures::{StreamExt, TryStreamExt};
 use volley_kernels::ops::aggregate::{AccInput, AccOp, AccState, AccValues, GroupTable};
+use volley_kernels::ops::compact::selection_indices;
 use volley_kernels::ops::expr;
+use volley_kernels::ops::gather::gather_column;
 use volley_kernels::{Device, DeviceColumn, KernelError};
 
 use super::gpu_stream::{
@@ -96,6 +111,8 @@ enum StateFrom {
     Counts(usize, bool),
     /// Its values; NULL where no row contributed unless `zero_if_empty`.
     Values(usize, bool),
+    /// The list of each group's distinct values, from a pair table.
+    Distinct(usize),
 }
 
 #[derive(Debug)]
@@ -103,6 +120,39 @@ struct Accumulator {
     op: AccOp,
     values: Source,
     filter: Option<Source>,
+}
+
+/// One `count(DISTINCT x)`, counted in a table of (group keys…, x) pairs.
+#[derive(Debug)]
+struct DistinctCount {
+    /// Raw input: x. Merging: the input column of list states.
+    values: Source,
+    filter: Option<Source>,
+    /// x's type on the device.
+    value_type: DataType,
+}
+
+/// A partition's device tables: the groups with their accumulators, and a pair table per
+/// `count(DISTINCT …)`.
+#[derive(Debug)]
+struct Tables {
+    groups: GroupTable,
+    distinct: Vec<GroupTable>,
+}
+
+impl Tables {
+    fn groups(&self) -> usize {
+        self.groups.groups()
+    }
+
+    fn result_bytes(&self) -> usize {
+        self.groups.result_bytes()
+            + self
+                .distinct
+                .iter()
+                .map(GroupTable::result_bytes)
+                .sum::<usize>()
+    }
 }
 
 /// The device side of one aggregation.
@@ -117,12 +167,14 @@ pub struct AggregateWork {
     program: Option<CompiledExprs>,
     computed: Vec<Arc<dyn PhysicalExpr>>,
     accumulators: Vec<Accumulator>,
+    distinct: Vec<DistinctCount>,
     /// For each aggregate: its state fields, in DataFusion's order.
     states: Vec<Vec<(StateFrom, DataType)>>,
     schema: SchemaRef,
 }
 
-fn func_of(agg: &AggregateFunctionExpr) -> Result<Func, Reason> {
+/// The aggregate's function, and whether it is a `count(DISTINCT …)`.
+fn func_of(agg: &AggregateFunctionExpr) -> Result<(Func, bool), Reason> {
     use datafusion::functions_aggregate::{average::Avg, count::Count, min_max, sum::Sum};
     // DataFusion's own functions only: another with the same name (Spark's `avg`, a user's
     // UDAF) may keep other states.
@@ -141,13 +193,29 @@ fn func_of(agg: &AggregateFunctionExpr) -> Result<Func, Reason> {
     } else {
         return Err(format!("aggregate function {name} is not supported on GPU"));
     };
-    if agg.is_distinct() {
+    if agg.is_distinct() && func != Func::Count {
         return Err(format!("{name}(DISTINCT …) is not supported on GPU"));
     }
     if !agg.order_bys().is_empty() {
         return Err(format!("{name} with ORDER BY is not supported on GPU"));
     }
-    Ok(func)
+    Ok((func, agg.is_distinct()))
+}
+
+/// Whether the device can count the distinct values of `t` as DataFusion does.
+fn distinct_type(t: &DataType) -> Result<(), Reason> {
+    match t {
+        // The device groups -0.0 with 0.0 and every NaN with every other; DataFusion's
+        // DISTINCT compares the bits.
+        DataType::Float16 | DataType::Float32 | DataType::Float64 => Err(format!(
+            "count(DISTINCT …) of {t} values is not supported on GPU (DataFusion tells -0.0 \
+             from 0.0 and NaNs apart by their bits)"
+        )),
+        DataType::Boolean => {
+            Err("count(DISTINCT …) of boolean values is not supported on GPU".into())
+        }
+        _ => Ok(()),
+    }
 }
 
 fn is_integer_like(t: &DataType) -> bool {
@@ -223,6 +291,59 @@ impl Sources<'_> {
     }
 }
 
+/// Plans a `count(DISTINCT …)` of `args`: x itself on raw input; when merging, the input
+/// column of list states (flattened on the host, so the group keys must be input columns).
+fn distinct_count(
+    args: &[Arc<dyn PhysicalExpr>],
+    filter: Option<Source>,
+    raw: bool,
+    sources: &mut Sources,
+    keys: &[Source],
+) -> Result<DistinctCount, Reason> {
+    let [arg] = args else {
+        return Err("count(DISTINCT …) of several arguments is not supported on GPU".into());
+    };
+    if raw {
+        let (values, value_type) = sources.of(arg)?;
+        distinct_type(&value_type)?;
+        return Ok(DistinctCount {
+            values,
+            filter,
+            value_type,
+        });
+    }
+    let Some(column) = arg.downcast_ref::<Column>() else {
+        return Err(format!(
+            "count(DISTINCT …) states from {} are not supported on GPU",
+            expr_name(arg)
+        ));
+    };
+    if keys.iter().any(|k| !matches!(k, Source::Input(_))) {
+        return Err(
+            "merging count(DISTINCT …) states under computed group keys is not supported on GPU"
+                .into(),
+        );
+    }
+    let t = arg.data_type(sources.schema).map_err(|e| e.to_string())?;
+    let DataType::List(item) = &t else {
+        return Err(format!(
+            "count(DISTINCT …) states of type {t} are not supported on GPU"
+        ));
+    };
+    distinct_type(item.data_type())?;
+    let value_type = volley_kernels::column::device_type(item.data_type(), 0).map_err(|_| {
+        format!(
+            "count(DISTINCT …) of {} values is not supported on GPU",
+            item.data_type()
+        )
+    })?;
+    Ok(DistinctCount {
+        values: Source::Input(column.index()),
+        filter: None,
+        value_type,
+    })
+}
+
 impl AggregateWork {
     /// The device side of `plan`, or why it stays on the CPU.
     pub fn plan(plan: &Arc<dyn ExecutionPlan>) -> Result<Self, Reason> {
@@ -263,9 +384,10 @@ impl AggregateWork {
         let inputs =
             aggregate_expressions(cpu.aggr_expr(), &mode, keys.len()).map_err(|e| e.to_string())?;
         let mut accumulators = Vec::new();
+        let mut distinct = Vec::new();
         let mut states = Vec::new();
         for (k, agg) in cpu.aggr_expr().iter().enumerate() {
-            let func = func_of(agg)?;
+            let (func, is_distinct) = func_of(agg)?;
             let fields = agg.state_fields().map_err(|e| e.to_string())?;
             let state_types: Vec<DataType> = fields.iter().map(|f| f.data_type().clone()).collect();
             let filter = match cpu.filter_expr().get(k) {
@@ -278,6 +400,11 @@ impl AggregateWork {
                 accumulators.len() - 1
             };
             let state: Vec<StateFrom> = match (func, raw) {
+                _ if is_distinct => {
+                    let count = distinct_count(args, filter, raw, &mut sources, &keys)?;
+                    distinct.push(count);
+                    vec![StateFrom::Distinct(distinct.len() - 1)]
+                }
                 (Func::Count, true) => {
                     if args.len() != 1 {
                         return Err("count of several arguments is not supported on GPU".into());
@@ -339,6 +466,7 @@ impl AggregateWork {
                 ));
             }
             if mode.output_mode() == AggregateOutputMode::Final
+                && !is_distinct
                 && !agg.groups_accumulator_supported()
             {
                 return Err(format!(
@@ -363,14 +491,25 @@ impl AggregateWork {
             program,
             computed,
             accumulators,
+            distinct,
             states,
             schema: output_schema,
         })
     }
 
-    fn new_table(&self, device: &Device) -> Result<GroupTable, KernelError> {
+    fn new_tables(&self, device: &Device) -> Result<Tables, KernelError> {
         let ops: Vec<AccOp> = self.accumulators.iter().map(|a| a.op).collect();
-        GroupTable::new(device, &self.key_types, &ops)
+        let groups = GroupTable::new(device, &self.key_types, &ops)?;
+        let distinct = self
+            .distinct
+            .iter()
+            .map(|d| {
+                let mut types = self.key_types.clone();
+                types.push(d.value_type.clone());
+                GroupTable::new(device, &types, &[])
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Tables { groups, distinct })
     }
 
     /// Adds one batch to `table`. `Ok(false)`: the program left some row to the CPU, and
@@ -378,7 +517,7 @@ impl AggregateWork {
     /// query's).
     fn update(
         &self,
-        table: &mut GroupTable,
+        tables: &mut Tables,
         device: &Device,
         input: &Chunk,
         metrics: &GpuMetrics,
@@ -425,11 +564,22 @@ impl AggregateWork {
                 }
             }
         };
-        for source in self.keys.iter().chain(
-            self.accumulators
-                .iter()
-                .flat_map(|a| std::iter::once(&a.values).chain(a.filter.iter())),
-        ) {
+        let raw = self.raw();
+        let distinct_sources = self
+            .distinct
+            .iter()
+            .filter(|_| raw)
+            .flat_map(|d| std::iter::once(&d.values).chain(d.filter.iter()));
+        for source in self
+            .keys
+            .iter()
+            .chain(
+                self.accumulators
+                    .iter()
+                    .flat_map(|a| std::iter::once(&a.values).chain(a.filter.iter())),
+            )
+            .chain(distinct_sources)
+        {
             if let Source::Input(c) = source {
                 upload(*c, &mut uploaded)?;
             }
@@ -450,15 +600,86 @@ impl AggregateWork {
                 filter: a.filter.as_ref().and_then(column),
             })
             .collect();
-        metrics.kernel(|| table.update(&keys, &inputs, n))?;
+        // The pairs first: should the group table's update fail, pairs inserted already
+        // are inserted again by nothing (the CPU redoes the batch) and matched to no group
+        // unless the batch's group came from another row.
+        for (d, pairs) in self.distinct.iter().zip(&mut tables.distinct) {
+            if raw {
+                let values = column(&d.values).ok_or_else(|| {
+                    UpdateError::Query(internal_datafusion_err!("count(DISTINCT …) without values"))
+                })?;
+                let filter = d.filter.as_ref().and_then(column);
+                metrics.kernel(|| insert_pairs(pairs, device, &keys, values, filter, n))?;
+            } else {
+                self.insert_merged_pairs(pairs, d, device, input, metrics)?;
+            }
+        }
+        metrics.kernel(|| tables.groups.update(&keys, &inputs, n))?;
         Ok(on_device)
+    }
+
+    /// Whether the input is rows (not partial states).
+    fn raw(&self) -> bool {
+        self.cpu.mode().input_mode() == AggregateInputMode::Raw
+    }
+
+    /// Inserts the (group keys…, value) pairs of a batch of `count(DISTINCT …)` list
+    /// states, flattened on the host.
+    fn insert_merged_pairs(
+        &self,
+        pairs: &mut GroupTable,
+        distinct: &DistinctCount,
+        device: &Device,
+        input: &Chunk,
+        metrics: &GpuMetrics,
+    ) -> Result<(), UpdateError> {
+        let internal = |what: &str| {
+            UpdateError::Query(internal_datafusion_err!("count(DISTINCT …) states: {what}"))
+        };
+        let Source::Input(c) = distinct.values else {
+            return Err(internal("not an input column"));
+        };
+        let batch = input.to_host(metrics)?;
+        let lists = batch
+            .column(c)
+            .as_list_opt::<i32>()
+            .ok_or_else(|| internal("not a list"))?;
+        let elements = lists.values();
+        let offsets = lists.value_offsets();
+        let (mut parents, mut at) = (Vec::new(), Vec::new());
+        for row in 0..lists.len() {
+            if lists.is_null(row) {
+                continue;
+            }
+            for j in offsets[row] as usize..offsets[row + 1] as usize {
+                if elements.is_valid(j) {
+                    parents.push(row as u32);
+                    at.push(j as u32);
+                }
+            }
+        }
+        let (parents, at) = (UInt32Array::from(parents), UInt32Array::from(at));
+        let mut columns = Vec::with_capacity(self.keys.len() + 1);
+        for key in &self.keys {
+            let Source::Input(k) = key else {
+                return Err(internal("a computed group key"));
+            };
+            let keys = take(batch.column(*k), &parents, None)
+                .map_err(|e| UpdateError::Query(arrow_err(e)))?;
+            columns.push(metrics.upload(device, keys.as_ref())?);
+        }
+        let values = take(elements, &at, None).map_err(|e| UpdateError::Query(arrow_err(e)))?;
+        columns.push(metrics.upload(device, values.as_ref())?);
+        let columns: Vec<&DeviceColumn> = columns.iter().collect();
+        metrics.kernel(|| pairs.update(&columns, &[], parents.len()))?;
+        Ok(())
     }
 
     /// The table's groups as a batch of partial states in `schema` (keys, then each
     /// aggregate's state fields).
     fn state_batch(
         &self,
-        table: &GroupTable,
+        table: &Tables,
         schema: &SchemaRef,
         metrics: &GpuMetrics,
     ) -> Result<RecordBatch> {
@@ -473,17 +694,28 @@ impl AggregateWork {
     #[allow(clippy::type_complexity)]
     fn download(
         &self,
-        table: &GroupTable,
+        tables: &Tables,
         metrics: &GpuMetrics,
     ) -> Result<(Vec<ArrayRef>, Vec<Vec<ArrayRef>>)> {
+        let table = &tables.groups;
         let start = std::time::Instant::now();
         let keys = table.keys().map_err(kernel_err)?;
         let accs: Vec<AccState> = (0..self.accumulators.len())
             .map(|k| table.state(k))
             .collect::<Result<_, _>>()
             .map_err(kernel_err)?;
+        let pairs: Vec<Vec<ArrayRef>> = tables
+            .distinct
+            .iter()
+            .map(GroupTable::keys)
+            .collect::<Result<_, _>>()
+            .map_err(kernel_err)?;
         metrics.d2h_time.add_duration(start.elapsed());
-        metrics.d2h_bytes.add(table.result_bytes());
+        metrics.d2h_bytes.add(tables.result_bytes());
+        let lists = pairs
+            .into_iter()
+            .map(|pairs| group_pairs(&keys, table.groups(), pairs))
+            .collect::<Result<Vec<_>>>()?;
         let keys = keys
             .into_iter()
             .zip(&self.key_output_types)
@@ -496,7 +728,7 @@ impl AggregateWork {
             .map(|fields| {
                 fields
                     .iter()
-                    .map(|(from, t)| state_array(&accs, from, t))
+                    .map(|(from, t)| state_array(&accs, &lists, from, t))
                     .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<Vec<_>>>()?;
@@ -504,7 +736,7 @@ impl AggregateWork {
     }
 
     /// The operator's output from the table.
-    fn output(&self, table: &GroupTable, metrics: &GpuMetrics) -> Result<RecordBatch> {
+    fn output(&self, table: &Tables, metrics: &GpuMetrics) -> Result<RecordBatch> {
         let (keys, states) = self.download(table, metrics)?;
         let groups = table.groups();
         let mut columns = keys;
@@ -513,6 +745,16 @@ impl AggregateWork {
         } else {
             let ids: Vec<usize> = (0..groups).collect();
             for (agg, state) in self.cpu.aggr_expr().iter().zip(states) {
+                if agg.is_distinct() {
+                    // count(DISTINCT …): the length of each group's list of values.
+                    let lists = state
+                        .first()
+                        .and_then(|s| s.as_list_opt::<i32>())
+                        .ok_or_else(|| internal_datafusion_err!("a distinct state not a list"))?;
+                    let counts = lists.offsets().windows(2).map(|w| i64::from(w[1] - w[0]));
+                    columns.push(Arc::new(Int64Array::from_iter_values(counts)));
+                    continue;
+                }
                 let mut acc = agg.create_groups_accumulator()?;
                 acc.merge_batch(&state, &ids, groups)?;
                 columns.push(acc.evaluate(EmitTo::All)?);
@@ -534,6 +776,37 @@ enum UpdateError {
 impl From<KernelError> for UpdateError {
     fn from(e: KernelError) -> Self {
         Self::Device(e)
+    }
+}
+
+/// Inserts the pairs (group keys…, value) of a batch's rows whose value is not NULL and
+/// whose FILTER (if any) is true into a `count(DISTINCT …)` table (with a FILTER, rows with
+/// a NULL value are inserted too, and left out when the pairs come down).
+fn insert_pairs(
+    pairs: &mut GroupTable,
+    device: &Device,
+    keys: &[&DeviceColumn],
+    values: &DeviceColumn,
+    filter: Option<&DeviceColumn>,
+    n: usize,
+) -> Result<(), KernelError> {
+    let rows = match (filter, values.validity()) {
+        (Some(f), _) => Some(selection_indices(device, f.values(), f.validity(), n)?),
+        (None, Some(valid)) => Some(selection_indices(device, valid, None, n)?),
+        (None, None) => None,
+    };
+    let mut columns: Vec<&DeviceColumn> = keys.to_vec();
+    columns.push(values);
+    match rows {
+        None => pairs.update(&columns, &[], n),
+        Some(rows) => {
+            let kept = columns
+                .iter()
+                .map(|c| gather_column(c, &rows))
+                .collect::<Result<Vec<_>, _>>()?;
+            let kept: Vec<&DeviceColumn> = kept.iter().collect();
+            pairs.update(&kept, &[], rows.len())
+        }
     }
 }
 
@@ -597,9 +870,120 @@ pub(crate) fn canonical_zeros(
     })
 }
 
-/// One state field of `t` from the accumulators' states.
-fn state_array(accs: &[AccState], from: &StateFrom, t: &DataType) -> Result<ArrayRef> {
+/// The pairs (group keys…, x) of a `count(DISTINCT x)` table, found in the `groups`
+/// groups of `keys` (as the device holds both): each group's distinct non-NULL values, one
+/// group after the other, and where each group's begin. Pairs whose keys are no group's
+/// (inserted by an update of the batch that then failed) are left out.
+fn group_pairs(
+    keys: &[ArrayRef],
+    groups: usize,
+    mut pairs: Vec<ArrayRef>,
+) -> Result<(OffsetBuffer<i32>, ArrayRef)> {
+    let values = pairs
+        .pop()
+        .ok_or_else(|| internal_datafusion_err!("a pair table without values"))?;
+    let group: Vec<Option<usize>> = if keys.is_empty() {
+        vec![Some(0); values.len()]
+    } else {
+        let fields = keys
+            .iter()
+            .map(|k| SortField::new(k.data_type().clone()))
+            .collect();
+        let converter = RowConverter::new(fields)?;
+        let lookup = |columns: &[ArrayRef]| -> Result<Vec<ArrayRef>> {
+            columns
+                .iter()
+                .map(|c| canonical_floats(Arc::clone(c)))
+                .collect::<Result<_, _>>()
+                .map_err(arrow_err)
+        };
+        let group_rows = converter.convert_columns(&lookup(keys)?)?;
+        let index: HashMap<_, usize> = group_rows.iter().enumerate().map(|(g, r)| (r, g)).collect();
+        let pair_rows = converter.convert_columns(&lookup(&pairs)?)?;
+        pair_rows.iter().map(|r| index.get(&r).copied()).collect()
+    };
+    let mut ends = vec![0usize; groups];
+    for (i, g) in group.iter().enumerate() {
+        if let Some(g) = g
+            && values.is_valid(i)
+        {
+            ends[*g] += 1;
+        }
+    }
+    let mut starts = Vec::with_capacity(groups + 1);
+    let mut total = 0;
+    starts.push(0i32);
+    for count in &mut ends {
+        let start = total;
+        total += *count;
+        *count = start;
+        starts.push(i32::try_from(total).map_err(|_| {
+            internal_datafusion_err!("more than 2^31 distinct values in one partition")
+        })?);
+    }
+    // `ends` now holds where each group's next value goes.
+    let mut order = vec![0u32; total];
+    for (i, g) in group.iter().enumerate() {
+        if let Some(g) = g
+            && values.is_valid(i)
+        {
+            order[ends[*g]] = i as u32;
+            ends[*g] += 1;
+        }
+    }
+    let values = take(values.as_ref(), &UInt32Array::from(order), None).map_err(arrow_err)?;
+    Ok((OffsetBuffer::new(starts.into()), values))
+}
+
+/// Float keys as the device compares them: -0.0 as 0.0, every NaN as one NaN.
+fn canonical_floats(array: ArrayRef) -> Result<ArrayRef, datafusion::arrow::error::ArrowError> {
+    use datafusion::arrow::datatypes::{Float32Type, Float64Type};
+    Ok(match array.data_type() {
+        DataType::Float64 => Arc::new(array.as_primitive::<Float64Type>().unary::<_, Float64Type>(
+            |v| {
+                if v == 0.0 {
+                    0.0
+                } else if v.is_nan() {
+                    f64::NAN
+                } else {
+                    v
+                }
+            },
+        )),
+        DataType::Float32 => Arc::new(array.as_primitive::<Float32Type>().unary::<_, Float32Type>(
+            |v| {
+                if v == 0.0 {
+                    0.0
+                } else if v.is_nan() {
+                    f32::NAN
+                } else {
+                    v
+                }
+            },
+        )),
+        _ => array,
+    })
+}
+
+/// One state field of `t` from the accumulators' states and the distinct counts' lists.
+fn state_array(
+    accs: &[AccState],
+    lists: &[(OffsetBuffer<i32>, ArrayRef)],
+    from: &StateFrom,
+    t: &DataType,
+) -> Result<ArrayRef> {
     match from {
+        StateFrom::Distinct(d) => {
+            let (offsets, values) = &lists[*d];
+            let DataType::List(item) = t else {
+                return Err(internal_datafusion_err!("a distinct state of type {t}"));
+            };
+            let values = cast(values, item.data_type()).map_err(arrow_err)?;
+            Ok(Arc::new(
+                ListArray::try_new(Arc::clone(item), offsets.clone(), values, None)
+                    .map_err(arrow_err)?,
+            ))
+        }
         StateFrom::Counts(k, null_if_zero) => {
             let counts = &accs[*k].counts;
             let nulls = null_if_zero
@@ -760,6 +1144,8 @@ impl ExecutionPlan for GpuAggregateExec {
 struct ExtraMetrics {
     /// Groups at the end.
     groups: Count,
+    /// Distinct (group keys…, value) pairs of the `count(DISTINCT …)` aggregates at the end.
+    distinct_pairs: Count,
     /// Batches whose accumulators went through per-block shared-memory tables.
     shared_memory_batches: Count,
     /// Batches whose accumulators were updated in the global table.
@@ -784,6 +1170,7 @@ impl ExtraMetrics {
         };
         Self {
             groups: builder().counter("groups", partition),
+            distinct_pairs: builder().counter("distinct_pairs", partition),
             shared_memory_batches: builder().counter("shared_memory_batches", partition),
             global_table_batches: builder().counter("global_table_batches", partition),
             split_batches: builder().counter("split_batches", partition),
@@ -808,7 +1195,7 @@ impl Run {
         let schema = self.work.schema.clone();
         // The device table comes with the first rows: a partition without input costs the
         // device nothing (unless the aggregate has no GROUP BY, whose one row it computes).
-        let mut table: Option<GroupTable> = None;
+        let mut table: Option<Tables> = None;
         // Host batches wait here to make up a device batch; a device chunk (from a GPU
         // child) is added as it is.
         let mut pending: Vec<Chunk> = Vec::new();
@@ -850,7 +1237,7 @@ impl Run {
                     futures::stream::empty(),
                 )));
             }
-            None => match self.work.new_table(&self.device) {
+            None => match self.work.new_tables(&self.device) {
                 Ok(t) => t,
                 Err(e) => {
                     log::warn!("{}: aggregating on the CPU: {e}", self.device);
@@ -874,11 +1261,14 @@ impl Run {
         };
         self.extra.groups.add(table.groups());
         self.extra
+            .distinct_pairs
+            .add(table.distinct.iter().map(GroupTable::groups).sum());
+        self.extra
             .shared_memory_batches
-            .add(table.shared_updates as usize);
+            .add(table.groups.shared_updates as usize);
         self.extra
             .global_table_batches
-            .add(table.global_updates as usize);
+            .add(table.groups.global_updates as usize);
         drop(table);
         let batch_size = self.context.session_config().batch_size().max(1);
         let mut batches = Vec::new();
@@ -902,7 +1292,7 @@ impl Run {
     /// was before those rows).
     fn flush(
         &self,
-        table: &mut Option<GroupTable>,
+        table: &mut Option<Tables>,
         pending: &mut Vec<Chunk>,
         pending_rows: &mut usize,
     ) -> Result<(), UpdateError> {
@@ -912,7 +1302,7 @@ impl Run {
         }
         let table = match table {
             Some(table) => table,
-            None => table.insert(self.work.new_table(&self.device)?),
+            None => table.insert(self.work.new_tables(&self.device)?),
         };
         let chunk = match pending.len() {
             0 => return Ok(()),
@@ -967,7 +1357,7 @@ impl Run {
     fn handle(
         self,
         error: UpdateError,
-        table: Option<GroupTable>,
+        table: Option<Tables>,
         rest: Vec<Chunk>,
         input: ChunkStream,
     ) -> Result<SendableRecordBatchStream> {
@@ -987,7 +1377,7 @@ impl Run {
     /// partial states), the batches not yet added, and the rest of the input.
     fn fallback(
         self,
-        table: Option<GroupTable>,
+        table: Option<Tables>,
         rest: Vec<Chunk>,
         input: ChunkStream,
     ) -> Result<SendableRecordBatchStream> {
