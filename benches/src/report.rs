@@ -44,6 +44,12 @@ pub fn median(times: &[f64]) -> Option<f64> {
     })
 }
 
+/// The fastest of some times: on a shared machine the least disturbed run, so ratios of
+/// minima move less from run to run than ratios of medians.
+pub fn best(times: &[f64]) -> Option<f64> {
+    times.iter().copied().min_by(f64::total_cmp)
+}
+
 impl Report {
     /// The benchmark's name as people write it.
     fn title(&self) -> String {
@@ -54,9 +60,31 @@ impl Report {
     }
 
     fn medians(&self, run: &EngineRun) -> Vec<Option<f64>> {
+        self.per_query(run, median)
+    }
+
+    fn per_query(&self, run: &EngineRun, of: fn(&[f64]) -> Option<f64>) -> Vec<Option<f64>> {
         (0..self.queries.len())
             .map(|i| match run.outcomes.get(i) {
-                Some(Outcome::Ran { times_ms, .. }) => median(times_ms),
+                Some(Outcome::Ran { times_ms, .. }) => of(times_ms),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Per query, `engine`'s time over DataFusion's (by `of`), where both ran.
+    pub fn ratios(&self, engine: Engine, of: fn(&[f64]) -> Option<f64>) -> Vec<Option<f64>> {
+        let (Some(base), Some(run)) = (
+            self.reference(),
+            self.runs.iter().find(|r| r.engine == engine),
+        ) else {
+            return Vec::new();
+        };
+        let (base, mine) = (self.per_query(base, of), self.per_query(run, of));
+        base.iter()
+            .zip(mine)
+            .map(|(b, m)| match (b, m) {
+                (Some(b), Some(m)) if *b > 0.0 => Some(m / b),
                 _ => None,
             })
             .collect()
@@ -96,7 +124,7 @@ impl Report {
                     .zip(&r.outcomes)
                     .map(|(q, o)| match o {
                         Outcome::Ran { times_ms, .. } => {
-                            serde_json::json!({"query": q, "times_ms": times_ms, "median_ms": median(times_ms)})
+                            serde_json::json!({"query": q, "times_ms": times_ms, "median_ms": median(times_ms), "best_ms": best(times_ms)})
                         }
                         Outcome::Failed(e) => serde_json::json!({"query": q, "error": e}),
                     })
@@ -174,6 +202,25 @@ impl Report {
             }
         }
         out += "\n";
+        // Volley with the GPU off plans exactly what DataFusion plans (a test checks it), so
+        // its ratio is the overhead check; the best run is the least disturbed one.
+        for engine in [Engine::Volley, Engine::VolleyGpu] {
+            let (by_median, by_best) = (self.ratios(engine, median), self.ratios(engine, best));
+            let worst = |ratios: &[Option<f64>]| {
+                ratios
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(q, r)| r.map(|r| (q, r)))
+                    .max_by(|a, b| (a.1 - 1.0).abs().total_cmp(&(b.1 - 1.0).abs()))
+            };
+            if let (Some((qm, m)), Some((qb, b))) = (worst(&by_median), worst(&by_best)) {
+                out += &format!(
+                    "\n- {engine} against datafusion, per query: the ratio furthest from 1 is \
+                     {m:.2} ({}) by median and {b:.2} ({}) by best run\n",
+                    self.queries[qm], self.queries[qb]
+                );
+            }
+        }
         out
     }
 
@@ -290,6 +337,18 @@ mod tests {
         let md = report.markdown();
         assert!(md.contains("| Q1 | 11.0 (1.00) | 5.0 (0.45) |"), "{md}");
         assert!(md.contains("| Q2 | 100.0 (1.00) | 400.0 (4.00) |"), "{md}");
+        // Q1: medians 11 and 5, best runs 10 and 5; Q2 is 4.00 either way, furthest from 1.
+        assert_eq!(best(&[3.0, 1.0, 2.0]), Some(1.0));
+        assert_eq!(
+            report.ratios(Engine::Volley, best),
+            vec![Some(0.5), Some(4.0)]
+        );
+        assert!(
+            md.contains(
+                "the ratio furthest from 1 is 4.00 (Q2) by median and 4.00 (Q2) by best run"
+            ),
+            "{md}"
+        );
         let dir = std::env::temp_dir().join(format!("volley-report-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let svg = dir.join("chart.svg");

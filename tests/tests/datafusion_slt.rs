@@ -3,12 +3,16 @@
 //! with Volley's `GpuOverrides` rule added and `volley.gpu.mode = force` on `emulated:1`
 //! (`cuda:0` with `VOLLEY_TEST_DEVICE=cuda`).
 //!
-//! The rule: every file that passes with the GPU off passes with it forced. Each file runs
-//! forced first; a file that fails then runs again with the GPU off: failing there too
-//! means the file cannot run here (it needs data or features this build lacks) and it is
-//! counted, not failed; passing there is a GPU regression (this test fails) unless more
-//! runs show that the file's own answers vary from session to session. Files in
-//! [`EXCLUDED`] are left out, each with its reason (tests/README.md lists them too).
+//! The rule: every file that passes with the GPU off passes with it forced, and in a file
+//! that does not, every record that passes with the GPU off passes with it forced. Each
+//! file runs forced first; a file that fails then runs again with the GPU off: passing
+//! there is a GPU regression (this test fails) unless more runs show that the file's own
+//! answers vary from session to session. Failing there too means the file cannot run
+//! whole here (it needs data or features this build lacks): it then runs record by record
+//! both ways, going on past failures, and a record that passes with the GPU off and fails
+//! forced, in three runs each way, is a GPU regression (EXPLAIN ANALYZE records, which
+//! print each operator's own metrics, are left out). Files in [`EXCLUDED`] are left out,
+//! each with its reason (tests/README.md lists them too).
 //!
 //! Plans print `GpuFilterExec: device=emulated:0, …` where DataFusion expects
 //! `FilterExec: …`, and tree-format boxes are titled `GpuFilterExec`; the validator reads
@@ -48,9 +52,9 @@ const EXCLUDED: &[(&str, &str)] = &[
     (
         "range_partitioning.slt",
         "its EXPLAIN ANALYZE prints the dynamic filter DataFusion's HashJoinExec fills in \
-         from its build side (per-partition key ranges and IN lists) for the probe side's \
-         scan; a GpuHashJoinExec does not fill dynamic filters yet, so the scan shows the \
-         filter empty (answers are the same: the filter only prunes)",
+         from its build side (per-partition key ranges and IN lists, routed by hash) for the \
+         probe side's scan; a GpuHashJoinExec fills it with the key ranges of all partitions \
+         together (answers are the same: the filter only prunes)",
     ),
     (
         "spark/datetime/date_trunc.slt",
@@ -169,9 +173,26 @@ enum Mode {
     Forced,
 }
 
-async fn run_file(path: &Path, relative: &Path, mode: Mode) -> Result<(), String> {
+/// How a file is run: to its first failure, or every record (going on past failures).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scope {
+    File,
+    Records,
+}
+
+/// A failed record: its index in the file's records, and the error.
+type Failure = (usize, String);
+
+/// Runs a file in `mode`: `Ok(failures)` (none when it passes; with [`Scope::File`] at
+/// most the first), or `Err` when the file cannot be read.
+async fn run_file(
+    path: &Path,
+    relative: &Path,
+    mode: Mode,
+    scope: Scope,
+) -> Result<Vec<Failure>, String> {
     let Some(test_ctx) = TestContext::try_new_for_test_file(relative).await else {
-        return Ok(());
+        return Ok(Vec::new());
     };
     let ctx = test_ctx.session_ctx().clone();
     {
@@ -198,12 +219,61 @@ async fn run_file(path: &Path, relative: &Path, mode: Mode) -> Result<(), String
     runner.with_column_validator(strict_column_validator);
     runner.with_normalizer(value_normalizer);
     runner.with_validator(validator);
-    let outcome = runner
-        .run_file_async(path)
-        .await
-        .map_err(|e| e.display(false).to_string());
+    let records = sqllogictest::parse_file(path).map_err(|e| e.to_string())?;
+    let mut failures = Vec::new();
+    for (i, record) in records.into_iter().enumerate() {
+        if let sqllogictest::Record::Halt { .. } = record {
+            break;
+        }
+        if let Err(e) = runner.run_async(record).await {
+            failures.push((i, e.display(false).to_string()));
+            if scope == Scope::File {
+                break;
+            }
+        }
+    }
     runner.shutdown_async().await;
-    outcome
+    Ok(failures)
+}
+
+/// The records of a file that fails with the GPU off that pass with the GPU off and fail
+/// with it forced, in every one of three runs each way (records whose answer varies from
+/// session to session are not regressions; EXPLAIN ANALYZE records are left out).
+fn record_regressions(
+    runtime: &tokio::runtime::Runtime,
+    file: &Path,
+    relative: &Path,
+) -> Result<(usize, usize, Vec<Failure>), String> {
+    let run = |mode| runtime.block_on(run_file(file, relative, mode, Scope::Records));
+    let parsed = sqllogictest::parse_file::<sqllogictest::DefaultColumnType>(file)
+        .map_err(|e| e.to_string())?;
+    // EXPLAIN ANALYZE prints each operator's metrics: a GPU operator's are its own
+    // (device, transfers, kernel time), so those records differ by design.
+    let analyze: Vec<usize> = parsed
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| {
+            matches!(r, sqllogictest::Record::Query { sql, .. }
+                if sql.trim_start().to_ascii_uppercase().starts_with("EXPLAIN ANALYZE"))
+        })
+        .map(|(i, _)| i)
+        .collect();
+    let records = parsed.len();
+    let off = run(Mode::Off)?;
+    let mut suspects: Vec<Failure> = run(Mode::Forced)?
+        .into_iter()
+        .filter(|(i, _)| !off.iter().any(|(j, _)| j == i) && !analyze.contains(i))
+        .collect();
+    for _ in 0..2 {
+        if suspects.is_empty() {
+            break;
+        }
+        let (off, forced) = (run(Mode::Off)?, run(Mode::Forced)?);
+        suspects.retain(|(i, _)| {
+            !off.iter().any(|(j, _)| j == i) && forced.iter().any(|(j, _)| j == i)
+        });
+    }
+    Ok((records, off.len(), suspects))
 }
 
 fn main() -> ExitCode {
@@ -216,7 +286,9 @@ fn main() -> ExitCode {
     };
     // DataFusion's files use paths relative to their crate and write a scratch folder
     // there, so they run from a private copy.
-    let work = Path::new(env!("CARGO_TARGET_TMPDIR")).join("datafusion-sqllogictest");
+    // One folder per process: two runs at once must not delete each other's.
+    let work = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("datafusion-sqllogictest-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
     for dir in ["test_files", "data"] {
         if root.join(dir).is_dir()
@@ -258,8 +330,9 @@ fn main() -> ExitCode {
             .to_path_buf();
         let before = run_counts();
         let started = Instant::now();
-        match runtime.block_on(run_file(file, &relative, Mode::Forced)) {
-            Ok(()) => {
+        let run = |mode| runtime.block_on(run_file(file, &relative, mode, Scope::File));
+        match run(Mode::Forced) {
+            Ok(failures) if failures.is_empty() => {
                 passed += 1;
                 let after = run_counts();
                 println!(
@@ -273,26 +346,18 @@ fn main() -> ExitCode {
                     started.elapsed().as_secs_f64()
                 );
             }
-            Err(forced) => match runtime.block_on(run_file(file, &relative, Mode::Off)) {
+            forced => match run(Mode::Off) {
                 // Passing with the GPU off. Some of DataFusion's files answer differently
                 // from one session to the next (two registered functions of one name,
                 // resolved in hash order); such a file is told apart from a regression by
                 // more runs: a regression fails every forced run while every run with the
                 // GPU off passes.
-                Ok(()) => {
+                Ok(off) if off.is_empty() => {
+                    let passes = |r: Result<Vec<Failure>, String>| r.is_ok_and(|f| f.is_empty());
                     // Five more runs each way: a file whose answer is a coin toss per
                     // session passes this as a regression once in 2^11 runs.
-                    let off_varies = (0..5).any(|_| {
-                        runtime
-                            .block_on(run_file(file, &relative, Mode::Off))
-                            .is_err()
-                    });
-                    let forced_passes = !off_varies
-                        && (0..5).any(|_| {
-                            runtime
-                                .block_on(run_file(file, &relative, Mode::Forced))
-                                .is_ok()
-                        });
+                    let off_varies = (0..5).any(|_| !passes(run(Mode::Off)));
+                    let forced_passes = !off_varies && (0..5).any(|_| passes(run(Mode::Forced)));
                     if off_varies || forced_passes {
                         varies.push(relative.clone());
                         println!(
@@ -301,6 +366,10 @@ fn main() -> ExitCode {
                             relative.display()
                         );
                     } else {
+                        let forced = match forced {
+                            Ok(f) => f.into_iter().map(|(_, e)| e).collect(),
+                            Err(e) => e,
+                        };
                         println!(
                             "df-slt {} ... FAILED with the GPU forced\n{forced}",
                             relative.display()
@@ -308,20 +377,54 @@ fn main() -> ExitCode {
                         regressions.push(relative);
                     }
                 }
-                Err(off) => {
+                off => {
+                    let off = match off {
+                        Ok(f) => f.into_iter().map(|(_, e)| e).collect(),
+                        Err(e) => e,
+                    };
                     let first = if std::env::var_os("VOLLEY_DF_SLT_VERBOSE").is_some() {
                         off.as_str()
                     } else {
                         off.lines().find(|l| !l.trim().is_empty()).unwrap_or("")
                     };
-                    println!(
-                        "df-slt {} ... fails with the GPU off too (skipped): {first}",
-                        relative.display()
-                    );
-                    not_here.push(relative);
+                    // The file fails with the GPU off: its records are compared one by one.
+                    match record_regressions(&runtime, file, &relative) {
+                        Ok((records, failing, suspects)) if suspects.is_empty() => {
+                            println!(
+                                "df-slt {} ... fails with the GPU off too; record by record: \
+                                 {} of {records} pass with the GPU off, and all of those with \
+                                 it forced ({first})",
+                                relative.display(),
+                                records - failing,
+                            );
+                            not_here.push(relative);
+                        }
+                        Ok((records, _, suspects)) => {
+                            println!(
+                                "df-slt {} ... {} of {records} records FAILED with the GPU \
+                                 forced that pass with it off",
+                                relative.display(),
+                                suspects.len()
+                            );
+                            for (_, e) in &suspects {
+                                println!("{e}");
+                            }
+                            regressions.push(relative);
+                        }
+                        Err(e) => {
+                            println!(
+                                "df-slt {} ... cannot be read ({e}); with the GPU off: {first}",
+                                relative.display()
+                            );
+                            not_here.push(relative);
+                        }
+                    }
                 }
             },
         }
+    }
+    if std::env::set_current_dir(env!("CARGO_TARGET_TMPDIR")).is_ok() {
+        let _ = std::fs::remove_dir_all(&work);
     }
     let counts = run_counts();
     println!("GPU operators: {counts}");

@@ -371,6 +371,11 @@ impl AggregateWork {
             if t == DataType::Boolean {
                 return Err("grouping by a boolean is not supported on GPU".into());
             }
+            if t == DataType::Float16 {
+                // The device compares half floats by their bits, so -0.0 and 0.0 (and
+                // NaNs) would be groups of their own.
+                return Err("grouping by a Float16 is not supported on GPU".into());
+            }
             keys.push(source);
             key_types.push(t);
         }
@@ -417,6 +422,17 @@ impl AggregateWork {
                 }
                 (Func::Avg, true) => {
                     let (values, t) = sources.of(&args[0])?;
+                    if matches!(t, DataType::Decimal128(..))
+                        && !matches!(state_types.get(1), Some(DataType::Decimal128(..)))
+                    {
+                        // Wide decimals: DataFusion sums them in 256 bits; the device's
+                        // 128-bit sum would wrap.
+                        return Err(format!(
+                            "avg of {t} values is not supported on GPU (DataFusion sums them \
+                             as {})",
+                            state_types.get(1).map_or("?".into(), |t| t.to_string())
+                        ));
+                    }
                     let acc = add(op_for(func, &t)?, values);
                     vec![StateFrom::Counts(acc, true), StateFrom::Values(acc, false)]
                 }
@@ -600,9 +616,10 @@ impl AggregateWork {
                 filter: a.filter.as_ref().and_then(column),
             })
             .collect();
-        // The pairs first: should the group table's update fail, pairs inserted already
-        // are inserted again by nothing (the CPU redoes the batch) and matched to no group
-        // unless the batch's group came from another row.
+        // The pairs first: if an update fails after some pairs went in, the batch is redone
+        // on the CPU and its partial states merged with the device's; the pairs already in
+        // only repeat values the CPU's lists hold too (merging is a set union), and pairs of
+        // groups that never reached the group table are dropped when they are matched.
         for (d, pairs) in self.distinct.iter().zip(&mut tables.distinct) {
             if raw {
                 let values = column(&d.values).ok_or_else(|| {
@@ -1278,7 +1295,14 @@ impl Run {
             batches.push(Ok(out.slice(at, len)));
             at += len;
         }
-        self.metrics.baseline.record_output(out.num_rows());
+        // Rows and bytes of the whole output, and the batches it is cut into.
+        if !batches.is_empty() {
+            self.metrics.record_batch(&out);
+            self.metrics
+                .baseline
+                .output_batches()
+                .add(batches.len() - 1);
+        }
         self.metrics.baseline.done();
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             schema,

@@ -31,11 +31,14 @@ use datafusion::arrow::array::{
 use datafusion::arrow::compute::{concat_batches, take};
 use datafusion::arrow::datatypes::{DataType, SchemaRef};
 use datafusion::arrow::row::{RowConverter, SortField};
+use datafusion::common::ScalarValue;
 use datafusion::common::{JoinSide, JoinType, NullEquality, internal_datafusion_err};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::functions_aggregate::min_max::{MaxAccumulator, MinAccumulator};
+use datafusion::logical_expr::{Accumulator, Operator};
 use datafusion::physical_expr::PhysicalExpr;
-use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::expressions::{BinaryExpr, Column, DynamicFilterPhysicalExpr, lit};
 use datafusion::physical_plan::joins::utils::JoinFilter;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::metrics::{
@@ -86,6 +89,10 @@ fn key_columns(
             .map_err(|_| format!("join keys of type {t} are not supported on GPU"))?;
         if device == DataType::Boolean {
             return Err("boolean join keys are not supported on GPU".into());
+        }
+        if device == DataType::Float16 {
+            // The device compares half floats by their bits: -0.0 would not match 0.0.
+            return Err("Float16 join keys are not supported on GPU".into());
         }
         columns.push(c.index());
         types.push(device);
@@ -492,6 +499,150 @@ struct SharedBuild {
     state: Mutex<(Vec<bool>, usize)>,
 }
 
+/// The dynamic filter DataFusion's planner attached to the join for its probe side's scan
+/// (`DynamicFilter [ empty ]` until filled), filled here as DataFusion's `HashJoinExec`
+/// fills its bounds: `key >= min AND key <= max` for every key over the build side's
+/// values, once every build partition is in (`false` when no build row can match). In
+/// Partitioned mode the ranges are those of all partitions together, which hold for every
+/// probe partition. Not attached for joins that keep unmatched probe rows, for
+/// `IS NOT DISTINCT FROM` keys (a NULL key matches) and for float keys (-0.0 matches 0.0
+/// but sorts below it).
+#[derive(Debug)]
+struct ProbeFilter {
+    filter: Arc<dyn PhysicalExpr>,
+    probe_keys: Vec<Arc<dyn PhysicalExpr>>,
+    builds: usize,
+    state: Mutex<ProbeFilterState>,
+}
+
+#[derive(Debug, Default)]
+struct ProbeFilterState {
+    reported: Vec<usize>,
+    /// Each key's (min, max) over the build partitions so far; `None` while none has a row
+    /// that can match.
+    bounds: Option<Vec<(ScalarValue, ScalarValue)>>,
+    done: bool,
+}
+
+impl ProbeFilter {
+    fn plan(join: &HashJoinExec, work: &JoinWork) -> Option<Self> {
+        // As DataFusion decides: whether a condition on the probe side may be pushed below
+        // the join (not where unmatched probe rows are kept).
+        let (_, probe_pushable) = work.join_type.on_lr_is_preserved();
+        if !probe_pushable || work.null_equals_null {
+            return None;
+        }
+        let left_schema = join.left().schema();
+        if join.on().iter().any(|(l, _)| {
+            l.data_type(&left_schema).map_or(true, |t| {
+                t.is_floating() || !t.is_primitive() && !is_string(&t)
+            })
+        }) {
+            return None;
+        }
+        let filter = join
+            .dynamic_expressions_produced()
+            .into_iter()
+            .find(|e| e.downcast_ref::<DynamicFilterPhysicalExpr>().is_some())?;
+        let builds = match work.mode {
+            PartitionMode::CollectLeft => 1,
+            _ => join.left().output_partitioning().partition_count(),
+        };
+        Some(Self {
+            filter,
+            probe_keys: join.on().iter().map(|(_, r)| Arc::clone(r)).collect(),
+            builds,
+            state: Mutex::default(),
+        })
+    }
+
+    /// Adds build partition `partition`'s key ranges; the last partition fills the filter.
+    fn report(&self, partition: usize, build: &RecordBatch, keys: &[usize]) -> Result<()> {
+        let bounds = key_bounds(build, keys)?;
+        let mut state = self
+            .state
+            .lock()
+            .map_err(|_| internal_datafusion_err!("a poisoned dynamic filter"))?;
+        if state.done || state.reported.contains(&partition) {
+            return Ok(());
+        }
+        state.reported.push(partition);
+        state.bounds = match (state.bounds.take(), bounds) {
+            (None, b) | (b, None) => b,
+            (Some(a), Some(b)) => Some(
+                a.into_iter()
+                    .zip(b)
+                    .map(|((lo_a, hi_a), (lo_b, hi_b))| {
+                        let lo = if lo_b < lo_a { lo_b } else { lo_a };
+                        let hi = if hi_b > hi_a { hi_b } else { hi_a };
+                        (lo, hi)
+                    })
+                    .collect(),
+            ),
+        };
+        if state.reported.len() < self.builds {
+            return Ok(());
+        }
+        state.done = true;
+        let predicate = match &state.bounds {
+            None => lit(false),
+            Some(bounds) => self
+                .probe_keys
+                .iter()
+                .zip(bounds)
+                .map(|(key, (lo, hi))| {
+                    let at_least: Arc<dyn PhysicalExpr> = Arc::new(BinaryExpr::new(
+                        Arc::clone(key),
+                        Operator::GtEq,
+                        lit(lo.clone()),
+                    ));
+                    let at_most: Arc<dyn PhysicalExpr> = Arc::new(BinaryExpr::new(
+                        Arc::clone(key),
+                        Operator::LtEq,
+                        lit(hi.clone()),
+                    ));
+                    Arc::new(BinaryExpr::new(at_least, Operator::And, at_most))
+                        as Arc<dyn PhysicalExpr>
+                })
+                .reduce(|a, b| Arc::new(BinaryExpr::new(a, Operator::And, b)))
+                .unwrap_or_else(|| lit(true)),
+        };
+        let dynamic = self
+            .filter
+            .downcast_ref::<DynamicFilterPhysicalExpr>()
+            .ok_or_else(|| internal_datafusion_err!("not a dynamic filter"))?;
+        dynamic.update(predicate)?;
+        dynamic.mark_complete();
+        Ok(())
+    }
+}
+
+fn is_string(t: &DataType) -> bool {
+    matches!(t, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View)
+}
+
+/// Each key column's (min, max) over its non-NULL values in `build`; `None` when some key
+/// has none (no row of the batch can match then).
+fn key_bounds(
+    build: &RecordBatch,
+    keys: &[usize],
+) -> Result<Option<Vec<(ScalarValue, ScalarValue)>>> {
+    let mut bounds = Vec::with_capacity(keys.len());
+    for &k in keys {
+        let column = build.column(k);
+        let mut lo = MinAccumulator::try_new(column.data_type())?;
+        let mut hi = MaxAccumulator::try_new(column.data_type())?;
+        lo.update_batch(std::slice::from_ref(column))?;
+        hi.update_batch(std::slice::from_ref(column))?;
+        let (lo, hi) = (lo.evaluate()?, hi.evaluate()?);
+        if lo.is_null() || hi.is_null() {
+            return Ok(None);
+        }
+        bounds.push((lo, hi));
+    }
+    Ok(Some(bounds))
+}
+
 /// A hash join whose matching runs on a GPU.
 #[derive(Debug)]
 pub struct GpuHashJoinExec {
@@ -502,6 +653,7 @@ pub struct GpuHashJoinExec {
     metrics: ExecutionPlanMetricsSet,
     executed: AtomicBool,
     shared: Arc<SharedBuild>,
+    probe_filter: Option<Arc<ProbeFilter>>,
 }
 
 impl GpuHashJoinExec {
@@ -515,9 +667,14 @@ impl GpuHashJoinExec {
             return Err("no device".into());
         }
         let work = JoinWork::plan(&cpu)?;
+        let probe_filter = cpu
+            .downcast_ref::<HashJoinExec>()
+            .and_then(|join| ProbeFilter::plan(join, &work))
+            .map(Arc::new);
         Ok(Self {
             inner: cpu,
             work: Arc::new(work),
+            probe_filter,
             devices,
             batch_rows,
             metrics: ExecutionPlanMetricsSet::new(),
@@ -606,6 +763,13 @@ impl GpuHashJoinExec {
             extra,
             shared: (self.work.mode == PartitionMode::CollectLeft)
                 .then(|| (Arc::clone(&self.shared), probe_partitions)),
+            probe_filter: self.probe_filter.clone().filter(|_| {
+                context
+                    .session_config()
+                    .options()
+                    .optimizer
+                    .enable_join_dynamic_filter_pushdown
+            }),
             left,
             partition,
             context: Arc::clone(context),
@@ -650,9 +814,24 @@ struct JoinRun {
     metrics: GpuMetrics,
     extra: JoinMetrics,
     shared: Option<(Arc<SharedBuild>, usize)>,
+    probe_filter: Option<Arc<ProbeFilter>>,
     left: Arc<dyn ExecutionPlan>,
     partition: usize,
     context: Arc<TaskContext>,
+}
+
+/// Reports a build side to the probe filter; a failure only costs the pruning.
+fn fill_probe_filter(
+    filter: Option<&ProbeFilter>,
+    partition: usize,
+    build: &RecordBatch,
+    keys: &[usize],
+) {
+    if let Some(filter) = filter
+        && let Err(e) = filter.report(partition, build, keys)
+    {
+        log::warn!("the probe side's dynamic filter stays empty: {e}");
+    }
 }
 
 type BatchStream = std::pin::Pin<Box<dyn futures::Stream<Item = Result<RecordBatch>> + Send>>;
@@ -732,16 +911,26 @@ impl JoinRun {
             Some((shared, _)) => {
                 let left = Arc::clone(&self.left);
                 let context = Arc::clone(&self.context);
+                let filter = self.probe_filter.clone();
+                let keys = self.work.left_keys.clone();
                 shared
                     .batch
                     .get_or_init(|| async move {
-                        collect_side(&left, 0, context).await.map_err(Arc::new)
+                        let build = collect_side(&left, 0, context).await.map_err(Arc::new)?;
+                        fill_probe_filter(filter.as_deref(), 0, &build, &keys);
+                        Ok(build)
                     })
                     .await
                     .clone()
                     .map_err(DataFusionError::Shared)?
             }
-            None => collect_side(&self.left, self.partition, Arc::clone(&self.context)).await?,
+            None => {
+                let build =
+                    collect_side(&self.left, self.partition, Arc::clone(&self.context)).await?;
+                let filter = self.probe_filter.as_deref();
+                fill_probe_filter(filter, self.partition, &build, &self.work.left_keys);
+                build
+            }
         };
         self.extra.build_rows.add(build.num_rows());
         Ok(build)
@@ -878,7 +1067,7 @@ impl Probing {
         timer.done();
         let out = out?;
         if let Some(b) = &out {
-            self.run.metrics.baseline.record_output(b.num_rows());
+            self.run.metrics.record_batch(b);
         }
         Ok(out)
     }
@@ -929,7 +1118,7 @@ impl Probing {
         };
         let out = work.final_output(&self.build, &visited)?;
         if let Some(b) = &out {
-            self.run.metrics.baseline.record_output(b.num_rows());
+            self.run.metrics.record_batch(b);
         }
         Ok(out)
     }
@@ -960,7 +1149,7 @@ impl DeviceProbing {
                     self.run.metrics.gpu_batches.add(1);
                     count_batch(true);
                     if let Some(out) = &out {
-                        self.run.metrics.baseline.record_output(out.num_rows());
+                        self.run.metrics.record_chunk(out);
                     }
                     return Ok(out);
                 }
@@ -977,7 +1166,7 @@ impl DeviceProbing {
         let mut visited = vec![false; self.build.num_rows()];
         let out = work.probe_output(&self.build, &probe, &matches, &mut visited)?;
         if let Some(out) = &out {
-            self.run.metrics.baseline.record_output(out.num_rows());
+            self.run.metrics.record_batch(out);
         }
         Ok(out.map(Chunk::Host))
     }

@@ -101,6 +101,25 @@ impl GpuMetrics {
         }
     }
 
+    /// Counts an output chunk as DataFusion's operators count a batch: its rows, one
+    /// batch, and (for a host batch) its bytes; a device chunk's bytes are in no host
+    /// memory, and `output_bytes` leaves them out.
+    pub fn record_chunk(&self, chunk: &Chunk) {
+        match chunk {
+            Chunk::Host(b) => self.record_batch(b),
+            Chunk::Device(b, _) => {
+                self.baseline.record_output(b.num_rows());
+                self.baseline.output_batches().add(1);
+            }
+        }
+    }
+
+    /// Counts an output batch: its rows, one batch, and its bytes.
+    pub fn record_batch(&self, batch: &RecordBatch) {
+        use datafusion::physical_plan::metrics::RecordOutput;
+        let _ = batch.record_output(&self.baseline);
+    }
+
     /// Runs device work, counting its time as kernel time.
     pub fn kernel<T>(&self, work: impl FnOnce() -> T) -> T {
         let start = Instant::now();
@@ -571,7 +590,7 @@ impl<W: BatchWork> Stream for GpuStream<W> {
             }
             if let Some(chunk) = this.ready.pop_front() {
                 let chunk = this.emit(chunk);
-                this.metrics.baseline.record_output(chunk.num_rows());
+                this.metrics.record_chunk(&chunk);
                 return Poll::Ready(Some(Ok(chunk)));
             }
             if this.input_done {
