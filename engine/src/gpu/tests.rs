@@ -1491,6 +1491,12 @@ async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
             scanned <= 10_000 + 10,
             "{partitions} partitions: {scanned} rows scanned"
         );
+        // Run again after DataFusion's reset (as recursive queries do): the same answer.
+        let again = datafusion::physical_plan::execution_plan::reset_plan_states(plan).unwrap();
+        let batches = datafusion::physical_plan::collect(again, gpu.session_context().task_ctx())
+            .await
+            .unwrap();
+        assert_eq!(pretty_format_batches(&batches).unwrap().to_string(), want);
     }
 }
 

@@ -910,12 +910,18 @@ fn group_pairs(
         let lookup = |columns: &[ArrayRef]| -> Result<Vec<ArrayRef>> {
             columns
                 .iter()
-                .map(|c| canonical_floats(Arc::clone(c)))
+                .map(|c| canonical_zeros(Arc::clone(c)))
                 .collect::<Result<_, _>>()
                 .map_err(arrow_err)
         };
         let group_rows = converter.convert_columns(&lookup(keys)?)?;
         let index: HashMap<_, usize> = group_rows.iter().enumerate().map(|(g, r)| (r, g)).collect();
+        if index.len() != groups {
+            return Err(internal_datafusion_err!(
+                "{groups} groups whose keys make {} distinct rows",
+                index.len()
+            ));
+        }
         let pair_rows = converter.convert_columns(&lookup(&pairs)?)?;
         pair_rows.iter().map(|r| index.get(&r).copied()).collect()
     };
@@ -950,36 +956,6 @@ fn group_pairs(
     }
     let values = take(values.as_ref(), &UInt32Array::from(order), None).map_err(arrow_err)?;
     Ok((OffsetBuffer::new(starts.into()), values))
-}
-
-/// Float keys as the device compares them: -0.0 as 0.0, every NaN as one NaN.
-fn canonical_floats(array: ArrayRef) -> Result<ArrayRef, datafusion::arrow::error::ArrowError> {
-    use datafusion::arrow::datatypes::{Float32Type, Float64Type};
-    Ok(match array.data_type() {
-        DataType::Float64 => Arc::new(array.as_primitive::<Float64Type>().unary::<_, Float64Type>(
-            |v| {
-                if v == 0.0 {
-                    0.0
-                } else if v.is_nan() {
-                    f64::NAN
-                } else {
-                    v
-                }
-            },
-        )),
-        DataType::Float32 => Arc::new(array.as_primitive::<Float32Type>().unary::<_, Float32Type>(
-            |v| {
-                if v == 0.0 {
-                    0.0
-                } else if v.is_nan() {
-                    f32::NAN
-                } else {
-                    v
-                }
-            },
-        )),
-        _ => array,
-    })
 }
 
 /// One state field of `t` from the accumulators' states and the distinct counts' lists.

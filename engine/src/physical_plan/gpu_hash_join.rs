@@ -532,11 +532,15 @@ impl ProbeFilter {
         if !probe_pushable || work.null_equals_null {
             return None;
         }
-        let left_schema = join.left().schema();
-        if join.on().iter().any(|(l, _)| {
-            l.data_type(&left_schema).map_or(true, |t| {
-                t.is_floating() || !t.is_primitive() && !is_string(&t)
-            })
+        let (left_schema, right_schema) = (join.left().schema(), join.right().schema());
+        // The bounds are literals of the build key's type, compared with the probe key:
+        // both must have one type (DataFusion's coercion gives them one; a Utf8View beside a
+        // Utf8 would not compare).
+        if join.on().iter().any(|(l, r)| {
+            match (l.data_type(&left_schema), r.data_type(&right_schema)) {
+                (Ok(t), Ok(u)) => t != u || t.is_floating() || !t.is_primitive() && !is_string(&t),
+                _ => true,
+            }
         }) {
             return None;
         }
@@ -711,6 +715,16 @@ impl ExecutionPlan for GpuHashJoinExec {
     }
 
     delegate_to_cpu_operator!("GpuHashJoinExec");
+
+    /// A fresh join for executing the plan again: DataFusion's reset drops the
+    /// HashJoinExec's dynamic filter (a plan that is run again must not fill it twice), so
+    /// the GPU join built on it fills none either; the collected build side goes too.
+    fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
+        let inner = Arc::clone(&self.inner).reset_state()?;
+        let gpu = Self::try_new(inner, Arc::clone(&self.devices), self.batch_rows)
+            .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
+        Ok(Arc::new(gpu))
+    }
 
     fn execute(
         &self,
