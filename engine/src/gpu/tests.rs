@@ -446,28 +446,14 @@ mod properties {
             allocations > 4 && launches > 2,
             "{allocations} allocations, {launches} launches"
         );
-        for k in 1..=allocations {
-            device
-                .inject_faults(FaultPlan {
-                    fail_allocation: Some(k),
-                    fail_launch: None,
-                })
-                .unwrap();
-            assert_eq!(
-                answer(&gpu, sql).await.0,
-                expected,
-                "allocation {k} failing"
-            );
-        }
-        for k in 1..=launches {
-            device
-                .inject_faults(FaultPlan {
-                    fail_allocation: None,
-                    fail_launch: Some(k),
-                })
-                .unwrap();
-            assert_eq!(answer(&gpu, sql).await.0, expected, "launch {k} failing");
-        }
+        super::fail_each_in_turn(
+            &device,
+            (allocations, launches),
+            &expected,
+            sql,
+            async || answer(&gpu, sql).await.0,
+        )
+        .await;
         device.inject_faults(FaultPlan::default()).unwrap();
     }
 }
@@ -683,8 +669,6 @@ async fn tpch_answers_are_right_under_device_memory_pressure() {
 /// DataFusion's answer.
 #[tokio::test]
 async fn tpch_q3_q9_q18_survive_every_device_fault() {
-    use volley_kernels::FaultPlan;
-
     // A device set of its own, so that other tests do not move its counters.
     let (gpu, cpu) = tpch_contexts("emulated:5", 1, None);
     let device = crate::gpu::devices::devices(&"emulated:5".parse().unwrap()).unwrap()[0].clone();
@@ -698,25 +682,39 @@ async fn tpch_q3_q9_q18_survive_every_device_fault() {
             let (a, l) = device.counters();
             (a - allocations, l - launches)
         };
-        println!("Q{q}: {allocations} allocations and {launches} launches fail in turn");
-        for (kind, count) in [("allocation", allocations), ("launch", launches)] {
-            for k in 1..=count {
-                let plan = if kind == "allocation" {
-                    FaultPlan {
-                        fail_allocation: Some(k),
-                        fail_launch: None,
-                    }
-                } else {
-                    FaultPlan {
-                        fail_allocation: None,
-                        fail_launch: Some(k),
-                    }
-                };
-                device.inject_faults(plan).unwrap();
-                let (got, _) = tpch_run(&gpu, q).await;
-                device.inject_faults(FaultPlan::default()).unwrap();
-                assert_eq!(got, want, "Q{q} with {kind} {k} failing");
-            }
+        fail_each_in_turn(
+            &device,
+            (allocations, launches),
+            &want,
+            &format!("Q{q}"),
+            async || tpch_run(&gpu, q).await.0,
+        )
+        .await;
+    }
+}
+
+/// Fails each of `device`'s next `allocations` allocations in turn, then each of its next
+/// `launches` launches, and checks that `run` still answers `want` every time.
+async fn fail_each_in_turn<T: PartialEq + std::fmt::Debug>(
+    device: &volley_kernels::Device,
+    (allocations, launches): (u64, u64),
+    want: &T,
+    label: &str,
+    mut run: impl AsyncFnMut() -> T,
+) {
+    use volley_kernels::FaultPlan;
+
+    println!("{label}: {allocations} allocations and {launches} launches fail in turn");
+    for (kind, count) in [("allocation", allocations), ("launch", launches)] {
+        for k in 1..=count {
+            let faults = FaultPlan {
+                fail_allocation: (kind == "allocation").then_some(k),
+                fail_launch: (kind == "launch").then_some(k),
+            };
+            device.inject_faults(faults).unwrap();
+            let got = run().await;
+            device.inject_faults(FaultPlan::default()).unwrap();
+            assert_eq!(&got, want, "{label} with {kind} {k} failing");
         }
     }
 }
@@ -1003,8 +1001,6 @@ mod aggregate_properties {
     /// still gives DataFusion's answer.
     #[tokio::test]
     async fn distinct_counts_survive_every_device_fault() {
-        use volley_kernels::FaultPlan;
-
         let rows = &fixed_rows()[..200];
         // One device of its own (devices opened with another memory limit are others), so
         // that other tests do not move its counters and both partitions meet the faults.
@@ -1037,26 +1033,11 @@ mod aggregate_properties {
             (a - allocations, l - launches)
         };
         assert!(allocations > 10 && launches > 10);
-        println!("{allocations} allocations and {launches} launches fail in turn");
-        for (kind, count) in [("allocation", allocations), ("launch", launches)] {
-            for k in 1..=count {
-                let faults = if kind == "allocation" {
-                    FaultPlan {
-                        fail_allocation: Some(k),
-                        fail_launch: None,
-                    }
-                } else {
-                    FaultPlan {
-                        fail_allocation: None,
-                        fail_launch: Some(k),
-                    }
-                };
-                device.inject_faults(faults).unwrap();
-                let (got, _) = answer(&gpu, DISTINCT_QUERY).await;
-                device.inject_faults(FaultPlan::default()).unwrap();
-                assert_eq!(got, want, "{kind} {k} failing");
-            }
-        }
+        let label = "count(DISTINCT …)";
+        super::fail_each_in_turn(&device, (allocations, launches), &want, label, async || {
+            answer(&gpu, DISTINCT_QUERY).await.0
+        })
+        .await;
     }
 
     /// With too little device memory for the pair tables, count(DISTINCT …) splits its
