@@ -1478,6 +1478,31 @@ async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
             .await
             .unwrap();
         assert_eq!(pretty_format_batches(&batches).unwrap().to_string(), want);
+        // Every join type, and an empty build side (its filter is `false`): the same
+        // answers as DataFusion's.
+        let none = dim.slice(0, 0);
+        for ctx in &contexts {
+            ctx.session_context()
+                .register_batch("none", none.clone())
+                .unwrap();
+        }
+        for join in [
+            "SELECT count(*), sum(p.v) FROM dim LEFT JOIN probe p ON p.k = dim.d",
+            "SELECT count(*), sum(p.v) FROM dim RIGHT JOIN probe p ON p.k = dim.d",
+            "SELECT count(*) FROM dim WHERE d IN (SELECT k FROM probe)",
+            "SELECT count(*) FROM dim WHERE d NOT IN (SELECT k FROM probe WHERE v > 3)",
+            "SELECT count(*), sum(v) FROM probe WHERE k IN (SELECT d FROM dim)",
+            "SELECT count(*), sum(v) FROM probe WHERE NOT EXISTS \
+             (SELECT 1 FROM dim WHERE d = k)",
+            "SELECT count(*), sum(p.v) FROM none JOIN probe p ON p.k = none.d",
+            "SELECT count(*), sum(p.v) FROM none RIGHT JOIN probe p ON p.k = none.d",
+            "SELECT count(*), sum(v) FROM probe WHERE k IN (SELECT d FROM none)",
+        ] {
+            let (_, want) = run(cpu, join).await;
+            let (plan, got) = run(gpu, join).await;
+            assert_eq!(got, want, "{join}\n{plan}");
+            assert!(plan.contains("GpuHashJoinExec"), "{join}\n{plan}");
+        }
     }
 }
 
