@@ -850,22 +850,9 @@ mod aggregate_properties {
             .build()
             .unwrap();
         runtime.block_on(async {
-            let data = batch(rows);
             let (gpu, cpu) = (context(true, partitions), context(false, partitions));
             for ctx in [&gpu, &cpu] {
-                // Several input partitions, so that partial aggregates see parts of a group.
-                let parts: Vec<Vec<RecordBatch>> = (0..partitions)
-                    .map(|p| {
-                        let n = data.num_rows();
-                        let (from, to) = (n * p / partitions, n * (p + 1) / partitions);
-                        vec![data.slice(from, to - from)]
-                    })
-                    .collect();
-                let table =
-                    datafusion::datasource::MemTable::try_new(data.schema(), parts).unwrap();
-                ctx.session_context()
-                    .register_table("r", Arc::new(table))
-                    .unwrap();
+                register(ctx, rows, partitions);
             }
             let device = devices(&"emulated:1".parse().unwrap()).unwrap()[0].clone();
             let launches = device.counters().1;
@@ -911,6 +898,20 @@ mod aggregate_properties {
     // the order rows arrive in (a NaN on either side replaces the current value), while
     // the device uses IEEE total order (docs/supported.md).
 
+    /// `aggregates` over `r`, grouped by `keys` (none: one row) and ordered by them.
+    fn grouped(keys: &str, aggregates: &str) -> String {
+        if keys.is_empty() {
+            return format!("SELECT {aggregates} FROM r");
+        }
+        let order: Vec<String> = (1..=keys.split(',').count())
+            .map(|i| i.to_string())
+            .collect();
+        format!(
+            "SELECT {keys}, {aggregates} FROM r GROUP BY {keys} ORDER BY {}",
+            order.join(", ")
+        )
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
 
@@ -921,16 +922,7 @@ mod aggregate_properties {
             partitions in prop_oneof![Just(1usize), Just(3)],
         ) {
             // Sums of v wrap on overflow in both engines (i64::MAX and MIN are in the data).
-            let sql = if keys.is_empty() {
-                format!("SELECT {AGGREGATES} FROM r")
-            } else {
-                let order: Vec<String> = (1..=keys.split(',').count()).map(|i| i.to_string()).collect();
-                format!(
-                    "SELECT {keys}, {AGGREGATES} FROM r GROUP BY {keys} ORDER BY {}",
-                    order.join(", ")
-                )
-            };
-            check(&rows, &sql, partitions)?;
+            check(&rows, &grouped(keys, AGGREGATES), partitions)?;
         }
 
         /// count(DISTINCT …) accumulators (two distinct arguments and a count keep
@@ -941,16 +933,7 @@ mod aggregate_properties {
             keys in keys(),
             partitions in prop_oneof![Just(1usize), Just(3)],
         ) {
-            let sql = if keys.is_empty() {
-                format!("SELECT {DISTINCT} FROM r")
-            } else {
-                let order: Vec<String> = (1..=keys.split(',').count()).map(|i| i.to_string()).collect();
-                format!(
-                    "SELECT {keys}, {DISTINCT} FROM r GROUP BY {keys} ORDER BY {}",
-                    order.join(", ")
-                )
-            };
-            check(&rows, &sql, partitions)?;
+            check(&rows, &grouped(keys, DISTINCT), partitions)?;
         }
     }
 
@@ -980,7 +963,8 @@ mod aggregate_properties {
          count(DISTINCT t) FILTER (WHERE v > 0) AS dt, count(*) AS n FROM r GROUP BY k, x \
          ORDER BY k, x";
 
-    /// Registers `rows` as `r` in `partitions` partitions.
+    /// Registers `rows` as `r` in `partitions` partitions (several, so that partial
+    /// aggregates see parts of a group).
     fn register(ctx: &VolleyContext, rows: &[Row], partitions: usize) {
         let data = batch(rows);
         let parts: Vec<Vec<RecordBatch>> = (0..partitions)

@@ -368,13 +368,8 @@ impl AggregateWork {
         let mut key_types = Vec::new();
         for (expr, _) in group_by.expr() {
             let (source, t) = sources.of(expr)?;
-            if t == DataType::Boolean {
-                return Err("grouping by a boolean is not supported on GPU".into());
-            }
-            if t == DataType::Float16 {
-                // The device compares half floats by their bits, so -0.0 and 0.0 (and
-                // NaNs) would be groups of their own.
-                return Err("grouping by a Float16 is not supported on GPU".into());
+            if !super::keyable(&t) {
+                return Err(format!("grouping by a {t} is not supported on GPU"));
             }
             keys.push(source);
             key_types.push(t);

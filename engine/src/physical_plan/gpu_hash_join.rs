@@ -87,12 +87,8 @@ fn key_columns(
         let t = schema.field(c.index()).data_type();
         let device = volley_kernels::column::device_type(t, 0)
             .map_err(|_| format!("join keys of type {t} are not supported on GPU"))?;
-        if device == DataType::Boolean {
-            return Err("boolean join keys are not supported on GPU".into());
-        }
-        if device == DataType::Float16 {
-            // The device compares half floats by their bits: -0.0 would not match 0.0.
-            return Err("Float16 join keys are not supported on GPU".into());
+        if !super::keyable(&device) {
+            return Err(format!("{device} join keys are not supported on GPU"));
         }
         columns.push(c.index());
         types.push(device);

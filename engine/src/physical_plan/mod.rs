@@ -137,3 +137,10 @@ pub fn resident(plan: &Arc<dyn ExecutionPlan>) -> Option<&dyn gpu_stream::Device
         None
     }
 }
+
+/// Whether the device compares keys (group keys, join keys) of its type `t` as DataFusion
+/// does: not booleans (bits) nor half floats (compared by their bits, -0.0 apart from 0.0).
+pub(crate) fn keyable(t: &datafusion::arrow::datatypes::DataType) -> bool {
+    use datafusion::arrow::datatypes::DataType;
+    !matches!(t, DataType::Boolean | DataType::Float16)
+}

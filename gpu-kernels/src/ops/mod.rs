@@ -119,6 +119,10 @@ impl RowIndices {
 /// the two zeros together, and a NaN meets a NaN of the same bits.
 fn key_kind(column: &DeviceColumn) -> Result<u64> {
     Ok(match (column.data_type(), column.layout()) {
+        // Half floats would compare by their bits (-0.0 apart from 0.0).
+        (DataType::Float16, _) => {
+            return Err(KernelError::Unsupported("comparing Float16 keys".into()));
+        }
         (DataType::Float32, _) => 5,
         (DataType::Float64, _) => 6,
         (_, Layout::Fixed(1)) => 0,
