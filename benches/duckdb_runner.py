@@ -1,4 +1,4 @@
-"""Runs TPC-H queries on DuckDB for volley-bench.
+"""Runs TPC-H queries on DuckDB for fulmen-bench.
 
 Reads a JSON request on stdin: {"data_dir": ..., "tables": [...], "queries": [[name, sql], ...],
 "iterations": N}. Writes one JSON object per line: {"query": name, "times_ms": [...],

@@ -14,7 +14,7 @@ fn main() {
         .flag_if_supported("-Wno-unused-parameter")
         .file("emu/runtime.cpp")
         .file("emu/kernels.cpp");
-    build.compile("volley_emu");
+    build.compile("fulmen_emu");
     for dir in ["emu", "cuda"] {
         println!("cargo:rerun-if-changed={dir}");
     }

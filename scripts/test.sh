@@ -23,26 +23,26 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test"
 cargo test --workspace --locked
 
-step "example: embedding VolleyContext"
-cargo run --locked -q -p volley-engine --example embed
+step "example: embedding FulmenContext"
+cargo run --locked -q -p fulmen-engine --example embed
 
 step "benchmark smoke runs: TPC-H and SSB at SF 0.01, every engine, answers checked against DataFusion"
 # DuckDB comes from PyPI into a private folder (the runner skips it, with a note, if absent).
-duckdb_dir="${VOLLEY_PYTHON_DIR:-$HOME/.cache/volley/python}"
+duckdb_dir="${FULMEN_PYTHON_DIR:-$HOME/.cache/fulmen/python}"
 if ! PYTHONPATH="$duckdb_dir" python3 -c 'import duckdb' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --target "$duckdb_dir" "duckdb==2.0.1"
 fi
 for benchmark in tpch ssb; do
-  PYTHONPATH="$duckdb_dir" cargo run --locked -q -p volley-benches --bin volley-bench -- \
+  PYTHONPATH="$duckdb_dir" cargo run --locked -q -p fulmen-benches --bin fulmen-bench -- \
     "$benchmark" --sf 0.01 --iterations 1 --output "${CARGO_TARGET_DIR:-target}/bench-smoke"
 done
 
 step "benchmark smoke run: Kafka ingest and window-close-to-alert latency (mock cluster)"
-cargo run --locked -q -p volley-benches --bin volley-bench -- \
+cargo run --locked -q -p fulmen-benches --bin fulmen-bench -- \
   stream --events 20000 --latency-seconds 3 --output "${CARGO_TARGET_DIR:-target}/bench-smoke"
 
 step "kernel micro-benchmarks compile (cargo bench --no-run)"
-cargo bench --locked --no-run -p volley-kernels
+cargo bench --locked --no-run -p fulmen-kernels
 
 # Every step above stops the script on failure, so reaching here means all passed.
 printf '\nchecks: %d passed, 0 failed\n' "$checks"

@@ -5,10 +5,10 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use fulmen_engine::tpch;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
 use parquet::file::properties::WriterProperties;
-use volley_engine::tpch;
 
 /// The folder holding the Parquet files of scale factor `sf` under `root`, generating them
 /// first when they are missing.
@@ -48,7 +48,7 @@ pub async fn ssb_parquet(root: &Path, sf: f64) -> Result<PathBuf> {
         return Ok(dir);
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let ctx = volley_engine::VolleyContext::new()?;
+    let ctx = fulmen_engine::FulmenContext::new()?;
     ctx.register_tpch(sf)?;
     for (table, query) in crate::ssb::DERIVATIONS {
         let path = dir.join(format!("{table}.parquet"));

@@ -11,16 +11,16 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use datafusion::prelude::{ParquetReadOptions, SessionContext};
-use volley_engine::display::rows_as_text;
-use volley_engine::{GpuMode, VolleyConfig, VolleyContext};
+use fulmen_engine::display::rows_as_text;
+use fulmen_engine::{FulmenConfig, FulmenContext, GpuMode};
 
 /// An engine under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Engine {
-    /// Volley with the GPU off: DataFusion plus Volley's session (the overhead check).
-    Volley,
-    /// Volley with `volley.gpu.mode = auto` on whatever devices `VOLLEY_DEVICES` gives.
-    VolleyGpu,
+    /// Fulmen with the GPU off: DataFusion plus Fulmen's session (the overhead check).
+    Fulmen,
+    /// Fulmen with `fulmen.gpu.mode = auto` on whatever devices `FULMEN_DEVICES` gives.
+    FulmenGpu,
     /// Plain DataFusion, the reference for answers and ratios.
     DataFusion,
     /// DuckDB through its Python package.
@@ -32,11 +32,11 @@ impl FromStr for Engine {
 
     fn from_str(s: &str) -> Result<Self> {
         Ok(match s.trim() {
-            "volley" => Self::Volley,
-            "volley-gpu" => Self::VolleyGpu,
+            "fulmen" => Self::Fulmen,
+            "fulmen-gpu" => Self::FulmenGpu,
             "datafusion" => Self::DataFusion,
             "duckdb" => Self::DuckDb,
-            other => bail!("unknown engine '{other}' (volley, volley-gpu, datafusion, duckdb)"),
+            other => bail!("unknown engine '{other}' (fulmen, fulmen-gpu, datafusion, duckdb)"),
         })
     }
 }
@@ -44,8 +44,8 @@ impl FromStr for Engine {
 impl fmt::Display for Engine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Self::Volley => "volley",
-            Self::VolleyGpu => "volley-gpu",
+            Self::Fulmen => "fulmen",
+            Self::FulmenGpu => "fulmen-gpu",
             Self::DataFusion => "datafusion",
             Self::DuckDb => "duckdb",
         })
@@ -80,15 +80,15 @@ pub struct EngineRun {
 fn datafusion_session(engine: Engine) -> Result<SessionContext> {
     let gpu_mode = match engine {
         Engine::DataFusion => return Ok(SessionContext::new()),
-        Engine::Volley => GpuMode::Off,
-        Engine::VolleyGpu => GpuMode::Auto,
+        Engine::Fulmen => GpuMode::Off,
+        Engine::FulmenGpu => GpuMode::Auto,
         Engine::DuckDb => bail!("DuckDB is not a DataFusion session"),
     };
-    let config = VolleyConfig {
+    let config = FulmenConfig {
         gpu_mode,
-        ..VolleyConfig::from_env()?
+        ..FulmenConfig::from_env()?
     };
-    Ok(VolleyContext::with_config(config).session_context().clone())
+    Ok(FulmenContext::with_config(config).session_context().clone())
 }
 
 /// Runs `queries` (name, SQL) on the DataFusion-based `engines`, interleaved so that no
@@ -158,34 +158,34 @@ pub async fn run_datafusion(
         .zip(outcomes)
         .map(|(&engine, outcomes)| EngineRun {
             engine,
-            note: (engine == Engine::VolleyGpu).then(volley_gpu_note),
+            note: (engine == Engine::FulmenGpu).then(fulmen_gpu_note),
             outcomes,
         })
         .collect())
 }
 
-/// Where `volley-gpu` ran: the devices it found, and what of the plans runs on them.
-fn volley_gpu_note() -> String {
-    let selection = VolleyConfig::from_env()
+/// Where `fulmen-gpu` ran: the devices it found, and what of the plans runs on them.
+fn fulmen_gpu_note() -> String {
+    let selection = FulmenConfig::from_env()
         .map(|c| c.devices)
         .unwrap_or_default();
-    match volley_engine::gpu::devices::devices(&selection) {
+    match fulmen_engine::gpu::devices::devices(&selection) {
         Ok(devices) if devices.is_empty() => {
-            format!("no device (volley.devices = {selection}): volley-gpu ran on the CPU")
+            format!("no device (fulmen.devices = {selection}): fulmen-gpu ran on the CPU")
         }
         Ok(devices) => format!(
             "filters and projections on {} in auto mode (aggregation and joins on the CPU){}",
-            volley_engine::gpu::devices::describe(&devices),
+            fulmen_engine::gpu::devices::describe(&devices),
             if devices
                 .iter()
-                .any(|d| d.kind() == volley_kernels::DeviceKind::Emulated)
+                .any(|d| d.kind() == fulmen_kernels::DeviceKind::Emulated)
             {
                 "; emulated devices prove it runs, their times mean nothing"
             } else {
                 ""
             }
         ),
-        Err(e) => format!("no device ({e}): volley-gpu ran on the CPU"),
+        Err(e) => format!("no device ({e}): fulmen-gpu ran on the CPU"),
     }
 }
 

@@ -1,4 +1,4 @@
-//! Volley's benchmark runner: TPC-H on Volley (GPU off and on), plain DataFusion and DuckDB,
+//! Fulmen's benchmark runner: TPC-H on Fulmen (GPU off and on), plain DataFusion and DuckDB,
 //! side by side in one run, with every engine's answers checked against DataFusion's.
 //!
 //! ```text

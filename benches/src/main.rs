@@ -1,9 +1,9 @@
-//! `volley-bench`: TPC-H and SSB on Volley, DataFusion and DuckDB side by side.
+//! `fulmen-bench`: TPC-H and SSB on Fulmen, DataFusion and DuckDB side by side.
 //!
 //! ```text
-//! volley-bench tpch --sf 1 --engines volley,volley-gpu,datafusion,duckdb --iterations 5
-//! volley-bench ssb --sf 1
-//! volley-bench stream --events 500000
+//! fulmen-bench tpch --sf 1 --engines fulmen,fulmen-gpu,datafusion,duckdb --iterations 5
+//! fulmen-bench ssb --sf 1
+//! fulmen-bench stream --events 500000
 //! ```
 //! Generates the data once per scale factor (Parquet, cached), runs every query on every
 //! engine, fails loudly when an engine's answer differs from DataFusion's, and writes
@@ -14,15 +14,15 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use volley_benches::compare::first_difference;
-use volley_benches::data;
-use volley_benches::engines::{self, Engine, Outcome};
-use volley_benches::report::Report;
+use fulmen_benches::compare::first_difference;
+use fulmen_benches::data;
+use fulmen_benches::engines::{self, Engine, Outcome};
+use fulmen_benches::report::Report;
 
 #[derive(Parser, Debug)]
 #[command(
-    name = "volley-bench",
-    about = "Benchmarks Volley against DataFusion and DuckDB"
+    name = "fulmen-bench",
+    about = "Benchmarks Fulmen against DataFusion and DuckDB"
 )]
 struct Args {
     #[command(subcommand)]
@@ -54,7 +54,7 @@ struct StreamOptions {
 
 async fn run_stream(options: StreamOptions) -> Result<bool> {
     eprintln!("machine: {}", machine());
-    let report = volley_benches::stream::run(options.events, options.latency_seconds).await?;
+    let report = fulmen_benches::stream::run(options.events, options.latency_seconds).await?;
     std::fs::create_dir_all(&options.output)?;
     let stem = options.output.join("stream");
     std::fs::write(
@@ -73,11 +73,11 @@ struct Options {
     /// Scale factor (1 is 6 million line items).
     #[arg(long, default_value_t = 1.0)]
     sf: f64,
-    /// Engines to compare, comma-separated: volley, volley-gpu, datafusion, duckdb.
+    /// Engines to compare, comma-separated: fulmen, fulmen-gpu, datafusion, duckdb.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "volley,volley-gpu,datafusion,duckdb"
+        default_value = "fulmen,fulmen-gpu,datafusion,duckdb"
     )]
     engines: Vec<Engine>,
     /// Runs per query; the median is reported.
@@ -86,7 +86,7 @@ struct Options {
     /// Only these queries (TPC-H: 1,6,18; SSB: 1.1,3.2); all by default.
     #[arg(long, value_delimiter = ',')]
     queries: Vec<String>,
-    /// Where generated data is cached (default: ~/.cache/volley/bench-data).
+    /// Where generated data is cached (default: ~/.cache/fulmen/bench-data).
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// Where the report goes.
@@ -131,7 +131,7 @@ async fn run(benchmark: &str, options: Options) -> Result<bool> {
         .data_dir
         .clone()
         .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/volley/bench-data"))
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/fulmen/bench-data"))
         })
         .context("no --data-dir and no HOME")?;
     eprintln!(
@@ -140,17 +140,17 @@ async fn run(benchmark: &str, options: Options) -> Result<bool> {
         root.display()
     );
     let (data, all, tables): (PathBuf, Vec<(String, String)>, Vec<&str>) = if benchmark == "ssb" {
-        let queries = volley_benches::ssb::QUERIES
+        let queries = fulmen_benches::ssb::QUERIES
             .iter()
             .map(|(n, q)| (n.to_string(), q.to_string()))
             .collect();
         (
             data::ssb_parquet(&root, options.sf).await?,
             queries,
-            volley_benches::ssb::TABLES.to_vec(),
+            fulmen_benches::ssb::TABLES.to_vec(),
         )
     } else {
-        let queries = volley_engine::tpch::QUERIES
+        let queries = fulmen_engine::tpch::QUERIES
             .iter()
             .enumerate()
             .map(|(i, q)| (format!("Q{}", i + 1), q.to_string()))
@@ -158,7 +158,7 @@ async fn run(benchmark: &str, options: Options) -> Result<bool> {
         (
             data::tpch_parquet(&root, options.sf)?,
             queries,
-            volley_engine::tpch::TABLES.to_vec(),
+            fulmen_engine::tpch::TABLES.to_vec(),
         )
     };
     let queries: Vec<(String, String)> = if options.queries.is_empty() {

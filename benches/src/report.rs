@@ -202,9 +202,9 @@ impl Report {
             }
         }
         out += "\n";
-        // Volley with the GPU off plans exactly what DataFusion plans (a test checks it), so
+        // Fulmen with the GPU off plans exactly what DataFusion plans (a test checks it), so
         // its ratio is the overhead check; the best run is the least disturbed one.
-        for engine in [Engine::Volley, Engine::VolleyGpu] {
+        for engine in [Engine::Fulmen, Engine::FulmenGpu] {
             let (by_median, by_best) = (self.ratios(engine, median), self.ratios(engine, best));
             let worst = |ratios: &[Option<f64>]| {
                 ratios
@@ -326,11 +326,11 @@ mod tests {
             queries: vec!["Q1".into(), "Q2".into()],
             runs: vec![
                 run(Engine::DataFusion, &[&[10.0, 12.0, 11.0], &[100.0]]),
-                run(Engine::Volley, &[&[5.0], &[400.0]]),
+                run(Engine::Fulmen, &[&[5.0], &[400.0]]),
             ],
             machine: "test".into(),
             date: "today".into(),
-            command: "volley-bench".into(),
+            command: "fulmen-bench".into(),
         };
         let gm = report.geomean(&report.runs[1]).unwrap();
         assert!((gm - (5.0f64 * 400.0).sqrt()).abs() < 1e-9);
@@ -340,7 +340,7 @@ mod tests {
         // Q1: medians 11 and 5, best runs 10 and 5; Q2 is 4.00 either way, furthest from 1.
         assert_eq!(best(&[3.0, 1.0, 2.0]), Some(1.0));
         assert_eq!(
-            report.ratios(Engine::Volley, best),
+            report.ratios(Engine::Fulmen, best),
             vec![Some(0.5), Some(4.0)]
         );
         assert!(
@@ -349,13 +349,13 @@ mod tests {
             ),
             "{md}"
         );
-        let dir = std::env::temp_dir().join(format!("volley-report-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("fulmen-report-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let svg = dir.join("chart.svg");
         report.svg(&svg).unwrap();
         let text = std::fs::read_to_string(&svg).unwrap();
         assert!(
-            text.starts_with("<svg") && text.contains("volley"),
+            text.starts_with("<svg") && text.contains("fulmen"),
             "{}",
             &text[..100.min(text.len())]
         );

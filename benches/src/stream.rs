@@ -1,6 +1,6 @@
-//! `volley-bench stream`: Kafka ingest rate into a live table, and the time from a window's
+//! `fulmen-bench stream`: Kafka ingest rate into a live table, and the time from a window's
 //! close to its alert on the sink topic. Both run against librdkafka's in-process mock
-//! cluster, so the broker shares the machine (and the process) with Volley.
+//! cluster, so the broker shares the machine (and the process) with Fulmen.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -14,11 +14,11 @@ use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use std::sync::Arc;
 
 use datafusion::arrow::datatypes::{DataType, Field, Schema, TimeUnit};
-use volley_connectors::avro::{AvroSpec, Framing};
-use volley_connectors::format::{Decoder, Encoder};
-use volley_connectors::options::Format;
-use volley_engine::VolleyContext;
-use volley_fraud::rfc3339;
+use fulmen_connectors::avro::{AvroSpec, Framing};
+use fulmen_connectors::format::{Decoder, Encoder};
+use fulmen_connectors::options::Format;
+use fulmen_engine::FulmenContext;
+use fulmen_fraud::rfc3339;
 
 /// What the streaming benchmark measured.
 #[derive(Debug)]
@@ -145,14 +145,14 @@ pub struct Ingest {
 /// Creates a live table over `topic` (`options` are added to its OPTIONS) and waits until it
 /// holds `events` rows.
 async fn ingest(
-    ctx: &VolleyContext,
-    streams: &volley_connectors::Streams,
+    ctx: &FulmenContext,
+    streams: &fulmen_connectors::Streams,
     servers: &str,
     topic: &str,
     options: &str,
     events: usize,
 ) -> Result<Ingest> {
-    let cpu_before = thread_cpu_seconds("volley-ingest");
+    let cpu_before = thread_cpu_seconds("fulmen-ingest");
     let process_before = process_cpu_seconds();
     let started = Instant::now();
     ctx.sql(&format!(
@@ -176,7 +176,7 @@ async fn ingest(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let seconds = started.elapsed().as_secs_f64();
-    let thread_cpu_seconds = thread_cpu_since("volley-ingest", &cpu_before);
+    let thread_cpu_seconds = thread_cpu_since("fulmen-ingest", &cpu_before);
     let process_cpu_seconds = process_cpu_seconds() - process_before;
     table.stop();
     Ok(Ingest {
@@ -248,8 +248,8 @@ pub async fn run(events: usize, latency_seconds: u64) -> Result<StreamReport> {
     }
     producer.flush(Duration::from_secs(120))?;
     eprintln!("produced {events} events, as JSON and as Avro");
-    let ctx = VolleyContext::new()?;
-    let streams = volley_connectors::install(&ctx);
+    let ctx = FulmenContext::new()?;
+    let streams = fulmen_connectors::install(&ctx);
     // A first live table waits a few seconds for its first fetch from the mock cluster
     // (once per process): a one-message warm-up table takes that wait out of the measures.
     send(

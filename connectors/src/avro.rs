@@ -29,7 +29,7 @@ use datafusion::arrow::array::{
 use datafusion::arrow::compute::{can_cast_types, cast, concat_batches, filter_record_batch};
 use datafusion::arrow::datatypes::{DataType, Schema, SchemaRef};
 use datafusion::error::{DataFusionError, Result};
-use volley_engine::error::did_you_mean;
+use fulmen_engine::error::did_you_mean;
 
 use crate::format::Decoded;
 
@@ -492,7 +492,7 @@ impl AvroCodec {
                 Some((_, column)) => {
                     if matches!(field.data_type(), DataType::Dictionary(_, _)) {
                         return Err(config(format!(
-                            "the Avro record's field '{}' is an enum, which Volley does not \
+                            "the Avro record's field '{}' is an enum, which Fulmen does not \
                              write yet",
                             field.name()
                         )));

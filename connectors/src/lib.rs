@@ -1,10 +1,10 @@
-//! Volley's connectors: Kafka live tables, continuous queries writing to Kafka sinks, and
+//! Fulmen's connectors: Kafka live tables, continuous queries writing to Kafka sinks, and
 //! their message formats (DESIGN.md §7; the user's view is docs/streaming.md).
 //!
-//! [`install`] adds them to a [`volley_engine::VolleyContext`]: `CREATE EXTERNAL TABLE …
+//! [`install`] adds them to a [`fulmen_engine::FulmenContext`]: `CREATE EXTERNAL TABLE …
 //! STORED AS KAFKA` then makes a [`live::LiveTable`], and `SHOW STREAMS`, `CREATE SINK`,
-//! `SHOW SINKS` and `DROP SINK` are understood by `VolleyContext::sql`. The event-time window
-//! functions (`TUMBLE`, `HOP`, `SESSION`) live in `volley_engine::streaming`, since they work
+//! `SHOW SINKS` and `DROP SINK` are understood by `FulmenContext::sql`. The event-time window
+//! functions (`TUMBLE`, `HOP`, `SESSION`) live in `fulmen_engine::streaming`, since they work
 //! on any table.
 
 pub mod avro;

@@ -293,7 +293,7 @@ impl LiveTable {
                 options
                     .group_id
                     .clone()
-                    .unwrap_or_else(|| format!("volley-{name}")),
+                    .unwrap_or_else(|| format!("fulmen-{name}")),
             );
         let consumer: BaseConsumer = config.create().map_err(kafka_error)?;
         let metadata = consumer
@@ -383,7 +383,7 @@ impl LiveTable {
         });
         let worker = Arc::clone(&shared);
         std::thread::Builder::new()
-            .name(format!("volley-ingest-{}", shared.name))
+            .name(format!("fulmen-ingest-{}", shared.name))
             .spawn(move || worker.run())
             .map_err(|e| DataFusionError::External(Box::new(e)))?;
         Ok(Self { shared })
@@ -866,19 +866,19 @@ impl Shared {
         let offset = message.offset().to_string();
         let headers = OwnedHeaders::new()
             .insert(Header {
-                key: "volley.error",
+                key: "fulmen.error",
                 value: Some(error),
             })
             .insert(Header {
-                key: "volley.topic",
+                key: "fulmen.topic",
                 value: Some(self.options.topic.as_str()),
             })
             .insert(Header {
-                key: "volley.partition",
+                key: "fulmen.partition",
                 value: Some(partition.as_str()),
             })
             .insert(Header {
-                key: "volley.offset",
+                key: "fulmen.offset",
                 value: Some(offset.as_str()),
             });
         let sent = producer.lock().unwrap_or_else(|p| p.into_inner()).send(

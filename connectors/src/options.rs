@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use datafusion::arrow::compute::kernels::cast_utils::parse_interval_month_day_nano;
 use datafusion::error::{DataFusionError, Result};
-use volley_engine::error::did_you_mean;
+use fulmen_engine::error::did_you_mean;
 
 use crate::avro::{AvroSpec, Framing};
 

@@ -35,9 +35,9 @@ use datafusion::common::{plan_datafusion_err, plan_err};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::SessionState;
 use datafusion::prelude::SessionContext;
+use fulmen_engine::streaming::StreamScope;
 use rdkafka::consumer::Consumer;
 use rdkafka::producer::Producer as _;
-use volley_engine::streaming::StreamScope;
 
 use crate::format::Encoder;
 use crate::live::{LiveScope, LiveTable, OffsetRange, Shared};
@@ -170,7 +170,7 @@ impl Sink {
         }
         let mut emitted_up_to = None;
         if windowed {
-            let marker = format!("volley.sink={name};emitted_up_to=");
+            let marker = format!("fulmen.sink={name};emitted_up_to=");
             for source in &sources {
                 if source.options.group_id.is_none() {
                     continue;
@@ -201,7 +201,7 @@ impl Sink {
         };
         let producer = {
             let config = target_shared.options.client_config();
-            let id = (delivery == Delivery::ExactlyOnce).then(|| format!("volley-sink-{name}"));
+            let id = (delivery == Delivery::ExactlyOnce).then(|| format!("fulmen-sink-{name}"));
             tokio::task::spawn_blocking(move || Producer::new(config, id.as_deref()))
                 .await
                 .map_err(|e| DataFusionError::External(Box::new(e)))??
@@ -226,7 +226,7 @@ impl Sink {
             from: BTreeMap::new(),
         };
         let thread = std::thread::Builder::new()
-            .name(format!("volley-sink-{name}"))
+            .name(format!("fulmen-sink-{name}"))
             .spawn(move || runner.run())
             .map_err(|e| DataFusionError::External(Box::new(e)))?;
         Ok(Self {
@@ -348,8 +348,8 @@ impl Runner {
         // Offsets to commit once the output is safe.
         let mut commits: Vec<(Arc<Shared>, BTreeMap<i32, i64>, String)> = Vec::new();
         let metadata = match watermark {
-            Some(w) => format!("volley.sink={};emitted_up_to={w}", self.name),
-            None => format!("volley.sink={}", self.name),
+            Some(w) => format!("fulmen.sink={};emitted_up_to={w}", self.name),
+            None => format!("fulmen.sink={}", self.name),
         };
         for source in &plan.sources {
             if source.options.group_id.is_none() {

@@ -17,7 +17,7 @@ use datafusion::arrow::datatypes::{DataType, Field, Schema, TimeUnit};
 use datafusion::common::plan_err;
 use datafusion::dataframe::DataFrame;
 use datafusion::error::Result;
-use volley_engine::{StatementHandler, VolleyContext};
+use fulmen_engine::{FulmenContext, StatementHandler};
 
 use crate::live::{KafkaTableFactory, Shared, live};
 use crate::sink::{Sink, Sinks};
@@ -62,7 +62,7 @@ impl Streams {
 }
 
 /// Adds Kafka live tables (`STORED AS KAFKA`) and the streaming statements to a session.
-pub fn install(ctx: &VolleyContext) -> Arc<Streams> {
+pub fn install(ctx: &FulmenContext) -> Arc<Streams> {
     let streams = Arc::new(Streams::default());
     ctx.session_context()
         .state_ref()
@@ -117,7 +117,7 @@ fn name(text: &str) -> Option<(String, &str)> {
 
 #[async_trait::async_trait]
 impl StatementHandler for Handler {
-    async fn handle(&self, ctx: &VolleyContext, sql: &str) -> Result<Option<DataFrame>> {
+    async fn handle(&self, ctx: &FulmenContext, sql: &str) -> Result<Option<DataFrame>> {
         let text = without_leading_comments(sql)
             .trim_end()
             .trim_end_matches(';')
@@ -183,7 +183,7 @@ impl StatementHandler for Handler {
 }
 
 impl Handler {
-    fn show_streams(&self, ctx: &VolleyContext) -> Result<DataFrame> {
+    fn show_streams(&self, ctx: &FulmenContext) -> Result<DataFrame> {
         let tables = self.streams.tables();
         let status: Vec<_> = tables.iter().map(|t| t.status()).collect();
         let ns = DataType::Timestamp(TimeUnit::Nanosecond, None);
@@ -237,7 +237,7 @@ impl Handler {
             .read_batch(RecordBatch::try_new(schema, columns)?)
     }
 
-    fn show_sinks(&self, ctx: &VolleyContext) -> Result<DataFrame> {
+    fn show_sinks(&self, ctx: &FulmenContext) -> Result<DataFrame> {
         let sinks = self.streams.sinks.list();
         let ns = DataType::Timestamp(TimeUnit::Nanosecond, None);
         let schema = Arc::new(Schema::new(vec![

@@ -8,12 +8,12 @@ use datafusion::arrow::array::{AsArray, RecordBatch};
 use datafusion::arrow::datatypes::Int64Type;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::datasource::MemTable;
+use fulmen_engine::FulmenContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Headers;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{BaseProducer, BaseRecord, DefaultProducerContext, Producer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
-use volley_engine::VolleyContext;
 
 use crate::Streams;
 
@@ -25,8 +25,8 @@ fn cluster(topics: &[(&str, i32)]) -> MockCluster<'static, DefaultProducerContex
     cluster
 }
 
-fn session() -> (VolleyContext, Arc<Streams>) {
-    let ctx = VolleyContext::new().expect("context");
+fn session() -> (FulmenContext, Arc<Streams>) {
+    let ctx = FulmenContext::new().expect("context");
     let streams = crate::install(&ctx);
     (ctx, streams)
 }
@@ -56,7 +56,7 @@ fn produce(servers: &str, topic: &str, messages: &[(i32, Option<String>, Vec<u8>
     producer.flush(Duration::from_secs(30)).expect("flush");
 }
 
-/// Every message of `topic` (read committed), with its `volley.error` header if any.
+/// Every message of `topic` (read committed), with its `fulmen.error` header if any.
 fn read_topic(servers: &str, topic: &str, at_least: usize) -> Vec<(Vec<u8>, Option<String>)> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", servers)
@@ -82,7 +82,7 @@ fn read_topic(servers: &str, topic: &str, at_least: usize) -> Vec<(Vec<u8>, Opti
             Some(Ok(m)) => {
                 let error = m.headers().and_then(|h| {
                     h.iter()
-                        .find(|h| h.key == "volley.error")
+                        .find(|h| h.key == "fulmen.error")
                         .and_then(|h| h.value)
                         .map(|v| String::from_utf8_lossy(v).into_owned())
                 });
@@ -99,7 +99,7 @@ fn read_topic(servers: &str, topic: &str, at_least: usize) -> Vec<(Vec<u8>, Opti
     out
 }
 
-async fn query(ctx: &VolleyContext, sql: &str) -> Vec<RecordBatch> {
+async fn query(ctx: &FulmenContext, sql: &str) -> Vec<RecordBatch> {
     ctx.sql(sql)
         .await
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
@@ -108,13 +108,13 @@ async fn query(ctx: &VolleyContext, sql: &str) -> Vec<RecordBatch> {
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
 }
 
-async fn text(ctx: &VolleyContext, sql: &str) -> String {
+async fn text(ctx: &FulmenContext, sql: &str) -> String {
     pretty_format_batches(&query(ctx, sql).await)
         .unwrap()
         .to_string()
 }
 
-async fn count(ctx: &VolleyContext, sql: &str) -> i64 {
+async fn count(ctx: &FulmenContext, sql: &str) -> i64 {
     let batches = query(ctx, sql).await;
     let column = batches[0].column(0);
     datafusion::arrow::compute::cast(column, &datafusion::arrow::datatypes::DataType::Int64)
@@ -126,7 +126,7 @@ async fn count(ctx: &VolleyContext, sql: &str) -> i64 {
 }
 
 /// Waits until `sql` (one integer) reaches `target`.
-async fn wait_for(ctx: &VolleyContext, sql: &str, target: i64) {
+async fn wait_for(ctx: &FulmenContext, sql: &str, target: i64) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let n = count(ctx, sql).await;
@@ -141,7 +141,7 @@ async fn wait_for(ctx: &VolleyContext, sql: &str, target: i64) {
 fn json(card: &str, amount: f64, ts_ms: i64) -> Vec<u8> {
     format!(
         r#"{{"card":"{card}","amount":{amount},"ts":"{}"}}"#,
-        volley_fraud::rfc3339(ts_ms)
+        fulmen_fraud::rfc3339(ts_ms)
     )
     .into_bytes()
 }
@@ -401,7 +401,7 @@ async fn windowed_sinks_equal_the_same_batch_sql_and_late_rows_are_counted() {
     let servers = cluster.bootstrap_servers();
     let (ctx, streams) = session();
     // 600 rows, 100 ms apart, each up to 1.5 s early (out of order within the 2 s watermark).
-    let mut rng = volley_fraud::Rng(7);
+    let mut rng = fulmen_fraud::Rng(7);
     let rows: Vec<(String, f64, i64)> = (0..600)
         .map(|i| {
             let card = format!("c{}", rng.below(5));
@@ -498,7 +498,7 @@ async fn windowed_sinks_equal_the_same_batch_sql_and_late_rows_are_counted() {
         "SELECT card, amount, ts FROM events WHERE card <> 'zz'",
     )
     .await;
-    let plain = VolleyContext::new().unwrap();
+    let plain = FulmenContext::new().unwrap();
     let schema = batch[0].schema();
     plain
         .session_context()
@@ -667,11 +667,11 @@ async fn the_fraud_pipeline_raises_exactly_the_planted_alerts() {
         ("transactions-dead-letters", 1),
     ]);
     let servers = cluster.bootstrap_servers();
-    let options = volley_fraud::Options::default();
-    let generated = volley_fraud::generate(options);
+    let options = fulmen_fraud::Options::default();
+    let generated = fulmen_fraud::generate(options);
     let dir = tempfile::tempdir().unwrap();
     let profiles = dir.path().join("fraud-profiles.csv");
-    std::fs::write(&profiles, volley_fraud::profiles_csv(&generated.profiles)).unwrap();
+    std::fs::write(&profiles, fulmen_fraud::profiles_csv(&generated.profiles)).unwrap();
     let pipeline = include_str!("../../examples/fraud/pipeline.sql")
         .replace("localhost:9092", &servers)
         .replace("fraud-profiles.csv", profiles.to_str().unwrap());
@@ -684,8 +684,8 @@ async fn the_fraud_pipeline_raises_exactly_the_planted_alerts() {
             (partition, Some(t.card.clone()), t.to_json().into_bytes())
         })
         .collect();
-    let end_ms = volley_fraud::START_MS + options.minutes * 60_000;
-    let heartbeat = volley_fraud::Transaction {
+    let end_ms = fulmen_fraud::START_MS + options.minutes * 60_000;
+    let heartbeat = fulmen_fraud::Transaction {
         card: "heartbeat".into(),
         customer: "none".into(),
         amount: 0.0,

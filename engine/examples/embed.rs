@@ -1,20 +1,20 @@
-//! Embedding Volley in a program: a session, sample data, a query, a setting.
+//! Embedding Fulmen in a program: a session, sample data, a query, a setting.
 //!
-//! Run with `cargo run -p volley-engine --example embed`.
+//! Run with `cargo run -p fulmen-engine --example embed`.
 
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::error::Result;
-use volley_engine::VolleyContext;
+use fulmen_engine::FulmenContext;
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let ctx = VolleyContext::new()?;
+    let ctx = FulmenContext::new()?;
 
     // Built-in sample data: the eight TPC-H tables, generated in memory.
     ctx.register_tpch(0.01)?;
 
     // Settings are ordinary SQL.
-    ctx.sql("SET volley.gpu.mode = 'auto'").await?;
+    ctx.sql("SET fulmen.gpu.mode = 'auto'").await?;
 
     let revenue = ctx
         .sql(

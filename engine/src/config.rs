@@ -1,6 +1,6 @@
-//! Volley's settings: the `volley.*` namespace of DataFusion's configuration.
+//! Fulmen's settings: the `fulmen.*` namespace of DataFusion's configuration.
 //!
-//! Registered as a DataFusion config extension, so `SET volley.gpu.mode = force` works in the
+//! Registered as a DataFusion config extension, so `SET fulmen.gpu.mode = force` works in the
 //! shell, in the library and in `.slt` files, and `SHOW ALL` lists every setting with its
 //! description. Each setting is documented in `docs/configuration.md`.
 
@@ -10,7 +10,7 @@ use std::str::FromStr;
 
 use datafusion::common::config::{ConfigEntry, ConfigExtension, ExtensionOptions};
 use datafusion::error::{DataFusionError, Result};
-use volley_kernels::DeviceSelection;
+use fulmen_kernels::DeviceSelection;
 
 use crate::error::did_you_mean;
 
@@ -20,7 +20,7 @@ pub enum GpuMode {
     /// Never use a GPU.
     Off,
     /// Use a GPU where the operator is supported and the input is large enough to pay for
-    /// the trip over PCIe (`volley.gpu.min_rows`).
+    /// the trip over PCIe (`fulmen.gpu.min_rows`).
     #[default]
     Auto,
     /// Use a GPU wherever the operator is supported, whatever the size (what tests use).
@@ -36,7 +36,7 @@ impl FromStr for GpuMode {
             "auto" => Ok(Self::Auto),
             "force" | "on" | "true" => Ok(Self::Force),
             other => Err(DataFusionError::Configuration(format!(
-                "invalid value '{other}' for volley.gpu.mode (expected off, auto or force)"
+                "invalid value '{other}' for fulmen.gpu.mode (expected off, auto or force)"
             ))),
         }
     }
@@ -52,14 +52,14 @@ impl fmt::Display for GpuMode {
     }
 }
 
-/// Volley's settings, kept in DataFusion's `ConfigOptions` under the prefix `volley`.
+/// Fulmen's settings, kept in DataFusion's `ConfigOptions` under the prefix `fulmen`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct VolleyConfig {
-    /// `volley.devices`: which devices the session may use.
+pub struct FulmenConfig {
+    /// `fulmen.devices`: which devices the session may use.
     pub devices: DeviceSelection,
-    /// `volley.gpu.mode`: off, auto or force.
+    /// `fulmen.gpu.mode`: off, auto or force.
     pub gpu_mode: GpuMode,
-    /// `volley.gpu.min_rows`: in `auto` mode, inputs estimated below this many rows stay on
+    /// `fulmen.gpu.min_rows`: in `auto` mode, inputs estimated below this many rows stay on
     /// the CPU, where the GPU's fixed costs would dominate.
     pub gpu_min_rows: usize,
     /// Rows per device batch: smaller DataFusion batches are coalesced up to this many
@@ -73,12 +73,12 @@ pub struct VolleyConfig {
     pub gpu_aggregate: bool,
     /// Whether hash joins may match rows on a GPU.
     pub gpu_join: bool,
-    /// `volley.gpu.memory_limit`: bytes of device memory Volley may hold on each device
+    /// `fulmen.gpu.memory_limit`: bytes of device memory Fulmen may hold on each device
     /// (`None`: the whole device, or 2 GiB per emulated device).
     pub gpu_memory_limit: Option<usize>,
 }
 
-impl Default for VolleyConfig {
+impl Default for FulmenConfig {
     fn default() -> Self {
         Self {
             devices: DeviceSelection::Auto,
@@ -94,7 +94,7 @@ impl Default for VolleyConfig {
     }
 }
 
-/// One setting: its key below the `volley.` prefix and its description for `SHOW ALL`.
+/// One setting: its key below the `fulmen.` prefix and its description for `SHOW ALL`.
 struct Setting {
     key: &'static str,
     description: &'static str,
@@ -105,7 +105,7 @@ const SETTINGS: &[Setting] = &[
         key: "devices",
         description: "Devices this session may use: auto (every CUDA device), none, \
                       cuda:0,1 (those CUDA devices) or emulated:N (N emulated devices). \
-                      Defaults to the VOLLEY_DEVICES environment variable, else auto.",
+                      Defaults to the FULMEN_DEVICES environment variable, else auto.",
     },
     Setting {
         key: "gpu.mode",
@@ -143,20 +143,20 @@ const SETTINGS: &[Setting] = &[
     },
     Setting {
         key: "gpu.memory_limit",
-        description: "Device memory Volley may hold on each device, in bytes (suffixes K, M, \
+        description: "Device memory Fulmen may hold on each device, in bytes (suffixes K, M, \
                       G allowed), or 0 for the whole device. Operators whose state outgrows \
                       it finish on the CPU.",
     },
 ];
 
-impl VolleyConfig {
-    /// The defaults, with `volley.devices` taken from `VOLLEY_DEVICES` when it is set.
+impl FulmenConfig {
+    /// The defaults, with `fulmen.devices` taken from `FULMEN_DEVICES` when it is set.
     pub fn from_env() -> Result<Self> {
         let mut config = Self::default();
-        if let Ok(devices) = std::env::var("VOLLEY_DEVICES") {
+        if let Ok(devices) = std::env::var("FULMEN_DEVICES") {
             config
                 .set("devices", &devices)
-                .map_err(|e| DataFusionError::Configuration(format!("VOLLEY_DEVICES: {e}")))?;
+                .map_err(|e| DataFusionError::Configuration(format!("FULMEN_DEVICES: {e}")))?;
         }
         Ok(config)
     }
@@ -177,12 +177,12 @@ impl VolleyConfig {
     }
 
     fn unknown_key(key: &str) -> DataFusionError {
-        let closest = did_you_mean(key, SETTINGS.iter().map(|s| s.key), "volley.");
-        DataFusionError::Configuration(format!("unknown setting 'volley.{key}'{closest}"))
+        let closest = did_you_mean(key, SETTINGS.iter().map(|s| s.key), "fulmen.");
+        DataFusionError::Configuration(format!("unknown setting 'fulmen.{key}'{closest}"))
     }
 }
 
-impl ExtensionOptions for VolleyConfig {
+impl ExtensionOptions for FulmenConfig {
     fn as_any(&self) -> &dyn Any {
         self
     }
@@ -200,13 +200,13 @@ impl ExtensionOptions for VolleyConfig {
             "devices" => {
                 self.devices = value
                     .parse()
-                    .map_err(|e| DataFusionError::Configuration(format!("volley.devices: {e}")))?
+                    .map_err(|e| DataFusionError::Configuration(format!("fulmen.devices: {e}")))?
             }
             "gpu.mode" => self.gpu_mode = value.parse()?,
             "gpu.min_rows" => {
                 self.gpu_min_rows = value.trim().parse().map_err(|_| {
                     DataFusionError::Configuration(format!(
-                        "invalid value '{value}' for volley.gpu.min_rows (expected a whole \
+                        "invalid value '{value}' for fulmen.gpu.min_rows (expected a whole \
                          number of rows)"
                     ))
                 })?
@@ -219,7 +219,7 @@ impl ExtensionOptions for VolleyConfig {
                     .filter(|&n: &usize| n > 0)
                     .ok_or_else(|| {
                         DataFusionError::Configuration(format!(
-                            "invalid value '{value}' for volley.gpu.batch_rows (expected a \
+                            "invalid value '{value}' for fulmen.gpu.batch_rows (expected a \
                              positive number of rows)"
                         ))
                     })?
@@ -254,7 +254,7 @@ fn parse_flag(key: &str, value: &str) -> Result<bool> {
         "true" | "on" | "1" => Ok(true),
         "false" | "off" | "0" => Ok(false),
         _ => Err(DataFusionError::Configuration(format!(
-            "invalid value '{value}' for volley.{key} (expected true or false)"
+            "invalid value '{value}' for fulmen.{key} (expected true or false)"
         ))),
     }
 }
@@ -278,14 +278,14 @@ fn parse_bytes(key: &str, value: &str) -> Result<usize> {
         .and_then(|(unit, n)| n.checked_mul(unit))
         .ok_or_else(|| {
             DataFusionError::Configuration(format!(
-                "invalid value '{value}' for volley.{key} (expected bytes, such as 268435456, \
+                "invalid value '{value}' for fulmen.{key} (expected bytes, such as 268435456, \
                  256M or 0 for the whole device)"
             ))
         })
 }
 
-impl ConfigExtension for VolleyConfig {
-    const PREFIX: &'static str = "volley";
+impl ConfigExtension for FulmenConfig {
+    const PREFIX: &'static str = "fulmen";
 }
 
 #[cfg(test)]
@@ -294,7 +294,7 @@ mod tests {
 
     #[test]
     fn every_setting_can_be_set_and_is_listed() {
-        let mut c = VolleyConfig::default();
+        let mut c = FulmenConfig::default();
         c.set("devices", "emulated:2").unwrap();
         c.set("gpu.mode", "FORCE").unwrap();
         c.set("gpu.min_rows", "10").unwrap();
@@ -317,16 +317,16 @@ mod tests {
         assert_eq!(
             entries,
             vec![
-                ("volley.devices".to_string(), "emulated:2".to_string()),
-                ("volley.gpu.mode".to_string(), "force".to_string()),
-                ("volley.gpu.min_rows".to_string(), "10".to_string()),
-                ("volley.gpu.batch_rows".to_string(), "4096".to_string()),
-                ("volley.gpu.filter".to_string(), "false".to_string()),
-                ("volley.gpu.projection".to_string(), "false".to_string()),
-                ("volley.gpu.aggregate".to_string(), "false".to_string()),
-                ("volley.gpu.join".to_string(), "false".to_string()),
+                ("fulmen.devices".to_string(), "emulated:2".to_string()),
+                ("fulmen.gpu.mode".to_string(), "force".to_string()),
+                ("fulmen.gpu.min_rows".to_string(), "10".to_string()),
+                ("fulmen.gpu.batch_rows".to_string(), "4096".to_string()),
+                ("fulmen.gpu.filter".to_string(), "false".to_string()),
+                ("fulmen.gpu.projection".to_string(), "false".to_string()),
+                ("fulmen.gpu.aggregate".to_string(), "false".to_string()),
+                ("fulmen.gpu.join".to_string(), "false".to_string()),
                 (
-                    "volley.gpu.memory_limit".to_string(),
+                    "fulmen.gpu.memory_limit".to_string(),
                     "1073741824".to_string()
                 ),
             ]
@@ -335,14 +335,14 @@ mod tests {
 
     #[test]
     fn bad_values_and_keys_are_clear_errors() {
-        let mut c = VolleyConfig::default();
+        let mut c = FulmenConfig::default();
         let e = c.set("gpu.mode", "fast").unwrap_err().to_string();
         assert!(
             e.contains("'fast'") && e.contains("off, auto or force"),
             "{e}"
         );
         let e = c.set("gpu.min_rows", "-1").unwrap_err().to_string();
-        assert!(e.contains("volley.gpu.min_rows"), "{e}");
+        assert!(e.contains("fulmen.gpu.min_rows"), "{e}");
         let e = c.set("gpu.batch_rows", "0").unwrap_err().to_string();
         assert!(e.contains("positive"), "{e}");
         c.set("gpu.memory_limit", "64M").unwrap();
@@ -353,9 +353,9 @@ mod tests {
         let e = c.set("gpu.filter", "maybe").unwrap_err().to_string();
         assert!(e.contains("true or false"), "{e}");
         let e = c.set("gpu.mdoe", "off").unwrap_err().to_string();
-        assert!(e.contains("did you mean 'volley.gpu.mode'"), "{e}");
+        assert!(e.contains("did you mean 'fulmen.gpu.mode'"), "{e}");
         let e = c.set("devices", "tpu:0").unwrap_err().to_string();
         assert!(e.contains("tpu"), "{e}");
-        assert_eq!(c, VolleyConfig::default(), "failed sets change nothing");
+        assert_eq!(c, FulmenConfig::default(), "failed sets change nothing");
     }
 }

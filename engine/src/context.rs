@@ -1,6 +1,6 @@
-//! [`VolleyContext`]: the session a program or the shell talks to.
+//! [`FulmenContext`]: the session a program or the shell talks to.
 //!
-//! It wraps a DataFusion `SessionContext` built with Volley's settings (`volley.*`), an
+//! It wraps a DataFusion `SessionContext` built with Fulmen's settings (`fulmen.*`), an
 //! object-store registry that reaches `s3://`, `gs://`, `az://` and `http(s)://` locations,
 //! `information_schema` (so `SHOW ALL` and `SHOW TABLES` work) and URL tables (so
 //! `SELECT * FROM 'data/t.parquet'` works without registering anything).
@@ -23,11 +23,11 @@ use datafusion::prelude::{
 use url::Url;
 
 use crate::gpu::{GpuOverrides, placement_report};
-use crate::object_store::{StoreKind, VolleyObjectStoreRegistry, build_store, take_store_options};
+use crate::object_store::{FulmenObjectStoreRegistry, StoreKind, build_store, take_store_options};
 use crate::streaming::register_window_functions;
-use crate::{EngineError, VolleyConfig, tpch};
+use crate::{EngineError, FulmenConfig, tpch};
 
-/// The file formats Volley registers by path.
+/// The file formats Fulmen registers by path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TableFormat {
     /// Apache Parquet (`.parquet`).
@@ -63,57 +63,57 @@ impl TableFormat {
     }
 }
 
-/// A Volley session: DataFusion plans and runs the SQL, with Volley's settings, object
+/// A Fulmen session: DataFusion plans and runs the SQL, with Fulmen's settings, object
 /// stores and sample data.
 ///
 /// ```no_run
 /// # async fn demo() -> datafusion::error::Result<()> {
-/// let ctx = volley_engine::VolleyContext::new()?;
+/// let ctx = fulmen_engine::FulmenContext::new()?;
 /// ctx.register_tpch(0.01)?;
 /// let batches = ctx.sql("SELECT count(*) FROM lineitem").await?.collect().await?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
-pub struct VolleyContext {
+pub struct FulmenContext {
     ctx: SessionContext,
     handlers: Arc<RwLock<Vec<Arc<dyn StatementHandler>>>>,
 }
 
 /// Statements that a crate built on the engine answers itself, before DataFusion parses
-/// them (`volley-connectors` answers `SHOW STREAMS`, `CREATE SINK` and the like).
+/// them (`fulmen-connectors` answers `SHOW STREAMS`, `CREATE SINK` and the like).
 #[async_trait::async_trait]
 pub trait StatementHandler: Send + Sync {
     /// `Ok(Some(result))` when `sql` is one of this handler's statements, `Ok(None)` when it
     /// is not.
-    async fn handle(&self, ctx: &VolleyContext, sql: &str) -> Result<Option<DataFrame>>;
+    async fn handle(&self, ctx: &FulmenContext, sql: &str) -> Result<Option<DataFrame>>;
 }
 
-impl std::fmt::Debug for VolleyContext {
+impl std::fmt::Debug for FulmenContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VolleyContext")
+        f.debug_struct("FulmenContext")
             .field("session_id", &self.ctx.session_id())
             .finish()
     }
 }
 
-impl VolleyContext {
-    /// A session with Volley's defaults, taking `VOLLEY_DEVICES` from the environment.
+impl FulmenContext {
+    /// A session with Fulmen's defaults, taking `FULMEN_DEVICES` from the environment.
     pub fn new() -> Result<Self> {
-        Ok(Self::with_config(VolleyConfig::from_env()?))
+        Ok(Self::with_config(FulmenConfig::from_env()?))
     }
 
-    /// A session with the given Volley settings and DataFusion's defaults otherwise.
-    pub fn with_config(config: VolleyConfig) -> Self {
+    /// A session with the given Fulmen settings and DataFusion's defaults otherwise.
+    pub fn with_config(config: FulmenConfig) -> Self {
         Self::with_session_config(SessionConfig::new(), config)
     }
 
-    /// A session with the given DataFusion and Volley settings.
-    pub fn with_session_config(session: SessionConfig, config: VolleyConfig) -> Self {
+    /// A session with the given DataFusion and Fulmen settings.
+    pub fn with_session_config(session: SessionConfig, config: FulmenConfig) -> Self {
         let session = session
             .with_information_schema(true)
             .with_option_extension(config);
         let runtime = RuntimeEnvBuilder::new()
-            .with_object_store_registry(Arc::new(VolleyObjectStoreRegistry::new()))
+            .with_object_store_registry(Arc::new(FulmenObjectStoreRegistry::new()))
             .build_arc()
             // Building a runtime with the default memory pool and disk manager cannot fail
             // on a machine that can run the process at all; if it does, that is a bug.
@@ -141,19 +141,19 @@ impl VolleyContext {
             .push(handler);
     }
 
-    /// The DataFusion session underneath, for anything Volley does not wrap.
+    /// The DataFusion session underneath, for anything Fulmen does not wrap.
     pub fn session_context(&self) -> &SessionContext {
         &self.ctx
     }
 
-    /// The session's current Volley settings (as changed by `SET volley.…`).
-    pub fn volley_config(&self) -> VolleyConfig {
+    /// The session's current Fulmen settings (as changed by `SET fulmen.…`).
+    pub fn fulmen_config(&self) -> FulmenConfig {
         self.ctx
             .state()
             .config()
             .options()
             .extensions
-            .get::<VolleyConfig>()
+            .get::<FulmenConfig>()
             .cloned()
             .unwrap_or_default()
     }
@@ -283,7 +283,7 @@ impl VolleyContext {
     }
 
     /// Generates the eight TPC-H tables at `scale_factor` in memory and registers them
-    /// (`lineitem`, `orders`, …): Volley's built-in sample data.
+    /// (`lineitem`, `orders`, …): Fulmen's built-in sample data.
     pub fn register_tpch(&self, scale_factor: f64) -> Result<()> {
         tpch::register(&self.ctx, scale_factor)
     }
@@ -390,7 +390,7 @@ mod tests {
     use super::*;
     use datafusion::arrow::array::{Array, Int64Array};
 
-    async fn count(ctx: &VolleyContext, sql: &str) -> i64 {
+    async fn count(ctx: &FulmenContext, sql: &str) -> i64 {
         let batches = ctx.sql(sql).await.unwrap().collect().await.unwrap();
         let column = batches[0].column(0);
         let counts = column.as_any().downcast_ref::<Int64Array>().unwrap();
@@ -400,7 +400,7 @@ mod tests {
     #[tokio::test]
     async fn registers_files_and_folders_of_every_format() {
         let dir = tempfile::tempdir().unwrap();
-        let ctx = VolleyContext::with_config(VolleyConfig::default());
+        let ctx = FulmenContext::with_config(FulmenConfig::default());
         ctx.sql("CREATE TABLE src AS VALUES (1, 'a'), (2, 'b'), (3, NULL)")
             .await
             .unwrap()
@@ -447,7 +447,7 @@ mod tests {
 
     #[tokio::test]
     async fn unknown_paths_and_formats_are_clear_errors() {
-        let ctx = VolleyContext::with_config(VolleyConfig::default());
+        let ctx = FulmenContext::with_config(FulmenConfig::default());
         let e = ctx
             .register_path("t", "/no/such/place")
             .await
@@ -477,7 +477,7 @@ mod tests {
 
     #[tokio::test]
     async fn store_options_on_local_tables_are_refused() {
-        let ctx = VolleyContext::with_config(VolleyConfig::default());
+        let ctx = FulmenContext::with_config(FulmenConfig::default());
         let e = ctx
             .sql("CREATE EXTERNAL TABLE t STORED AS CSV LOCATION '/tmp/x.csv' OPTIONS ('aws.region' 'x')")
             .await
@@ -497,16 +497,16 @@ mod tests {
 
     #[tokio::test]
     async fn settings_are_set_with_sql_and_listed() {
-        let ctx = VolleyContext::with_config(VolleyConfig::default());
-        ctx.sql("SET volley.gpu.mode = 'force'")
+        let ctx = FulmenContext::with_config(FulmenConfig::default());
+        ctx.sql("SET fulmen.gpu.mode = 'force'")
             .await
             .unwrap()
             .collect()
             .await
             .unwrap();
-        assert_eq!(ctx.volley_config().gpu_mode, crate::GpuMode::Force);
+        assert_eq!(ctx.fulmen_config().gpu_mode, crate::GpuMode::Force);
         let shown = ctx
-            .sql("SELECT value FROM information_schema.df_settings WHERE name = 'volley.gpu.mode'")
+            .sql("SELECT value FROM information_schema.df_settings WHERE name = 'fulmen.gpu.mode'")
             .await
             .unwrap()
             .collect()
@@ -517,7 +517,7 @@ mod tests {
             .to_string();
         assert!(text.contains("force"), "{text}");
         let e = ctx
-            .sql("SET volley.gpu.mode = 'sideways'")
+            .sql("SET fulmen.gpu.mode = 'sideways'")
             .await
             .unwrap_err()
             .to_string();
@@ -526,7 +526,7 @@ mod tests {
 
     #[tokio::test]
     async fn tpch_sample_data_has_the_specified_cardinalities() {
-        let ctx = VolleyContext::with_config(VolleyConfig::default());
+        let ctx = FulmenContext::with_config(FulmenConfig::default());
         ctx.register_tpch(0.01).unwrap();
         // TPC-H §4.2.5: rows per table scale with SF; lineitem's count is dbgen's.
         for (table, rows) in [

@@ -22,10 +22,10 @@ pub fn did_you_mean<'a>(
         .unwrap_or_default()
 }
 
-/// Errors raised by Volley's engine outside of DataFusion's own checks.
+/// Errors raised by Fulmen's engine outside of DataFusion's own checks.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    /// A path given to `register_path` has no format Volley can read.
+    /// A path given to `register_path` has no format Fulmen can read.
     #[error(
         "cannot tell the format of '{path}': {reason} \
          (use a .parquet, .csv, .tsv, .json, .ndjson or .arrow file or folder, \
@@ -45,7 +45,7 @@ pub enum EngineError {
     InvalidScaleFactor(f64),
     /// The device layer refused something.
     #[error(transparent)]
-    Device(#[from] volley_kernels::KernelError),
+    Device(#[from] fulmen_kernels::KernelError),
 }
 
 impl From<EngineError> for DataFusionError {

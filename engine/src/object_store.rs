@@ -25,7 +25,7 @@ use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::http::HttpBuilder;
 use url::Url;
 
-/// The kinds of remote store Volley can reach.
+/// The kinds of remote store Fulmen can reach.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreKind {
     /// Amazon S3 and S3-compatible stores.
@@ -133,7 +133,7 @@ fn unknown_option(kind: StoreKind, key: &str, full: &str) -> DataFusionError {
 pub fn build_store(url: &Url, options: &[(String, String)]) -> Result<Arc<dyn ObjectStore>> {
     let Some(kind) = StoreKind::for_scheme(url.scheme()) else {
         return Err(DataFusionError::Configuration(format!(
-            "no object store for '{}://' locations (Volley reads file paths, s3://, gs://, \
+            "no object store for '{}://' locations (Fulmen reads file paths, s3://, gs://, \
              az://, abfs[s]://, http:// and https://)",
             url.scheme()
         )));
@@ -204,18 +204,18 @@ pub fn build_store(url: &Url, options: &[(String, String)]) -> Result<Arc<dyn Ob
 /// DataFusion's registry of object stores, extended to build a store for a remote URL from
 /// the environment the first time it is needed.
 #[derive(Debug, Default)]
-pub struct VolleyObjectStoreRegistry {
+pub struct FulmenObjectStoreRegistry {
     inner: DefaultObjectStoreRegistry,
 }
 
-impl VolleyObjectStoreRegistry {
+impl FulmenObjectStoreRegistry {
     /// A registry that knows the local file system and builds remote stores on demand.
     pub fn new() -> Self {
         Self::default()
     }
 }
 
-impl ObjectStoreRegistry for VolleyObjectStoreRegistry {
+impl ObjectStoreRegistry for FulmenObjectStoreRegistry {
     fn register_store(
         &self,
         url: &Url,
@@ -321,7 +321,7 @@ mod tests {
 
     #[test]
     fn registry_builds_remote_stores_on_demand_and_keeps_them() {
-        let registry = VolleyObjectStoreRegistry::new();
+        let registry = FulmenObjectStoreRegistry::new();
         let url = Url::parse("http://127.0.0.1:9/data/t.csv").unwrap();
         let first = registry.get_store(&url).unwrap();
         let again = registry.get_store(&url).unwrap();

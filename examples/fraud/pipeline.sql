@@ -1,4 +1,4 @@
--- Volley's fraud-detection pipeline (see README.md in this folder).
+-- Fulmen's fraud-detection pipeline (see README.md in this folder).
 -- Run it in the shell with \i examples/fraud/pipeline.sql while fraud-generator writes
 -- transactions; the sinks keep running until DROP SINK or the end of the session.
 
@@ -8,7 +8,7 @@ CREATE EXTERNAL TABLE transactions (
 ) STORED AS KAFKA LOCATION 'transactions' OPTIONS (
   'bootstrap.servers' 'localhost:9092',
   'start' 'earliest',
-  'group.id' 'volley-fraud',
+  'group.id' 'fulmen-fraud',
   'event_time' 'ts',
   'watermark' '5 seconds',
   'idle_timeout' '10 seconds',

@@ -1,24 +1,24 @@
 //! Criterion micro-benchmarks of the kernels, in bytes per second moved, on the device
-//! `VOLLEY_BENCH_DEVICE` names (`emulated`, the default, or `cuda`). Emulated numbers only
+//! `FULMEN_BENCH_DEVICE` names (`emulated`, the default, or `cuda`). Emulated numbers only
 //! show that the benchmarks run; `scripts/gpu-check.sh` gives the GPU's.
 //!
-//! `cargo bench -p volley-kernels --bench kernels`
+//! `cargo bench -p fulmen-kernels --bench kernels`
 
 use arrow::array::{BooleanArray, Int64Array};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use volley_kernels::ops::{RowIndices, compact, gather, hash, hash_table};
-use volley_kernels::{Device, DeviceColumn, EmulatorOptions};
+use fulmen_kernels::ops::{RowIndices, compact, gather, hash, hash_table};
+use fulmen_kernels::{Device, DeviceColumn, EmulatorOptions};
 
 fn device() -> Device {
-    match std::env::var("VOLLEY_BENCH_DEVICE").as_deref() {
-        Ok("cuda") => Device::cuda(0, None).expect("VOLLEY_BENCH_DEVICE=cuda needs GPU 0"),
+    match std::env::var("FULMEN_BENCH_DEVICE").as_deref() {
+        Ok("cuda") => Device::cuda(0, None).expect("FULMEN_BENCH_DEVICE=cuda needs GPU 0"),
         _ => Device::emulated(0, &EmulatorOptions::default()),
     }
 }
 
 fn kernels(c: &mut Criterion) {
     let d = device();
-    let rows: usize = if d.kind() == volley_kernels::DeviceKind::Cuda {
+    let rows: usize = if d.kind() == fulmen_kernels::DeviceKind::Cuda {
         10_000_000
     } else {
         200_000
@@ -65,7 +65,7 @@ fn kernels(c: &mut Criterion) {
     });
     // GROUP BY key: count(*), sum(v) with few groups (per-block shared-memory tables) and
     // with many (the global table).
-    use volley_kernels::ops::aggregate::{AccInput, AccOp, GroupTable};
+    use fulmen_kernels::ops::aggregate::{AccInput, AccOp, GroupTable};
     let ops = [AccOp::Count, AccOp::SumInt];
     for (name, distinct) in [("4 groups", 4i64), ("all rows distinct", i64::MAX)] {
         let keys: Int64Array = (0..rows as i64)
@@ -93,7 +93,7 @@ fn kernels(c: &mut Criterion) {
         });
     }
     // Join: a 1000-row build side probed by every row, keys verified, pairs compacted.
-    let join = volley_kernels::ops::join::JoinTable::build(
+    let join = fulmen_kernels::ops::join::JoinTable::build(
         &d,
         vec![DeviceColumn::upload(&d, &(0..1000).collect::<Int64Array>()).unwrap()],
         None,

@@ -36,7 +36,7 @@
 //       every row. shared_groups != 0: each block first accumulates into per-block tables in
 //       dynamic shared memory (the host checks the size) and merges them into global memory
 //       once, so that a few groups do not serialise every row on a handful of addresses.
-#include "volley.cuh"
+#include "fulmen.cuh"
 
 typedef __int128 i128;
 
@@ -61,7 +61,7 @@ __device__ __forceinline__ const KeyCol* agg_store_row(const KeyCol* store, cons
     return store + (uint64_t)lo * ncols;
 }
 
-VOLLEY_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, const uint64_t* hashes, uint64_t n,
+FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, const uint64_t* hashes, uint64_t n,
                                  const KeyCol* batch_keys, const KeyCol* store_keys, const uint64_t* starts,
                                  uint32_t chunks, uint32_t ncols, uint64_t limit, unsigned long long* inserted,
                                  uint32_t* refs) {
@@ -100,21 +100,21 @@ VOLLEY_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, const
     }
 }
 
-VOLLEY_KERNEL agg_first_rows(const uint32_t* refs, uint64_t n, uint32_t* first) {
+FULMEN_KERNEL agg_first_rows(const uint32_t* refs, uint64_t n, uint32_t* first) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint32_t r = refs[i];
         if (r & AGG_PENDING) atomicMin(&first[r & ~AGG_PENDING], (uint32_t)i);
     }
 }
 
-VOLLEY_KERNEL agg_leader_flags(const uint32_t* refs, const uint32_t* first, uint64_t n, uint64_t* flags) {
+FULMEN_KERNEL agg_leader_flags(const uint32_t* refs, const uint32_t* first, uint64_t n, uint64_t* flags) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint32_t r = refs[i];
         flags[i] = (r & AGG_PENDING) && first[r & ~AGG_PENDING] == (uint32_t)i ? 1 : 0;
     }
 }
 
-VOLLEY_KERNEL agg_resolve(const uint32_t* refs, const uint32_t* first, const uint64_t* ranks, const uint64_t* flags,
+FULMEN_KERNEL agg_resolve(const uint32_t* refs, const uint32_t* first, const uint64_t* ranks, const uint64_t* flags,
                           const uint64_t* hashes, uint64_t n, uint64_t g0, uint32_t* gids, uint32_t* leaders,
                           uint64_t* group_hashes) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
@@ -127,7 +127,7 @@ VOLLEY_KERNEL agg_resolve(const uint32_t* refs, const uint32_t* first, const uin
     }
 }
 
-VOLLEY_KERNEL agg_fix_slots(unsigned long long* slots, uint64_t capacity, const uint32_t* first, const uint64_t* ranks,
+FULMEN_KERNEL agg_fix_slots(unsigned long long* slots, uint64_t capacity, const uint32_t* first, const uint64_t* ranks,
                             uint64_t g0) {
     for (uint64_t s = GRID_START; s < capacity; s += GRID_STRIDE) {
         unsigned long long v = slots[s];
@@ -137,14 +137,14 @@ VOLLEY_KERNEL agg_fix_slots(unsigned long long* slots, uint64_t capacity, const 
     }
 }
 
-VOLLEY_KERNEL agg_rollback(unsigned long long* slots, uint64_t capacity, uint64_t g0) {
+FULMEN_KERNEL agg_rollback(unsigned long long* slots, uint64_t capacity, uint64_t g0) {
     for (uint64_t s = GRID_START; s < capacity; s += GRID_STRIDE) {
         unsigned long long v = slots[s];
         if (v != AGG_EMPTY && (uint32_t)v >= g0) slots[s] = AGG_EMPTY;
     }
 }
 
-VOLLEY_KERNEL agg_rehash(unsigned long long* slots, uint64_t mask, const uint64_t* group_hashes, uint64_t groups) {
+FULMEN_KERNEL agg_rehash(unsigned long long* slots, uint64_t mask, const uint64_t* group_hashes, uint64_t groups) {
     for (uint64_t g = GRID_START; g < groups; g += GRID_STRIDE) {
         uint64_t h = group_hashes[g];
         unsigned long long entry = ((h >> 32) << 32) | (uint32_t)g;
@@ -153,7 +153,7 @@ VOLLEY_KERNEL agg_rehash(unsigned long long* slots, uint64_t mask, const uint64_
     }
 }
 
-VOLLEY_KERNEL agg_fill_u64(uint64_t* buffer, uint64_t n, uint64_t value) {
+FULMEN_KERNEL agg_fill_u64(uint64_t* buffer, uint64_t n, uint64_t value) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) buffer[i] = value;
 }
 
@@ -307,17 +307,17 @@ __device__ __forceinline__ uint64_t agg_identity(uint64_t op, uint32_t word) {
     }
 }
 
-VOLLEY_KERNEL agg_init_state(unsigned long long* state, uint64_t op, uint64_t from, uint64_t to) {
+FULMEN_KERNEL agg_init_state(unsigned long long* state, uint64_t op, uint64_t from, uint64_t to) {
     uint64_t words = agg_state_words(op);
     for (uint64_t g = from + GRID_START; g < to; g += GRID_STRIDE)
         for (uint64_t w = 0; w < words; ++w) state[g * words + w] = agg_identity(op, (uint32_t)w);
 }
 
-VOLLEY_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids, uint64_t n, uint32_t* locks,
+FULMEN_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids, uint64_t n, uint32_t* locks,
                          uint64_t groups, uint32_t shared_groups) {
     if (shared_groups) {
         // Per-block tables: for each accumulator, counts[groups] then state[groups × words].
-        VOLLEY_DYNAMIC_SHARED(unsigned long long, tables);
+        FULMEN_DYNAMIC_SHARED(unsigned long long, tables);
         uint64_t at = 0;
         for (uint32_t k = 0; k < nacc; ++k) {
             uint64_t words = agg_state_words(accs[k].op);
@@ -373,15 +373,15 @@ VOLLEY_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids
     }
 }
 
-#if defined(VOLLEY_EMULATOR)
-VOLLEY_EMU_EXPORT(agg_find_or_insert)
-VOLLEY_EMU_EXPORT(agg_first_rows)
-VOLLEY_EMU_EXPORT(agg_leader_flags)
-VOLLEY_EMU_EXPORT(agg_resolve)
-VOLLEY_EMU_EXPORT(agg_fix_slots)
-VOLLEY_EMU_EXPORT(agg_rollback)
-VOLLEY_EMU_EXPORT(agg_rehash)
-VOLLEY_EMU_EXPORT(agg_fill_u64)
-VOLLEY_EMU_EXPORT(agg_init_state)
-VOLLEY_EMU_EXPORT(agg_update)
+#if defined(FULMEN_EMULATOR)
+FULMEN_EMU_EXPORT(agg_find_or_insert)
+FULMEN_EMU_EXPORT(agg_first_rows)
+FULMEN_EMU_EXPORT(agg_leader_flags)
+FULMEN_EMU_EXPORT(agg_resolve)
+FULMEN_EMU_EXPORT(agg_fix_slots)
+FULMEN_EMU_EXPORT(agg_rollback)
+FULMEN_EMU_EXPORT(agg_rehash)
+FULMEN_EMU_EXPORT(agg_fill_u64)
+FULMEN_EMU_EXPORT(agg_init_state)
+FULMEN_EMU_EXPORT(agg_update)
 #endif

@@ -6,7 +6,7 @@
 //   select_scatter     (values, validity, n, offsets, out): writes each selected row index
 //                      at out[offsets[w] + rank within its word]
 // Bitmaps are Arrow's (LSB first) and start at bit 0. `out` holds the total of the counts.
-#include "volley.cuh"
+#include "fulmen.cuh"
 
 __device__ __forceinline__ uint32_t selection_word(const uint8_t* values, const uint8_t* validity, uint64_t n,
                                                    uint64_t word) {
@@ -25,14 +25,14 @@ __device__ __forceinline__ uint32_t selection_word(const uint8_t* values, const 
     return bits;
 }
 
-VOLLEY_KERNEL select_word_counts(const uint8_t* values, const uint8_t* validity, uint64_t n, uint64_t* counts) {
+FULMEN_KERNEL select_word_counts(const uint8_t* values, const uint8_t* validity, uint64_t n, uint64_t* counts) {
     uint64_t words = (n + 31) / 32;
     for (uint64_t w = GRID_START; w < words; w += GRID_STRIDE) {
         counts[w] = (uint64_t)__popc(selection_word(values, validity, n, w));
     }
 }
 
-VOLLEY_KERNEL select_scatter(const uint8_t* values, const uint8_t* validity, uint64_t n, const uint64_t* offsets,
+FULMEN_KERNEL select_scatter(const uint8_t* values, const uint8_t* validity, uint64_t n, const uint64_t* offsets,
                              uint32_t* out) {
     uint64_t words = (n + 31) / 32;
     for (uint64_t w = GRID_START; w < words; w += GRID_STRIDE) {
@@ -46,7 +46,7 @@ VOLLEY_KERNEL select_scatter(const uint8_t* values, const uint8_t* validity, uin
     }
 }
 
-#if defined(VOLLEY_EMULATOR)
-VOLLEY_EMU_EXPORT(select_word_counts)
-VOLLEY_EMU_EXPORT(select_scatter)
+#if defined(FULMEN_EMULATOR)
+FULMEN_EMU_EXPORT(select_word_counts)
+FULMEN_EMU_EXPORT(select_scatter)
 #endif

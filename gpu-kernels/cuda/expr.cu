@@ -22,7 +22,7 @@
 // lanes stay in step because rows are taken warp by warp. The host (ops/expr.rs) checks
 // the program before launch: stack depth, column, constant and output indices, and that
 // each column's layout matches the load that reads it.
-#include "volley.cuh"
+#include "fulmen.cuh"
 
 #define EXPR_STACK 32
 #define EXPR_MAX_OUTPUTS 64
@@ -221,7 +221,7 @@ __device__ __forceinline__ void load_string(Val& v, const uint64_t* col, uint64_
     v.b = end - start;
 }
 
-VOLLEY_KERNEL expr_eval(const int64_t* code, uint64_t code_len, const int64_t* consts, const uint8_t* strings,
+FULMEN_KERNEL expr_eval(const int64_t* code, uint64_t code_len, const int64_t* consts, const uint8_t* strings,
                         const uint64_t* cols, const uint64_t* outs, uint64_t n, uint32_t* error) {
     const unsigned lane = threadIdx.x & 31;
     const uint64_t first = GRID_START - lane;
@@ -775,6 +775,6 @@ VOLLEY_KERNEL expr_eval(const int64_t* code, uint64_t code_len, const int64_t* c
     }
 }
 
-#if defined(VOLLEY_EMULATOR)
-VOLLEY_EMU_EXPORT(expr_eval)
+#if defined(FULMEN_EMULATOR)
+FULMEN_EMU_EXPORT(expr_eval)
 #endif

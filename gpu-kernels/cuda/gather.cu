@@ -9,10 +9,10 @@
 //   gather_string_copy_o32/o64 (offsets, bytes, idx, n, starts, out_offsets, out_bytes)
 //                                                            copies the bytes and writes
 //                                                            out_offsets[0..=n]
-#include "volley.cuh"
+#include "fulmen.cuh"
 
 #define GATHER_FIXED(NAME, T)                                                              \
-    VOLLEY_KERNEL NAME(const T* in, const uint32_t* idx, uint64_t n, T* out) {             \
+    FULMEN_KERNEL NAME(const T* in, const uint32_t* idx, uint64_t n, T* out) {             \
         for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {                           \
             uint32_t j = idx[i];                                                           \
             out[i] = j == NULL_INDEX ? T{} : in[j];                                        \
@@ -25,7 +25,7 @@ GATHER_FIXED(gather_fixed_4, uint32_t)
 GATHER_FIXED(gather_fixed_8, uint64_t)
 GATHER_FIXED(gather_fixed_16, Word128)
 
-VOLLEY_KERNEL gather_validity(const uint8_t* in_validity, const uint32_t* idx, uint64_t n, uint8_t* out) {
+FULMEN_KERNEL gather_validity(const uint8_t* in_validity, const uint32_t* idx, uint64_t n, uint8_t* out) {
     uint64_t bytes = (n + 7) / 8;
     for (uint64_t b = GRID_START; b < bytes; b += GRID_STRIDE) {
         uint8_t bits = 0;
@@ -40,14 +40,14 @@ VOLLEY_KERNEL gather_validity(const uint8_t* in_validity, const uint32_t* idx, u
 }
 
 #define GATHER_STRINGS(SUFFIX, OFF)                                                                  \
-    VOLLEY_KERNEL gather_string_lengths_##SUFFIX(const OFF* offsets, const uint32_t* idx, uint64_t n, \
+    FULMEN_KERNEL gather_string_lengths_##SUFFIX(const OFF* offsets, const uint32_t* idx, uint64_t n, \
                                                  uint64_t* lengths) {                                \
         for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {                                     \
             uint32_t j = idx[i];                                                                     \
             lengths[i] = j == NULL_INDEX ? 0 : (uint64_t)(offsets[j + 1] - offsets[j]);              \
         }                                                                                            \
     }                                                                                                \
-    VOLLEY_KERNEL gather_string_copy_##SUFFIX(const OFF* offsets, const uint8_t* bytes,              \
+    FULMEN_KERNEL gather_string_copy_##SUFFIX(const OFF* offsets, const uint8_t* bytes,              \
                                               const uint32_t* idx, uint64_t n, const uint64_t* starts, \
                                               OFF* out_offsets, uint8_t* out_bytes) {                \
         for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {                                     \
@@ -64,15 +64,15 @@ VOLLEY_KERNEL gather_validity(const uint8_t* in_validity, const uint32_t* idx, u
 GATHER_STRINGS(o32, int32_t)
 GATHER_STRINGS(o64, int64_t)
 
-#if defined(VOLLEY_EMULATOR)
-VOLLEY_EMU_EXPORT(gather_fixed_1)
-VOLLEY_EMU_EXPORT(gather_fixed_2)
-VOLLEY_EMU_EXPORT(gather_fixed_4)
-VOLLEY_EMU_EXPORT(gather_fixed_8)
-VOLLEY_EMU_EXPORT(gather_fixed_16)
-VOLLEY_EMU_EXPORT(gather_validity)
-VOLLEY_EMU_EXPORT(gather_string_lengths_o32)
-VOLLEY_EMU_EXPORT(gather_string_lengths_o64)
-VOLLEY_EMU_EXPORT(gather_string_copy_o32)
-VOLLEY_EMU_EXPORT(gather_string_copy_o64)
+#if defined(FULMEN_EMULATOR)
+FULMEN_EMU_EXPORT(gather_fixed_1)
+FULMEN_EMU_EXPORT(gather_fixed_2)
+FULMEN_EMU_EXPORT(gather_fixed_4)
+FULMEN_EMU_EXPORT(gather_fixed_8)
+FULMEN_EMU_EXPORT(gather_fixed_16)
+FULMEN_EMU_EXPORT(gather_validity)
+FULMEN_EMU_EXPORT(gather_string_lengths_o32)
+FULMEN_EMU_EXPORT(gather_string_lengths_o64)
+FULMEN_EMU_EXPORT(gather_string_copy_o32)
+FULMEN_EMU_EXPORT(gather_string_copy_o64)
 #endif

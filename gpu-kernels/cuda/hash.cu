@@ -6,7 +6,7 @@
 //   f32/f64 first make -0.0 equal to 0.0 and every NaN one NaN, as SQL grouping needs;
 //   string_o32/o64 hash the UTF-8 bytes between offsets[i] and offsets[i + 1].
 // The same functions are written in Rust in src/ops/hash.rs; the two must agree.
-#include "volley.cuh"
+#include "fulmen.cuh"
 
 #define NULL_HASH 0x5bd1e9955bd1e995ull
 
@@ -28,7 +28,7 @@ __device__ __forceinline__ void store_hash(uint64_t* hashes, uint64_t i, uint64_
 }
 
 #define HASH_FIXED(NAME, T, BYTES)                                                                  \
-    VOLLEY_KERNEL NAME(const T* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,      \
+    FULMEN_KERNEL NAME(const T* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,      \
                        uint32_t combine) {                                                          \
         for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {                                    \
             uint64_t h = bit_is_set(validity, i) ? fmix64((uint64_t)values[i] ^ (BYTES##ull << 56)) \
@@ -42,7 +42,7 @@ HASH_FIXED(hash_fixed_2, uint16_t, 2)
 HASH_FIXED(hash_fixed_4, uint32_t, 4)
 HASH_FIXED(hash_fixed_8, uint64_t, 8)
 
-VOLLEY_KERNEL hash_fixed_16(const Word128* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,
+FULMEN_KERNEL hash_fixed_16(const Word128* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,
                             uint32_t combine) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint64_t h = NULL_HASH;
@@ -54,7 +54,7 @@ VOLLEY_KERNEL hash_fixed_16(const Word128* values, const uint8_t* validity, uint
     }
 }
 
-VOLLEY_KERNEL hash_f32(const uint32_t* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,
+FULMEN_KERNEL hash_f32(const uint32_t* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,
                        uint32_t combine) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint64_t h = NULL_HASH;
@@ -68,7 +68,7 @@ VOLLEY_KERNEL hash_f32(const uint32_t* values, const uint8_t* validity, uint64_t
     }
 }
 
-VOLLEY_KERNEL hash_f64(const uint64_t* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,
+FULMEN_KERNEL hash_f64(const uint64_t* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,
                        uint32_t combine) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint64_t h = NULL_HASH;
@@ -84,7 +84,7 @@ VOLLEY_KERNEL hash_f64(const uint64_t* values, const uint8_t* validity, uint64_t
 }
 
 #define HASH_STRINGS(SUFFIX, OFF)                                                                  \
-    VOLLEY_KERNEL hash_string_##SUFFIX(const OFF* offsets, const uint8_t* bytes, const uint8_t* validity, \
+    FULMEN_KERNEL hash_string_##SUFFIX(const OFF* offsets, const uint8_t* bytes, const uint8_t* validity, \
                                        uint64_t n, uint64_t* hashes, uint32_t combine) {            \
         for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {                                   \
             uint64_t h = NULL_HASH;                                                                \
@@ -103,14 +103,14 @@ VOLLEY_KERNEL hash_f64(const uint64_t* values, const uint8_t* validity, uint64_t
 HASH_STRINGS(o32, int32_t)
 HASH_STRINGS(o64, int64_t)
 
-#if defined(VOLLEY_EMULATOR)
-VOLLEY_EMU_EXPORT(hash_fixed_1)
-VOLLEY_EMU_EXPORT(hash_fixed_2)
-VOLLEY_EMU_EXPORT(hash_fixed_4)
-VOLLEY_EMU_EXPORT(hash_fixed_8)
-VOLLEY_EMU_EXPORT(hash_fixed_16)
-VOLLEY_EMU_EXPORT(hash_f32)
-VOLLEY_EMU_EXPORT(hash_f64)
-VOLLEY_EMU_EXPORT(hash_string_o32)
-VOLLEY_EMU_EXPORT(hash_string_o64)
+#if defined(FULMEN_EMULATOR)
+FULMEN_EMU_EXPORT(hash_fixed_1)
+FULMEN_EMU_EXPORT(hash_fixed_2)
+FULMEN_EMU_EXPORT(hash_fixed_4)
+FULMEN_EMU_EXPORT(hash_fixed_8)
+FULMEN_EMU_EXPORT(hash_fixed_16)
+FULMEN_EMU_EXPORT(hash_f32)
+FULMEN_EMU_EXPORT(hash_f64)
+FULMEN_EMU_EXPORT(hash_string_o32)
+FULMEN_EMU_EXPORT(hash_string_o64)
 #endif

@@ -12,7 +12,7 @@
 //                           when there are at most SORT_RUN_MAX of them
 // capacity is a power of two and mask == capacity - 1; the table must keep a free slot, so
 // the host sizes it above the row count (load factor at most 1/2).
-#include "volley.cuh"
+#include "fulmen.cuh"
 
 #define EMPTY_SLOT 0xFFFFFFFFFFFFFFFFull
 // Longest run of one probe row's candidates that the emit kernel puts in build order.
@@ -21,14 +21,14 @@
 // A real hash equal to the empty marker is stored as its neighbour.
 __device__ __forceinline__ uint64_t slot_key(uint64_t h) { return h == EMPTY_SLOT ? EMPTY_SLOT - 1 : h; }
 
-VOLLEY_KERNEL hash_table_init(uint64_t* keys, uint32_t* rows, uint64_t capacity) {
+FULMEN_KERNEL hash_table_init(uint64_t* keys, uint32_t* rows, uint64_t capacity) {
     for (uint64_t i = GRID_START; i < capacity; i += GRID_STRIDE) {
         keys[i] = EMPTY_SLOT;
         rows[i] = NULL_INDEX;
     }
 }
 
-VOLLEY_KERNEL hash_table_insert(unsigned long long* keys, uint32_t* rows, uint64_t mask, const uint64_t* hashes,
+FULMEN_KERNEL hash_table_insert(unsigned long long* keys, uint32_t* rows, uint64_t mask, const uint64_t* hashes,
                                 const uint8_t* valid, uint64_t n) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         if (!bit_is_set(valid, i)) continue;
@@ -45,7 +45,7 @@ VOLLEY_KERNEL hash_table_insert(unsigned long long* keys, uint32_t* rows, uint64
     }
 }
 
-VOLLEY_KERNEL hash_table_probe_count(const uint64_t* keys, uint64_t mask, const uint64_t* hashes,
+FULMEN_KERNEL hash_table_probe_count(const uint64_t* keys, uint64_t mask, const uint64_t* hashes,
                                      const uint8_t* valid, uint64_t n, uint64_t* counts) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint64_t count = 0;
@@ -58,7 +58,7 @@ VOLLEY_KERNEL hash_table_probe_count(const uint64_t* keys, uint64_t mask, const 
     }
 }
 
-VOLLEY_KERNEL hash_table_probe_emit(const uint64_t* keys, const uint32_t* rows, uint64_t mask,
+FULMEN_KERNEL hash_table_probe_emit(const uint64_t* keys, const uint32_t* rows, uint64_t mask,
                                     const uint64_t* hashes, const uint8_t* valid, uint64_t n,
                                     const uint64_t* offsets, uint32_t* out_build, uint32_t* out_probe) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
@@ -85,9 +85,9 @@ VOLLEY_KERNEL hash_table_probe_emit(const uint64_t* keys, const uint32_t* rows, 
     }
 }
 
-#if defined(VOLLEY_EMULATOR)
-VOLLEY_EMU_EXPORT(hash_table_init)
-VOLLEY_EMU_EXPORT(hash_table_insert)
-VOLLEY_EMU_EXPORT(hash_table_probe_count)
-VOLLEY_EMU_EXPORT(hash_table_probe_emit)
+#if defined(FULMEN_EMULATOR)
+FULMEN_EMU_EXPORT(hash_table_init)
+FULMEN_EMU_EXPORT(hash_table_insert)
+FULMEN_EMU_EXPORT(hash_table_probe_count)
+FULMEN_EMU_EXPORT(hash_table_probe_emit)
 #endif

@@ -6,7 +6,7 @@
 //       table usually leaves NULL build keys out already).
 //   join_compact (build, probe, flags, offsets, n, out_build, out_probe)
 //       the flagged pairs, in order, at their exclusive-scan offsets
-#include "volley.cuh"
+#include "fulmen.cuh"
 
 __device__ __forceinline__ bool join_key_null(const KeyCol* keys, uint64_t row, uint32_t ncols) {
     for (uint32_t c = 0; c < ncols; ++c)
@@ -14,7 +14,7 @@ __device__ __forceinline__ bool join_key_null(const KeyCol* keys, uint64_t row, 
     return false;
 }
 
-VOLLEY_KERNEL join_verify(const KeyCol* build_keys, const KeyCol* probe_keys, uint32_t ncols, const uint32_t* build,
+FULMEN_KERNEL join_verify(const KeyCol* build_keys, const KeyCol* probe_keys, uint32_t ncols, const uint32_t* build,
                           const uint32_t* probe, uint64_t n, uint32_t nulls_match, uint64_t* flags) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         bool equal = keys_equal(build_keys, build[i], probe_keys, probe[i], ncols);
@@ -24,7 +24,7 @@ VOLLEY_KERNEL join_verify(const KeyCol* build_keys, const KeyCol* probe_keys, ui
     }
 }
 
-VOLLEY_KERNEL join_compact(const uint32_t* build, const uint32_t* probe, const uint64_t* flags,
+FULMEN_KERNEL join_compact(const uint32_t* build, const uint32_t* probe, const uint64_t* flags,
                            const uint64_t* offsets, uint64_t n, uint32_t* out_build, uint32_t* out_probe) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         if (flags[i]) {
@@ -34,7 +34,7 @@ VOLLEY_KERNEL join_compact(const uint32_t* build, const uint32_t* probe, const u
     }
 }
 
-#if defined(VOLLEY_EMULATOR)
-VOLLEY_EMU_EXPORT(join_verify)
-VOLLEY_EMU_EXPORT(join_compact)
+#if defined(FULMEN_EMULATOR)
+FULMEN_EMU_EXPORT(join_verify)
+FULMEN_EMU_EXPORT(join_compact)
 #endif

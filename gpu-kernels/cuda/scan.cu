@@ -4,7 +4,7 @@
 //                                          (in place) and writes the total at tile_sums[tiles]
 //   scan_tiles        (in, n, tile_sums, out): each tile scanned in shared memory, plus its offset
 // Launch scan_tile_sums and scan_tiles with blockDim.x == SCAN_THREADS; any grid size works.
-#include "volley.cuh"
+#include "fulmen.cuh"
 
 #define SCAN_THREADS 256
 #define SCAN_ITEMS 4
@@ -26,7 +26,7 @@ __device__ uint64_t block_inclusive_scan(uint64_t value, uint64_t* buf) {
     return result;
 }
 
-VOLLEY_KERNEL scan_tile_sums(const uint64_t* in, uint64_t n, uint64_t* tile_sums) {
+FULMEN_KERNEL scan_tile_sums(const uint64_t* in, uint64_t n, uint64_t* tile_sums) {
     __shared__ uint64_t buf[SCAN_THREADS];
     uint64_t tiles = (n + SCAN_TILE - 1) / SCAN_TILE;
     for (uint64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -39,7 +39,7 @@ VOLLEY_KERNEL scan_tile_sums(const uint64_t* in, uint64_t n, uint64_t* tile_sums
     }
 }
 
-VOLLEY_KERNEL scan_tile_offsets(uint64_t* tile_sums, uint64_t tiles) {
+FULMEN_KERNEL scan_tile_offsets(uint64_t* tile_sums, uint64_t tiles) {
     __shared__ uint64_t buf[SCAN_THREADS];
     __shared__ uint64_t carry;
     if (blockIdx.x != 0) return;
@@ -58,7 +58,7 @@ VOLLEY_KERNEL scan_tile_offsets(uint64_t* tile_sums, uint64_t tiles) {
     if (threadIdx.x == 0) tile_sums[tiles] = carry;
 }
 
-VOLLEY_KERNEL scan_tiles(const uint64_t* in, uint64_t n, const uint64_t* tile_offsets, uint64_t* out) {
+FULMEN_KERNEL scan_tiles(const uint64_t* in, uint64_t n, const uint64_t* tile_offsets, uint64_t* out) {
     __shared__ uint64_t buf[SCAN_THREADS];
     uint64_t tiles = (n + SCAN_TILE - 1) / SCAN_TILE;
     for (uint64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -77,8 +77,8 @@ VOLLEY_KERNEL scan_tiles(const uint64_t* in, uint64_t n, const uint64_t* tile_of
     }
 }
 
-#if defined(VOLLEY_EMULATOR)
-VOLLEY_EMU_EXPORT(scan_tile_sums)
-VOLLEY_EMU_EXPORT(scan_tile_offsets)
-VOLLEY_EMU_EXPORT(scan_tiles)
+#if defined(FULMEN_EMULATOR)
+FULMEN_EMU_EXPORT(scan_tile_sums)
+FULMEN_EMU_EXPORT(scan_tile_offsets)
+FULMEN_EMU_EXPORT(scan_tiles)
 #endif

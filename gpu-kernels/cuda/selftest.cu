@@ -9,9 +9,9 @@
 //   selftest_oob         (out, n)         writes out[n]: one element past the end
 //   selftest_divergent   (out)            half the block waits at __syncthreads, half at
 //                                         __syncwarp: never completes on a GPU
-#include "volley.cuh"
+#include "fulmen.cuh"
 
-VOLLEY_KERNEL selftest_block_scan(const uint32_t* in, uint32_t* out) {
+FULMEN_KERNEL selftest_block_scan(const uint32_t* in, uint32_t* out) {
     __shared__ uint32_t buf[1024];
     unsigned t = threadIdx.x;
     buf[t] = in[t];
@@ -25,7 +25,7 @@ VOLLEY_KERNEL selftest_block_scan(const uint32_t* in, uint32_t* out) {
     out[t] = buf[t];
 }
 
-VOLLEY_KERNEL selftest_warp(const int32_t* in, int32_t* sums, uint32_t* ballots, int32_t* rotated,
+FULMEN_KERNEL selftest_warp(const int32_t* in, int32_t* sums, uint32_t* ballots, int32_t* rotated,
                             int32_t* all_sums, uint32_t* votes, int32_t* ups) {
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     unsigned lane = threadIdx.x % 32;
@@ -47,7 +47,7 @@ VOLLEY_KERNEL selftest_warp(const int32_t* in, int32_t* sums, uint32_t* ballots,
     ups[i] = __shfl_up_sync(0xffffffffu, v, 1);
 }
 
-VOLLEY_KERNEL selftest_atomics(uint64_t n, uint32_t* counter, int32_t* max, int32_t* min,
+FULMEN_KERNEL selftest_atomics(uint64_t n, uint32_t* counter, int32_t* max, int32_t* min,
                                unsigned long long* sum64, float* fsum, double* dsum, uint32_t* bits,
                                unsigned long long* cas_sum) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
@@ -67,7 +67,7 @@ VOLLEY_KERNEL selftest_atomics(uint64_t n, uint32_t* counter, int32_t* max, int3
     }
 }
 
-VOLLEY_KERNEL selftest_racy(uint32_t* out, uint32_t with_barrier) {
+FULMEN_KERNEL selftest_racy(uint32_t* out, uint32_t with_barrier) {
     __shared__ uint32_t slots[1024];
     unsigned t = threadIdx.x;
     slots[t] = t + 1;
@@ -75,11 +75,11 @@ VOLLEY_KERNEL selftest_racy(uint32_t* out, uint32_t with_barrier) {
     out[t] = slots[(t + 1) % blockDim.x];
 }
 
-VOLLEY_KERNEL selftest_oob(uint32_t* out, uint64_t n) {
+FULMEN_KERNEL selftest_oob(uint32_t* out, uint64_t n) {
     for (uint64_t i = GRID_START; i <= n; i += GRID_STRIDE) out[i] = 7;  // `<=`: the bug
 }
 
-VOLLEY_KERNEL selftest_divergent(uint32_t* out) {
+FULMEN_KERNEL selftest_divergent(uint32_t* out) {
     if (threadIdx.x < 16) {
         __syncthreads();
     } else {
@@ -88,11 +88,11 @@ VOLLEY_KERNEL selftest_divergent(uint32_t* out) {
     out[threadIdx.x] = 1;
 }
 
-#if defined(VOLLEY_EMULATOR)
-VOLLEY_EMU_EXPORT(selftest_block_scan)
-VOLLEY_EMU_EXPORT(selftest_warp)
-VOLLEY_EMU_EXPORT(selftest_atomics)
-VOLLEY_EMU_EXPORT(selftest_racy)
-VOLLEY_EMU_EXPORT(selftest_oob)
-VOLLEY_EMU_EXPORT(selftest_divergent)
+#if defined(FULMEN_EMULATOR)
+FULMEN_EMU_EXPORT(selftest_block_scan)
+FULMEN_EMU_EXPORT(selftest_warp)
+FULMEN_EMU_EXPORT(selftest_atomics)
+FULMEN_EMU_EXPORT(selftest_racy)
+FULMEN_EMU_EXPORT(selftest_oob)
+FULMEN_EMU_EXPORT(selftest_divergent)
 #endif

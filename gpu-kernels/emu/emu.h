@@ -1,5 +1,5 @@
 // The CUDA execution model on the host: what kernel sources see when they are compiled
-// by the host C++ compiler for the emulated device (VOLLEY_EMULATOR is defined).
+// by the host C++ compiler for the emulated device (FULMEN_EMULATOR is defined).
 //
 // Each block's threads run as fibers on one OS thread. A thread runs until it reaches a
 // barrier (__syncthreads), a warp collective (__ballot_sync, __shfl_sync, …) or its end;
@@ -9,7 +9,7 @@
 //
 // Shared memory: `__shared__` variables are per-OS-thread statics, and an OS thread runs
 // one block at a time, so every block sees its own. Dynamic shared memory is reached with
-// VOLLEY_DYNAMIC_SHARED(type, name), which works under NVRTC as well.
+// FULMEN_DYNAMIC_SHARED(type, name), which works under NVRTC as well.
 #pragma once
 
 #include <cstddef>
@@ -29,7 +29,7 @@ struct dim3 {
     unsigned int x, y, z;
 };
 
-namespace volley_emu {
+namespace fulmen_emu {
 
 struct ThreadState {
     dim3 thread_idx;
@@ -63,25 +63,25 @@ inline T from_bits(uint64_t bits) {
     return v;
 }
 
-}  // namespace volley_emu
+}  // namespace fulmen_emu
 
-#define threadIdx (volley_emu::current->thread_idx)
-#define blockIdx (volley_emu::current->block_idx)
-#define blockDim (volley_emu::current->block_dim)
-#define gridDim (volley_emu::current->grid_dim)
+#define threadIdx (fulmen_emu::current->thread_idx)
+#define blockIdx (fulmen_emu::current->block_idx)
+#define blockDim (fulmen_emu::current->block_dim)
+#define gridDim (fulmen_emu::current->grid_dim)
 #define warpSize 32
 
-#define VOLLEY_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(volley_emu::dynamic_shared)
+#define FULMEN_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(fulmen_emu::dynamic_shared)
 
-inline void __syncthreads() { volley_emu::sync_threads(); }
+inline void __syncthreads() { fulmen_emu::sync_threads(); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
-    volley_emu::warp_collective(volley_emu::WARP_SYNC, mask, 0, 0, 32);
+    fulmen_emu::warp_collective(fulmen_emu::WARP_SYNC, mask, 0, 0, 32);
 }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
-    return (unsigned)volley_emu::warp_collective(volley_emu::WARP_BALLOT, mask, predicate != 0, 0, 32);
+    return (unsigned)fulmen_emu::warp_collective(fulmen_emu::WARP_BALLOT, mask, predicate != 0, 0, 32);
 }
 inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
 inline int __all_sync(unsigned mask, int predicate) {
@@ -90,23 +90,23 @@ inline int __all_sync(unsigned mask, int predicate) {
 }
 template <typename T>
 inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
-    return volley_emu::from_bits<T>(
-        volley_emu::warp_collective(volley_emu::WARP_SHFL, mask, volley_emu::to_bits(var), src_lane, width));
+    return fulmen_emu::from_bits<T>(
+        fulmen_emu::warp_collective(fulmen_emu::WARP_SHFL, mask, fulmen_emu::to_bits(var), src_lane, width));
 }
 template <typename T>
 inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
-    return volley_emu::from_bits<T>(
-        volley_emu::warp_collective(volley_emu::WARP_SHFL_UP, mask, volley_emu::to_bits(var), (int)delta, width));
+    return fulmen_emu::from_bits<T>(
+        fulmen_emu::warp_collective(fulmen_emu::WARP_SHFL_UP, mask, fulmen_emu::to_bits(var), (int)delta, width));
 }
 template <typename T>
 inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
-    return volley_emu::from_bits<T>(
-        volley_emu::warp_collective(volley_emu::WARP_SHFL_DOWN, mask, volley_emu::to_bits(var), (int)delta, width));
+    return fulmen_emu::from_bits<T>(
+        fulmen_emu::warp_collective(fulmen_emu::WARP_SHFL_DOWN, mask, fulmen_emu::to_bits(var), (int)delta, width));
 }
 template <typename T>
 inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
-    return volley_emu::from_bits<T>(
-        volley_emu::warp_collective(volley_emu::WARP_SHFL_XOR, mask, volley_emu::to_bits(var), lane_mask, width));
+    return fulmen_emu::from_bits<T>(
+        fulmen_emu::warp_collective(fulmen_emu::WARP_SHFL_XOR, mask, fulmen_emu::to_bits(var), lane_mask, width));
 }
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
@@ -119,7 +119,7 @@ template <typename T>
 inline T __ldg(const T* p) { return *p; }
 
 // Atomics: real atomics, since blocks of one launch may run on several OS threads.
-#define VOLLEY_EMU_ATOMIC_INT(T)                                                                          \
+#define FULMEN_EMU_ATOMIC_INT(T)                                                                          \
     inline T atomicAdd(T* a, T v) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); }                  \
     inline T atomicSub(T* a, T v) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); }                  \
     inline T atomicOr(T* a, T v) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }                    \
@@ -142,13 +142,13 @@ inline T __ldg(const T* p) { return *p; }
         }                                                                                                 \
         return old;                                                                                       \
     }
-VOLLEY_EMU_ATOMIC_INT(int)
-VOLLEY_EMU_ATOMIC_INT(unsigned int)
-VOLLEY_EMU_ATOMIC_INT(long long)
-VOLLEY_EMU_ATOMIC_INT(unsigned long long)
-#undef VOLLEY_EMU_ATOMIC_INT
+FULMEN_EMU_ATOMIC_INT(int)
+FULMEN_EMU_ATOMIC_INT(unsigned int)
+FULMEN_EMU_ATOMIC_INT(long long)
+FULMEN_EMU_ATOMIC_INT(unsigned long long)
+#undef FULMEN_EMU_ATOMIC_INT
 
-#define VOLLEY_EMU_ATOMIC_FLOAT(T, BITS)                                                                  \
+#define FULMEN_EMU_ATOMIC_FLOAT(T, BITS)                                                                  \
     inline T atomicAdd(T* a, T v) {                                                                       \
         BITS* p = reinterpret_cast<BITS*>(a);                                                             \
         BITS old = __atomic_load_n(p, __ATOMIC_SEQ_CST);                                                  \
@@ -170,6 +170,6 @@ VOLLEY_EMU_ATOMIC_INT(unsigned long long)
         std::memcpy(&out, &old, sizeof(T));                                                               \
         return out;                                                                                       \
     }
-VOLLEY_EMU_ATOMIC_FLOAT(float, uint32_t)
-VOLLEY_EMU_ATOMIC_FLOAT(double, uint64_t)
-#undef VOLLEY_EMU_ATOMIC_FLOAT
+FULMEN_EMU_ATOMIC_FLOAT(float, uint32_t)
+FULMEN_EMU_ATOMIC_FLOAT(double, uint64_t)
+#undef FULMEN_EMU_ATOMIC_FLOAT

@@ -1,5 +1,5 @@
 // Every kernel source compiled for the emulated device, in one translation unit.
-#define VOLLEY_EMULATOR 1
+#define FULMEN_EMULATOR 1
 #include "runtime.h"
 
 #include "../cuda/agg.cu"

@@ -24,7 +24,7 @@
 #include <ucontext.h>
 #endif
 
-namespace volley_emu {
+namespace fulmen_emu {
 
 thread_local ThreadState* current = nullptr;
 thread_local unsigned char* dynamic_shared = nullptr;
@@ -79,19 +79,19 @@ struct Worker {
 thread_local Worker* this_worker = nullptr;
 
 }  // namespace
-}  // namespace volley_emu
+}  // namespace fulmen_emu
 
 #if defined(__x86_64__)
 // switch_stack(save, next): saves the callee-saved registers and the FPU control words on
 // the current stack, stores the stack pointer in *save, and resumes the stack `next`.
-extern "C" void volley_emu_switch(void** save, void* next);
-extern "C" void volley_emu_trampoline();
-extern "C" void volley_emu_fiber_main(volley_emu::Fiber* fiber);
+extern "C" void fulmen_emu_switch(void** save, void* next);
+extern "C" void fulmen_emu_trampoline();
+extern "C" void fulmen_emu_fiber_main(fulmen_emu::Fiber* fiber);
 asm(R"(
     .text
-    .globl volley_emu_switch
-    .type volley_emu_switch, @function
-volley_emu_switch:
+    .globl fulmen_emu_switch
+    .type fulmen_emu_switch, @function
+fulmen_emu_switch:
     pushq %rbp
     pushq %rbx
     pushq %r12
@@ -113,25 +113,25 @@ volley_emu_switch:
     popq %rbx
     popq %rbp
     ret
-    .size volley_emu_switch, .-volley_emu_switch
+    .size fulmen_emu_switch, .-fulmen_emu_switch
 
-    .globl volley_emu_trampoline
-    .type volley_emu_trampoline, @function
-volley_emu_trampoline:
+    .globl fulmen_emu_trampoline
+    .type fulmen_emu_trampoline, @function
+fulmen_emu_trampoline:
     movq %r12, %rdi
-    call volley_emu_fiber_main
+    call fulmen_emu_fiber_main
     ud2
-    .size volley_emu_trampoline, .-volley_emu_trampoline
+    .size fulmen_emu_trampoline, .-fulmen_emu_trampoline
 )");
 #endif
 
-namespace volley_emu {
+namespace fulmen_emu {
 namespace {
 
 void switch_to_scheduler(Fiber* f) {
     Worker* w = f->worker;
 #if defined(__x86_64__)
-    volley_emu_switch(&f->sp, w->scheduler_sp);
+    fulmen_emu_switch(&f->sp, w->scheduler_sp);
 #else
     swapcontext(&f->ctx, &w->scheduler_ctx);
 #endif
@@ -141,7 +141,7 @@ void resume(Worker* w, Fiber* f) {
     w->running = f;
     current = &f->ts;
 #if defined(__x86_64__)
-    volley_emu_switch(&w->scheduler_sp, f->sp);
+    fulmen_emu_switch(&w->scheduler_sp, f->sp);
 #else
     swapcontext(&w->scheduler_ctx, &f->ctx);
 #endif
@@ -173,7 +173,7 @@ void start_fiber(Fiber* f) {
     // fiber), r13, r14, r15, then MXCSR and the x87 control word.
     uintptr_t top = (reinterpret_cast<uintptr_t>(f->stack) + kStackBytes) & ~uintptr_t(15);
     uint64_t* frame = reinterpret_cast<uint64_t*>(top);
-    frame[-1] = reinterpret_cast<uint64_t>(&volley_emu_trampoline);
+    frame[-1] = reinterpret_cast<uint64_t>(&fulmen_emu_trampoline);
     frame[-2] = 0;                                   // rbp
     frame[-3] = 0;                                   // rbx
     frame[-4] = reinterpret_cast<uint64_t>(f);       // r12
@@ -419,6 +419,6 @@ int run(const LaunchConfig* cfg, ThreadBody body, void* ctx, char* error, size_t
     return failed.load() ? fail(first_error) : 0;
 }
 
-}  // namespace volley_emu
+}  // namespace fulmen_emu
 
-extern "C" void volley_emu_fiber_main(volley_emu::Fiber* fiber) { volley_emu::fiber_body(fiber); }
+extern "C" void fulmen_emu_fiber_main(fulmen_emu::Fiber* fiber) { fulmen_emu::fiber_body(fiber); }

@@ -6,7 +6,7 @@
 #include <type_traits>
 #include <utility>
 
-namespace volley_emu {
+namespace fulmen_emu {
 
 // Mirrors `EmuLaunchConfig` in gpu-kernels/src/emu.rs.
 struct LaunchConfig {
@@ -43,11 +43,11 @@ int launch(void (*kernel)(Args...), const LaunchConfig* cfg, void** params, char
         &call, error, error_len);
 }
 
-}  // namespace volley_emu
+}  // namespace fulmen_emu
 
-// Exports kernel `name` to Rust as volley_emu_launch_<name>.
-#define VOLLEY_EMU_EXPORT(name)                                                                    \
-    extern "C" int volley_emu_launch_##name(const volley_emu::LaunchConfig* cfg, void** params,   \
+// Exports kernel `name` to Rust as fulmen_emu_launch_<name>.
+#define FULMEN_EMU_EXPORT(name)                                                                    \
+    extern "C" int fulmen_emu_launch_##name(const fulmen_emu::LaunchConfig* cfg, void** params,   \
                                             char* error, size_t error_len) {                      \
-        return volley_emu::launch(name, cfg, params, error, error_len);                           \
+        return fulmen_emu::launch(name, cfg, params, error, error_len);                           \
     }

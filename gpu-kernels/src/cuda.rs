@@ -1,6 +1,6 @@
 //! The CUDA backend's view of the machine: which NVIDIA GPUs the driver reports.
 //!
-//! cudarc loads `libcuda` at run time, so Volley builds and runs where CUDA is absent.
+//! cudarc loads `libcuda` at run time, so Fulmen builds and runs where CUDA is absent.
 //! Calling into cudarc without the library panics, so every entry point here first asks
 //! whether the library can be loaded; without it the device list is simply empty.
 

@@ -61,7 +61,7 @@ pub struct FaultPlan {
     pub fail_launch: Option<u64>,
 }
 
-/// Grid and block size of a launch (one-dimensional: every Volley kernel is).
+/// Grid and block size of a launch (one-dimensional: every Fulmen kernel is).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LaunchConfig {
     /// Blocks in the grid.
@@ -175,7 +175,7 @@ impl Device {
             inner: Arc::new(Inner {
                 kind: DeviceKind::Emulated,
                 ordinal,
-                name: format!("Volley emulated device {ordinal}"),
+                name: format!("Fulmen emulated device {ordinal}"),
                 budget: options.memory_budget,
                 multiprocessors: options.multiprocessors.max(1),
                 seed: options.seed ^ (ordinal as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
@@ -439,7 +439,7 @@ impl Device {
 
 /// Opens the devices a selection names: `none` gives no device, `emulated:N` N emulated
 /// devices, `cuda:0,1` those GPUs (an error if one is missing), and `auto` every GPU of the
-/// machine (none without a driver). `budget` limits the bytes Volley holds on each CUDA
+/// machine (none without a driver). `budget` limits the bytes Fulmen holds on each CUDA
 /// device (emulated devices take theirs from `emulator`).
 pub fn open_devices(
     selection: &DeviceSelection,

@@ -14,7 +14,7 @@ use std::sync::Mutex;
 
 use crate::{KernelError, Result};
 
-/// Mirrors `volley_emu::LaunchConfig` in `emu/runtime.h`.
+/// Mirrors `fulmen_emu::LaunchConfig` in `emu/runtime.h`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct EmuLaunchConfig {
@@ -25,7 +25,7 @@ pub(crate) struct EmuLaunchConfig {
     pub seed: u64,
 }
 
-/// An exported kernel launcher: `volley_emu_launch_<kernel>`.
+/// An exported kernel launcher: `fulmen_emu_launch_<kernel>`.
 pub(crate) type EmuEntry =
     unsafe extern "C" fn(*const EmuLaunchConfig, *mut *mut c_void, *mut c_char, usize) -> i32;
 

@@ -4,7 +4,7 @@
 /// Everything that can go wrong in the device layer.
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
-    /// A device selection string (`VOLLEY_DEVICES`, `volley.devices`) that cannot be read.
+    /// A device selection string (`FULMEN_DEVICES`, `fulmen.devices`) that cannot be read.
     #[error(
         "invalid device selection '{input}': {reason} \
          (expected auto, none, cuda:0,1 or emulated:N)"

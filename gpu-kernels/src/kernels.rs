@@ -3,7 +3,7 @@
 
 use crate::emu::EmuEntry;
 
-/// The kernel sources, by file name, as compiled by NVRTC (`volley.cuh` is inlined).
+/// The kernel sources, by file name, as compiled by NVRTC (`fulmen.cuh` is inlined).
 pub const SOURCES: &[(&str, &str)] = &[
     ("agg.cu", include_str!("../cuda/agg.cu")),
     ("compact.cu", include_str!("../cuda/compact.cu")),
@@ -17,11 +17,11 @@ pub const SOURCES: &[(&str, &str)] = &[
 ];
 
 /// The header every kernel source includes.
-pub const HEADER: (&str, &str) = ("volley.cuh", include_str!("../cuda/volley.cuh"));
+pub const HEADER: (&str, &str) = ("fulmen.cuh", include_str!("../cuda/fulmen.cuh"));
 
 macro_rules! kernels {
     ($($variant:ident => $name:ident in $file:literal,)*) => {
-        /// Every kernel Volley launches.
+        /// Every kernel Fulmen launches.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         #[allow(missing_docs, non_camel_case_types)]
         pub enum Kernel {
@@ -61,51 +61,51 @@ macro_rules! kernels {
 }
 
 kernels! {
-    join_verify => volley_emu_launch_join_verify in "join.cu",
-    join_compact => volley_emu_launch_join_compact in "join.cu",
-    agg_find_or_insert => volley_emu_launch_agg_find_or_insert in "agg.cu",
-    agg_first_rows => volley_emu_launch_agg_first_rows in "agg.cu",
-    agg_leader_flags => volley_emu_launch_agg_leader_flags in "agg.cu",
-    agg_resolve => volley_emu_launch_agg_resolve in "agg.cu",
-    agg_fix_slots => volley_emu_launch_agg_fix_slots in "agg.cu",
-    agg_rollback => volley_emu_launch_agg_rollback in "agg.cu",
-    agg_rehash => volley_emu_launch_agg_rehash in "agg.cu",
-    agg_fill_u64 => volley_emu_launch_agg_fill_u64 in "agg.cu",
-    agg_init_state => volley_emu_launch_agg_init_state in "agg.cu",
-    agg_update => volley_emu_launch_agg_update in "agg.cu",
-    select_word_counts => volley_emu_launch_select_word_counts in "compact.cu",
-    select_scatter => volley_emu_launch_select_scatter in "compact.cu",
-    expr_eval => volley_emu_launch_expr_eval in "expr.cu",
-    gather_fixed_1 => volley_emu_launch_gather_fixed_1 in "gather.cu",
-    gather_fixed_2 => volley_emu_launch_gather_fixed_2 in "gather.cu",
-    gather_fixed_4 => volley_emu_launch_gather_fixed_4 in "gather.cu",
-    gather_fixed_8 => volley_emu_launch_gather_fixed_8 in "gather.cu",
-    gather_fixed_16 => volley_emu_launch_gather_fixed_16 in "gather.cu",
-    gather_validity => volley_emu_launch_gather_validity in "gather.cu",
-    gather_string_lengths_o32 => volley_emu_launch_gather_string_lengths_o32 in "gather.cu",
-    gather_string_lengths_o64 => volley_emu_launch_gather_string_lengths_o64 in "gather.cu",
-    gather_string_copy_o32 => volley_emu_launch_gather_string_copy_o32 in "gather.cu",
-    gather_string_copy_o64 => volley_emu_launch_gather_string_copy_o64 in "gather.cu",
-    hash_fixed_1 => volley_emu_launch_hash_fixed_1 in "hash.cu",
-    hash_fixed_2 => volley_emu_launch_hash_fixed_2 in "hash.cu",
-    hash_fixed_4 => volley_emu_launch_hash_fixed_4 in "hash.cu",
-    hash_fixed_8 => volley_emu_launch_hash_fixed_8 in "hash.cu",
-    hash_fixed_16 => volley_emu_launch_hash_fixed_16 in "hash.cu",
-    hash_f32 => volley_emu_launch_hash_f32 in "hash.cu",
-    hash_f64 => volley_emu_launch_hash_f64 in "hash.cu",
-    hash_string_o32 => volley_emu_launch_hash_string_o32 in "hash.cu",
-    hash_string_o64 => volley_emu_launch_hash_string_o64 in "hash.cu",
-    hash_table_init => volley_emu_launch_hash_table_init in "hash_table.cu",
-    hash_table_insert => volley_emu_launch_hash_table_insert in "hash_table.cu",
-    hash_table_probe_count => volley_emu_launch_hash_table_probe_count in "hash_table.cu",
-    hash_table_probe_emit => volley_emu_launch_hash_table_probe_emit in "hash_table.cu",
-    scan_tile_sums => volley_emu_launch_scan_tile_sums in "scan.cu",
-    scan_tile_offsets => volley_emu_launch_scan_tile_offsets in "scan.cu",
-    scan_tiles => volley_emu_launch_scan_tiles in "scan.cu",
-    selftest_block_scan => volley_emu_launch_selftest_block_scan in "selftest.cu",
-    selftest_warp => volley_emu_launch_selftest_warp in "selftest.cu",
-    selftest_atomics => volley_emu_launch_selftest_atomics in "selftest.cu",
-    selftest_racy => volley_emu_launch_selftest_racy in "selftest.cu",
-    selftest_oob => volley_emu_launch_selftest_oob in "selftest.cu",
-    selftest_divergent => volley_emu_launch_selftest_divergent in "selftest.cu",
+    join_verify => fulmen_emu_launch_join_verify in "join.cu",
+    join_compact => fulmen_emu_launch_join_compact in "join.cu",
+    agg_find_or_insert => fulmen_emu_launch_agg_find_or_insert in "agg.cu",
+    agg_first_rows => fulmen_emu_launch_agg_first_rows in "agg.cu",
+    agg_leader_flags => fulmen_emu_launch_agg_leader_flags in "agg.cu",
+    agg_resolve => fulmen_emu_launch_agg_resolve in "agg.cu",
+    agg_fix_slots => fulmen_emu_launch_agg_fix_slots in "agg.cu",
+    agg_rollback => fulmen_emu_launch_agg_rollback in "agg.cu",
+    agg_rehash => fulmen_emu_launch_agg_rehash in "agg.cu",
+    agg_fill_u64 => fulmen_emu_launch_agg_fill_u64 in "agg.cu",
+    agg_init_state => fulmen_emu_launch_agg_init_state in "agg.cu",
+    agg_update => fulmen_emu_launch_agg_update in "agg.cu",
+    select_word_counts => fulmen_emu_launch_select_word_counts in "compact.cu",
+    select_scatter => fulmen_emu_launch_select_scatter in "compact.cu",
+    expr_eval => fulmen_emu_launch_expr_eval in "expr.cu",
+    gather_fixed_1 => fulmen_emu_launch_gather_fixed_1 in "gather.cu",
+    gather_fixed_2 => fulmen_emu_launch_gather_fixed_2 in "gather.cu",
+    gather_fixed_4 => fulmen_emu_launch_gather_fixed_4 in "gather.cu",
+    gather_fixed_8 => fulmen_emu_launch_gather_fixed_8 in "gather.cu",
+    gather_fixed_16 => fulmen_emu_launch_gather_fixed_16 in "gather.cu",
+    gather_validity => fulmen_emu_launch_gather_validity in "gather.cu",
+    gather_string_lengths_o32 => fulmen_emu_launch_gather_string_lengths_o32 in "gather.cu",
+    gather_string_lengths_o64 => fulmen_emu_launch_gather_string_lengths_o64 in "gather.cu",
+    gather_string_copy_o32 => fulmen_emu_launch_gather_string_copy_o32 in "gather.cu",
+    gather_string_copy_o64 => fulmen_emu_launch_gather_string_copy_o64 in "gather.cu",
+    hash_fixed_1 => fulmen_emu_launch_hash_fixed_1 in "hash.cu",
+    hash_fixed_2 => fulmen_emu_launch_hash_fixed_2 in "hash.cu",
+    hash_fixed_4 => fulmen_emu_launch_hash_fixed_4 in "hash.cu",
+    hash_fixed_8 => fulmen_emu_launch_hash_fixed_8 in "hash.cu",
+    hash_fixed_16 => fulmen_emu_launch_hash_fixed_16 in "hash.cu",
+    hash_f32 => fulmen_emu_launch_hash_f32 in "hash.cu",
+    hash_f64 => fulmen_emu_launch_hash_f64 in "hash.cu",
+    hash_string_o32 => fulmen_emu_launch_hash_string_o32 in "hash.cu",
+    hash_string_o64 => fulmen_emu_launch_hash_string_o64 in "hash.cu",
+    hash_table_init => fulmen_emu_launch_hash_table_init in "hash_table.cu",
+    hash_table_insert => fulmen_emu_launch_hash_table_insert in "hash_table.cu",
+    hash_table_probe_count => fulmen_emu_launch_hash_table_probe_count in "hash_table.cu",
+    hash_table_probe_emit => fulmen_emu_launch_hash_table_probe_emit in "hash_table.cu",
+    scan_tile_sums => fulmen_emu_launch_scan_tile_sums in "scan.cu",
+    scan_tile_offsets => fulmen_emu_launch_scan_tile_offsets in "scan.cu",
+    scan_tiles => fulmen_emu_launch_scan_tiles in "scan.cu",
+    selftest_block_scan => fulmen_emu_launch_selftest_block_scan in "selftest.cu",
+    selftest_warp => fulmen_emu_launch_selftest_warp in "selftest.cu",
+    selftest_atomics => fulmen_emu_launch_selftest_atomics in "selftest.cu",
+    selftest_racy => fulmen_emu_launch_selftest_racy in "selftest.cu",
+    selftest_oob => fulmen_emu_launch_selftest_oob in "selftest.cu",
+    selftest_divergent => fulmen_emu_launch_selftest_divergent in "selftest.cu",
 }

@@ -1,4 +1,4 @@
-//! Volley's device layer: GPUs through CUDA, an emulated CUDA device for machines without a
+//! Fulmen's device layer: GPUs through CUDA, an emulated CUDA device for machines without a
 //! GPU, device memory, Arrow columns on the device, and the columnar kernels.
 //!
 //! This crate knows Arrow and CUDA but never DataFusion, so kernels can be tested and

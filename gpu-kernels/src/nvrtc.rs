@@ -119,13 +119,13 @@ pub fn compile_cubin(file: &str, sm: &str) -> Result<Vec<u8>> {
     outcome
 }
 
-/// The folder compiled kernels are cached in: `$VOLLEY_KERNEL_CACHE`, else
-/// `~/.cache/volley/kernels`.
+/// The folder compiled kernels are cached in: `$FULMEN_KERNEL_CACHE`, else
+/// `~/.cache/fulmen/kernels`.
 pub fn default_cache_dir() -> Option<std::path::PathBuf> {
-    std::env::var_os("VOLLEY_KERNEL_CACHE")
+    std::env::var_os("FULMEN_KERNEL_CACHE")
         .map(std::path::PathBuf::from)
         .or_else(|| {
-            std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache/volley/kernels"))
+            std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache/fulmen/kernels"))
         })
 }
 

@@ -1,4 +1,4 @@
-//! Device selection: the value of `VOLLEY_DEVICES` and of the `volley.devices` setting.
+//! Device selection: the value of `FULMEN_DEVICES` and of the `fulmen.devices` setting.
 //!
 //! ```text
 //! auto          every CUDA device on this machine (none if there is no driver)

@@ -1,4 +1,4 @@
-//! Every kernel on the device chosen by `VOLLEY_TEST_DEVICE` (`emulated`, the default;
+//! Every kernel on the device chosen by `FULMEN_TEST_DEVICE` (`emulated`, the default;
 //! `cuda` on a GPU machine), checked against arrow-rs compute on random data with nulls and
 //! awkward sizes; the emulator's own guarantees; and every kernel compiled with NVRTC.
 
@@ -7,26 +7,26 @@ use std::sync::Arc;
 use arrow::array::*;
 use arrow::compute::{filter, take};
 use arrow::datatypes::*;
-use proptest::prelude::*;
-use volley_kernels::ops::{
+use fulmen_kernels::ops::{
     NULL_INDEX, RowIndices, compact, gather, hash, hash_table, scan, selftest,
 };
-use volley_kernels::{Device, DeviceColumn, EmulatorOptions, FaultPlan, Kernel, KernelError};
+use fulmen_kernels::{Device, DeviceColumn, EmulatorOptions, FaultPlan, Kernel, KernelError};
+use proptest::prelude::*;
 
 /// Sizes that trip kernels up: empty, one, around a warp, around a block, many blocks.
 const SIZES: &[usize] = &[
     0, 1, 31, 32, 33, 255, 256, 257, 1023, 1024, 1025, 5000, 70_001,
 ];
 
-/// The device the kernel tests run on: `VOLLEY_TEST_DEVICE=cuda` runs them on GPU 0 (and
+/// The device the kernel tests run on: `FULMEN_TEST_DEVICE=cuda` runs them on GPU 0 (and
 /// fails if it cannot be opened: never a silent fall back to the emulator).
 fn device() -> Device {
-    match std::env::var("VOLLEY_TEST_DEVICE").as_deref() {
+    match std::env::var("FULMEN_TEST_DEVICE").as_deref() {
         Ok("cuda") => {
-            Device::cuda(0, None).unwrap_or_else(|e| panic!("VOLLEY_TEST_DEVICE=cuda: {e}"))
+            Device::cuda(0, None).unwrap_or_else(|e| panic!("FULMEN_TEST_DEVICE=cuda: {e}"))
         }
         Ok("emulated") | Err(_) => emulated(),
-        Ok(other) => panic!("VOLLEY_TEST_DEVICE={other}: expected emulated or cuda"),
+        Ok(other) => panic!("FULMEN_TEST_DEVICE={other}: expected emulated or cuda"),
     }
 }
 
@@ -39,9 +39,9 @@ fn emulated() -> Device {
 #[test]
 fn the_test_device_is_the_one_asked_for() {
     let d = device();
-    let kind = match std::env::var("VOLLEY_TEST_DEVICE").as_deref() {
-        Ok("cuda") => volley_kernels::DeviceKind::Cuda,
-        _ => volley_kernels::DeviceKind::Emulated,
+    let kind = match std::env::var("FULMEN_TEST_DEVICE").as_deref() {
+        Ok("cuda") => fulmen_kernels::DeviceKind::Cuda,
+        _ => fulmen_kernels::DeviceKind::Emulated,
     };
     assert_eq!(d.kind(), kind, "{d:?}");
     eprintln!("kernel tests run on {d} ({})", d.name());
@@ -219,7 +219,7 @@ fn check_filter(d: &Device, n: usize, seed: u64, keep: u64, nulls: u64) {
             .map(|(i, c)| (format!("c{i}"), c.clone())),
     )
     .unwrap();
-    let device_batch = volley_kernels::DeviceBatch::upload(d, &batch).unwrap();
+    let device_batch = fulmen_kernels::DeviceBatch::upload(d, &batch).unwrap();
     let device_predicate = DeviceColumn::upload(d, &predicate).unwrap();
     let filtered = compact::filter_batch(&device_batch, &device_predicate)
         .unwrap()
@@ -649,19 +649,19 @@ fn injected_faults_surface_as_typed_errors_and_then_clear() {
 
 #[test]
 fn every_kernel_compiles_with_nvrtc_for_ampere_and_hopper() {
-    if std::env::var_os("VOLLEY_SKIP_NVRTC").is_some() {
-        eprintln!("VOLLEY_SKIP_NVRTC is set: NVRTC compilation NOT checked");
+    if std::env::var_os("FULMEN_SKIP_NVRTC").is_some() {
+        eprintln!("FULMEN_SKIP_NVRTC is set: NVRTC compilation NOT checked");
         return;
     }
     assert!(
-        volley_kernels::nvrtc::nvrtc_present(),
+        fulmen_kernels::nvrtc::nvrtc_present(),
         "NVRTC not found: run scripts/install-nvrtc.sh and put its lib folder on LD_LIBRARY_PATH \
-         (scripts/test.sh does both), or set VOLLEY_SKIP_NVRTC=1 to skip this check"
+         (scripts/test.sh does both), or set FULMEN_SKIP_NVRTC=1 to skip this check"
     );
     for arch in ["compute_80", "compute_90"] {
-        for (file, _) in volley_kernels::kernels::SOURCES {
+        for (file, _) in fulmen_kernels::kernels::SOURCES {
             let ptx =
-                volley_kernels::nvrtc::compile_ptx(file, arch).unwrap_or_else(|e| panic!("{e}"));
+                fulmen_kernels::nvrtc::compile_ptx(file, arch).unwrap_or_else(|e| panic!("{e}"));
             for kernel in Kernel::ALL.iter().filter(|k| k.source_file() == *file) {
                 assert!(
                     ptx.contains(&format!(".entry {}(", kernel.name())),
@@ -675,14 +675,14 @@ fn every_kernel_compiles_with_nvrtc_for_ampere_and_hopper() {
 
 #[test]
 fn every_kernel_compiles_to_a_cached_cubin_for_exact_architectures() {
-    if std::env::var_os("VOLLEY_SKIP_NVRTC").is_some() {
-        eprintln!("VOLLEY_SKIP_NVRTC is set: NVRTC compilation NOT checked");
+    if std::env::var_os("FULMEN_SKIP_NVRTC").is_some() {
+        eprintln!("FULMEN_SKIP_NVRTC is set: NVRTC compilation NOT checked");
         return;
     }
-    let cache = std::env::temp_dir().join(format!("volley-kernel-cache-{}", std::process::id()));
+    let cache = std::env::temp_dir().join(format!("fulmen-kernel-cache-{}", std::process::id()));
     for cc in [(8, 0), (9, 0)] {
-        for (file, _) in volley_kernels::kernels::SOURCES {
-            let cubin = volley_kernels::nvrtc::kernel_image_in(Some(&cache), file, cc)
+        for (file, _) in fulmen_kernels::kernels::SOURCES {
+            let cubin = fulmen_kernels::nvrtc::kernel_image_in(Some(&cache), file, cc)
                 .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(
                 &cubin[..4],
@@ -691,12 +691,12 @@ fn every_kernel_compiles_to_a_cached_cubin_for_exact_architectures() {
                 cc.0,
                 cc.1
             );
-            let again = volley_kernels::nvrtc::kernel_image_in(Some(&cache), file, cc).unwrap();
+            let again = fulmen_kernels::nvrtc::kernel_image_in(Some(&cache), file, cc).unwrap();
             assert_eq!(again, cubin, "the second call reads the cache");
         }
     }
     let cached = std::fs::read_dir(&cache).unwrap().count();
-    assert_eq!(cached, 2 * volley_kernels::kernels::SOURCES.len());
+    assert_eq!(cached, 2 * fulmen_kernels::kernels::SOURCES.len());
     let _ = std::fs::remove_dir_all(&cache);
 }
 
@@ -719,7 +719,7 @@ struct RefGroup {
 }
 
 fn check_group_table(d: &Device, batches: usize, n: usize, distinct: u64, seed: u64, locked: bool) {
-    use volley_kernels::ops::aggregate::{AccInput, AccOp, AccValues, GroupTable};
+    use fulmen_kernels::ops::aggregate::{AccInput, AccOp, AccValues, GroupTable};
     let ops = [
         AccOp::Count,
         AccOp::Count,
@@ -894,7 +894,7 @@ fn group_table_aggregates_like_the_host_reference() {
 
 #[test]
 fn a_failed_group_table_update_leaves_the_table_as_it_was() {
-    use volley_kernels::ops::aggregate::{AccInput, AccOp, GroupTable};
+    use fulmen_kernels::ops::aggregate::{AccInput, AccOp, GroupTable};
     let d = emulated();
     let keys: Int64Array = (0..4000).map(|i| Some(i % 1500)).collect();
     let keys = DeviceColumn::upload(&d, &keys).unwrap();
@@ -941,7 +941,7 @@ fn a_failed_group_table_update_leaves_the_table_as_it_was() {
 
 #[test]
 fn join_table_matches_like_a_nested_loop() {
-    use volley_kernels::ops::join::JoinTable;
+    use fulmen_kernels::ops::join::JoinTable;
     let d = device();
     let mut r = Lcg(11);
     for (n_build, n_probe, distinct) in [

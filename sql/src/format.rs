@@ -203,7 +203,7 @@ impl<W: Write> ResultPrinter<W> {
         }
         table.set_header(self.schema.fields().iter().map(|f| Cell::new(f.name())));
         let markdown = self.format == OutputFormat::Markdown;
-        for row in volley_engine::display::rows_as_text(&self.kept)? {
+        for row in fulmen_engine::display::rows_as_text(&self.kept)? {
             table.add_row(row.into_iter().map(|text| {
                 if markdown {
                     Cell::new(text.replace('|', "\\|").replace('\n', " "))

@@ -1,10 +1,10 @@
-//! Volley's SQL front door: the `volley` shell and what it is made of.
+//! Fulmen's SQL front door: the `fulmen` shell and what it is made of.
 //!
 //! - [`split`] cuts text into statements and meta-commands;
 //! - [`command`] parses the meta-commands (`\d`, `\format`, …);
 //! - [`format`] prints results as a table, CSV, TSV, JSON, NDJSON or Markdown;
 //! - [`helper`] completes names and continues multi-line input at the prompt;
-//! - [`shell`] runs scripts and the interactive prompt over a `VolleyContext`.
+//! - [`shell`] runs scripts and the interactive prompt over a `FulmenContext`.
 
 pub mod command;
 pub mod format;

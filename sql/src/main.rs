@@ -1,4 +1,4 @@
-//! `volley`: the interactive SQL shell and script runner.
+//! `fulmen`: the interactive SQL shell and script runner.
 
 use std::io::{IsTerminal, Read};
 use std::path::PathBuf;
@@ -6,15 +6,15 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use volley_engine::{VolleyConfig, VolleyContext};
-use volley_sql::{Control, Failure, OutputFormat, Shell, ShellOptions};
+use fulmen_engine::{FulmenConfig, FulmenContext};
+use fulmen_sql::{Control, Failure, OutputFormat, Shell, ShellOptions};
 
-/// Volley: SQL analytics on GPUs, built on Apache DataFusion.
+/// Fulmen: SQL analytics on GPUs, built on Apache DataFusion.
 ///
 /// With no -c or -f, reads SQL from standard input when it is not a terminal, and opens
 /// the interactive shell when it is.
 #[derive(Parser, Debug)]
-#[command(name = "volley", version, about, long_about = None)]
+#[command(name = "fulmen", version, about, long_about = None)]
 struct Args {
     /// Run this SQL (one or more statements) and exit; may be given several times.
     #[arg(short = 'c', long = "command", value_name = "SQL")]
@@ -40,7 +40,7 @@ struct Args {
     #[arg(short, long)]
     quiet: bool,
 
-    /// Devices to use: auto, none, cuda:0,1 or emulated:N (default: $VOLLEY_DEVICES, else auto).
+    /// Devices to use: auto, none, cuda:0,1 or emulated:N (default: $FULMEN_DEVICES, else auto).
     #[arg(long, value_name = "DEVICES")]
     devices: Option<String>,
 }
@@ -49,7 +49,7 @@ fn main() -> ExitCode {
     // A panic is a bug: report it on one line instead of a backtrace, and let the
     // statement that hit it fail (the shell catches it and carries on).
     std::panic::set_hook(Box::new(|info| {
-        eprintln!("volley: internal error: {info}");
+        eprintln!("fulmen: internal error: {info}");
     }));
     let args = Args::parse();
     match run(args) {
@@ -62,7 +62,7 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let mut config = VolleyConfig::from_env()?;
+    let mut config = FulmenConfig::from_env()?;
     if let Some(devices) = &args.devices {
         config.devices = devices.parse()?;
     }
@@ -71,9 +71,9 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
             .enable_all()
             .build()?,
     );
-    let ctx = VolleyContext::with_config(config);
+    let ctx = FulmenContext::with_config(config);
     // Kafka live tables and sinks: `STORED AS KAFKA`, `SHOW STREAMS`, `CREATE SINK` …
-    let _streams = volley_connectors::install(&ctx);
+    let _streams = fulmen_connectors::install(&ctx);
     let interactive =
         args.commands.is_empty() && args.files.is_empty() && std::io::stdin().is_terminal();
     if let Some(sf) = args.demo {
@@ -87,7 +87,7 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
                  JOIN customer ON o_custkey = c_custkey JOIN nation ON c_nationkey = n_nationkey \
                  GROUP BY n_name ORDER BY revenue DESC LIMIT 5;",
                 start.elapsed().as_secs_f64(),
-                volley_engine::tpch::TABLES.join(", ")
+                fulmen_engine::tpch::TABLES.join(", ")
             );
         }
     }
@@ -101,7 +101,7 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
     if interactive {
         if !args.quiet {
             eprintln!(
-                "Volley {} — SQL on GPUs, built on Apache DataFusion. \\? for help, \\q to quit.",
+                "Fulmen {} — SQL on GPUs, built on Apache DataFusion. \\? for help, \\q to quit.",
                 env!("CARGO_PKG_VERSION")
             );
             if shell.context().table_names().is_empty() {
@@ -112,9 +112,9 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
                 );
             }
         }
-        let history = std::env::var_os("VOLLEY_HISTORY")
+        let history = std::env::var_os("FULMEN_HISTORY")
             .map(PathBuf::from)
-            .or_else(|| dirs::home_dir().map(|h| h.join(".volley_history")));
+            .or_else(|| dirs::home_dir().map(|h| h.join(".fulmen_history")));
         shell.repl(history)?;
         return Ok(ExitCode::SUCCESS);
     }

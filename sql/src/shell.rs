@@ -1,7 +1,7 @@
-//! The shell: runs scripts and the interactive prompt over a [`VolleyContext`].
+//! The shell: runs scripts and the interactive prompt over a [`FulmenContext`].
 //!
 //! ```text
-//!  text ──split──▶ pieces ──▶ SQL ──▶ VolleyContext::sql ──▶ batches ──▶ ResultPrinter
+//!  text ──split──▶ pieces ──▶ SQL ──▶ FulmenContext::sql ──▶ batches ──▶ ResultPrinter
 //!                        └──▶ meta-command (\d, \format, \i, …)
 //! ```
 //!
@@ -19,13 +19,13 @@ use std::time::{Duration, Instant};
 
 use datafusion::error::DataFusionError;
 use datafusion::sql::sqlparser::parser::ParserError;
+use fulmen_engine::FulmenContext;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use rustyline::error::ReadlineError;
 use rustyline::history::DefaultHistory;
 use rustyline::{Config, Editor};
 use tokio::runtime::Runtime;
-use volley_engine::VolleyContext;
 
 use crate::command::{MetaCommand, help_text};
 use crate::format::{OutputFormat, ResultPrinter};
@@ -60,7 +60,7 @@ pub enum Failure {
     Error(String),
     /// The user pressed Ctrl-C.
     Cancelled,
-    /// Standard output went away (e.g. `volley … | head`): stop quietly.
+    /// Standard output went away (e.g. `fulmen … | head`): stop quietly.
     OutputClosed,
 }
 
@@ -117,7 +117,7 @@ fn arrow_failure(e: arrow::error::ArrowError) -> Failure {
 
 /// The shell's state: the session, the runtime it runs on and how it prints.
 pub struct Shell {
-    ctx: VolleyContext,
+    ctx: FulmenContext,
     runtime: Arc<Runtime>,
     /// Printing options, changed by `\format`, `\timing` and `\maxrows`.
     pub options: ShellOptions,
@@ -127,7 +127,7 @@ pub struct Shell {
 
 impl Shell {
     /// A shell over `ctx`, running statements on `runtime`.
-    pub fn new(ctx: VolleyContext, runtime: Arc<Runtime>, options: ShellOptions) -> Self {
+    pub fn new(ctx: FulmenContext, runtime: Arc<Runtime>, options: ShellOptions) -> Self {
         Self {
             ctx,
             runtime,
@@ -137,7 +137,7 @@ impl Shell {
     }
 
     /// The session.
-    pub fn context(&self) -> &VolleyContext {
+    pub fn context(&self) -> &FulmenContext {
         &self.ctx
     }
 
@@ -306,7 +306,7 @@ impl Shell {
             let _ = editor.load_history(path); // a first run has none
         }
         loop {
-            match editor.readline("volley> ") {
+            match editor.readline("fulmen> ") {
                 Ok(input) => {
                     let outcome = self.run_script(&input);
                     if let Some(path) = &history
@@ -336,7 +336,7 @@ impl Shell {
 /// Plans and runs one statement, printing its rows. Returns the number of rows printed, or
 /// `None` for statements without a result (DDL, SET, …).
 async fn execute(
-    ctx: &VolleyContext,
+    ctx: &FulmenContext,
     sql: &str,
     options: ShellOptions,
     rows: Arc<AtomicUsize>,

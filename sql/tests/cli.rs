@@ -1,21 +1,21 @@
-//! End-to-end tests of the real `volley` binary: `-c`, `-f`, stdin, output formats, exit
+//! End-to-end tests of the real `fulmen` binary: `-c`, `-f`, stdin, output formats, exit
 //! status, `--demo`, and the interactive shell driven through a pseudo-terminal.
 
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
-fn volley() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_volley"));
-    cmd.env_remove("VOLLEY_DEVICES")
-        .env("VOLLEY_HISTORY", "/dev/null");
+fn fulmen() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fulmen"));
+    cmd.env_remove("FULMEN_DEVICES")
+        .env("FULMEN_HISTORY", "/dev/null");
     cmd
 }
 
 fn run(args: &[&str]) -> Output {
-    volley()
+    fulmen()
         .args(args)
         .output()
-        .expect("the volley binary runs")
+        .expect("the fulmen binary runs")
 }
 
 fn stdout(o: &Output) -> String {
@@ -111,7 +111,7 @@ fn file_with_several_statements_prints_each_result() {
 
 #[test]
 fn sql_from_stdin_when_it_is_not_a_terminal() {
-    let mut child = volley()
+    let mut child = fulmen()
         .args(["-q", "--format", "csv"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -251,17 +251,17 @@ fn interactive_shell_in_a_terminal() {
     let history = dir.path().join("history");
     // A terminal of a real size, as a person's would be (an unsized one reports 0 columns).
     let mut cmd = Command::new("sh");
-    cmd.env_remove("VOLLEY_DEVICES")
-        .env("VOLLEY_HISTORY", &history)
+    cmd.env_remove("FULMEN_DEVICES")
+        .env("FULMEN_HISTORY", &history)
         .env("TERM", "xterm")
         .args([
             "-c",
             "stty cols 100 rows 40 && exec \"$0\" --demo 0.01",
-            env!("CARGO_BIN_EXE_volley"),
+            env!("CARGO_BIN_EXE_fulmen"),
         ]);
     let mut p = rexpect::session::spawn_command(cmd, Some(60_000)).unwrap();
     p.exp_string("Loaded TPC-H at scale factor 0.01").unwrap();
-    p.exp_string("volley> ").unwrap();
+    p.exp_string("fulmen> ").unwrap();
 
     // A statement over two lines runs once the ';' arrives.
     p.send_line("SELECT 20 + 1").unwrap();
@@ -269,12 +269,12 @@ fn interactive_shell_in_a_terminal() {
     p.exp_string("answer").unwrap();
     p.exp_string("42").unwrap();
     p.exp_string("1 row (").unwrap();
-    p.exp_string("volley> ").unwrap();
+    p.exp_string("fulmen> ").unwrap();
 
     // A meta-command.
     p.send_line("\\dt").unwrap();
     p.exp_string("lineitem").unwrap();
-    p.exp_string("volley> ").unwrap();
+    p.exp_string("fulmen> ").unwrap();
 
     // A long statement shows progress, and Ctrl-C cancels it without leaving the shell.
     p.send_line("SELECT count(*) FROM range(1000000000000);")
@@ -282,15 +282,15 @@ fn interactive_shell_in_a_terminal() {
     p.exp_string("running").unwrap();
     p.send_control('c').unwrap();
     p.exp_string("Cancelled.").unwrap();
-    p.exp_string("volley> ").unwrap();
+    p.exp_string("fulmen> ").unwrap();
 
     // The shell still answers; errors are one line and it carries on.
     p.send_line("SELEC 1;").unwrap();
     p.exp_string("Error: syntax error").unwrap();
-    p.exp_string("volley> ").unwrap();
+    p.exp_string("fulmen> ").unwrap();
     p.send_line("SELECT 'still here' AS s;").unwrap();
     p.exp_string("still here").unwrap();
-    p.exp_string("volley> ").unwrap();
+    p.exp_string("fulmen> ").unwrap();
 
     // Ctrl-D leaves.
     p.send_control('d').unwrap();
@@ -303,18 +303,18 @@ fn interactive_shell_in_a_terminal() {
 #[test]
 fn an_empty_shell_says_how_to_load_data() {
     let mut cmd = Command::new("sh");
-    cmd.env_remove("VOLLEY_DEVICES")
-        .env("VOLLEY_HISTORY", "/dev/null")
+    cmd.env_remove("FULMEN_DEVICES")
+        .env("FULMEN_HISTORY", "/dev/null")
         .env("TERM", "xterm")
         .args([
             "-c",
             "stty cols 100 rows 40 && exec \"$0\"",
-            env!("CARGO_BIN_EXE_volley"),
+            env!("CARGO_BIN_EXE_fulmen"),
         ]);
     let mut p = rexpect::session::spawn_command(cmd, Some(60_000)).unwrap();
     p.exp_string("No tables yet").unwrap();
     p.exp_string("CREATE EXTERNAL TABLE").unwrap();
-    p.exp_string("volley> ").unwrap();
+    p.exp_string("fulmen> ").unwrap();
     p.send_line("\\q").unwrap();
     p.exp_eof().unwrap();
 }

@@ -1,4 +1,4 @@
-//! Volley's end-to-end test support: a sqllogictest database adapter over `VolleyContext`.
+//! Fulmen's end-to-end test support: a sqllogictest database adapter over `FulmenContext`.
 //!
 //! Results are rendered the way our `.slt` files expect: NULL as `NULL`, an empty string as
 //! `(empty)`, every other value as Arrow displays it. Column types are `I` (integers),
@@ -11,20 +11,20 @@ use arrow::array::RecordBatch;
 use arrow::datatypes::DataType;
 use async_trait::async_trait;
 use datafusion::error::DataFusionError;
+use fulmen_engine::{DeviceSelection, FulmenConfig, FulmenContext, GpuMode};
 use sqllogictest::{AsyncDB, DBOutput, DefaultColumnType};
-use volley_engine::{DeviceSelection, GpuMode, VolleyConfig, VolleyContext};
 
-/// The settings of forced-GPU test runs: `volley.gpu.mode = force` on `cuda:0` when
-/// `VOLLEY_TEST_DEVICE=cuda`, else on one emulated device.
-pub fn forced_gpu_config() -> VolleyConfig {
-    let devices = match std::env::var("VOLLEY_TEST_DEVICE").as_deref() {
+/// The settings of forced-GPU test runs: `fulmen.gpu.mode = force` on `cuda:0` when
+/// `FULMEN_TEST_DEVICE=cuda`, else on one emulated device.
+pub fn forced_gpu_config() -> FulmenConfig {
+    let devices = match std::env::var("FULMEN_TEST_DEVICE").as_deref() {
         Ok("cuda") => DeviceSelection::Cuda(vec![0]),
         _ => DeviceSelection::Emulated(1),
     };
-    VolleyConfig {
+    FulmenConfig {
         devices,
         gpu_mode: GpuMode::Force,
-        ..VolleyConfig::default()
+        ..FulmenConfig::default()
     }
 }
 
@@ -60,14 +60,14 @@ impl From<arrow::error::ArrowError> for SltError {
     }
 }
 
-/// A sqllogictest database: one Volley session.
-pub struct VolleyDb {
-    ctx: VolleyContext,
+/// A sqllogictest database: one Fulmen session.
+pub struct FulmenDb {
+    ctx: FulmenContext,
 }
 
-impl VolleyDb {
+impl FulmenDb {
     /// Wraps a session.
-    pub fn new(ctx: VolleyContext) -> Self {
+    pub fn new(ctx: FulmenContext) -> Self {
         Self { ctx }
     }
 }
@@ -89,7 +89,7 @@ fn column_type(data_type: &DataType) -> DefaultColumnType {
 /// Renders result batches as rows of strings: Arrow's display, `NULL` for nulls, and
 /// `(empty)` for an empty string (a NULL is never empty text, so the two cannot mix).
 pub fn render_rows(batches: &[RecordBatch]) -> Result<Vec<Vec<String>>, SltError> {
-    let mut rows = volley_engine::display::rows_as_text(batches)?;
+    let mut rows = fulmen_engine::display::rows_as_text(batches)?;
     for cell in rows.iter_mut().flatten() {
         // Plans end with a newline, which would end the record in an .slt file.
         if cell.contains('\n') {
@@ -118,7 +118,7 @@ pub fn render_rows(batches: &[RecordBatch]) -> Result<Vec<Vec<String>>, SltError
 }
 
 #[async_trait]
-impl AsyncDB for VolleyDb {
+impl AsyncDB for FulmenDb {
     type Error = SltError;
     type ColumnType = DefaultColumnType;
 
@@ -143,7 +143,7 @@ impl AsyncDB for VolleyDb {
     async fn shutdown(&mut self) {}
 
     fn engine_name(&self) -> &str {
-        "volley"
+        "fulmen"
     }
 
     async fn sleep(dur: std::time::Duration) {

@@ -1,7 +1,7 @@
 //! DataFusion's published sqllogictest suite (the `test_files/` shipped in the
 //! `datafusion-sqllogictest` crate), run through DataFusion's own test context and driver
-//! with Volley's `GpuOverrides` rule added and `volley.gpu.mode = force` on `emulated:1`
-//! (`cuda:0` with `VOLLEY_TEST_DEVICE=cuda`).
+//! with Fulmen's `GpuOverrides` rule added and `fulmen.gpu.mode = force` on `emulated:1`
+//! (`cuda:0` with `FULMEN_TEST_DEVICE=cuda`).
 //!
 //! The rule: every file that passes with the GPU off passes with it forced, and in a file
 //! that does not, every record that passes with the GPU off passes with it forced. Each
@@ -19,9 +19,9 @@
 //! the two as the same before comparing (re-centring a box title as DataFusion centres
 //! it), and nothing else is normalised.
 //!
-//! `cargo test -p volley-tests --test datafusion_slt -- NAME` runs the files whose path
-//! contains NAME. `VOLLEY_DF_SLT_LIMIT=N` runs only the first N files (a smoke run);
-//! `VOLLEY_DF_SLT_VERBOSE=1` prints why files that fail with the GPU off fail.
+//! `cargo test -p fulmen-tests --test datafusion_slt -- NAME` runs the files whose path
+//! contains NAME. `FULMEN_DF_SLT_LIMIT=N` runs only the first N files (a smoke run);
+//! `FULMEN_DF_SLT_VERBOSE=1` prints why files that fail with the GPU off fail.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -30,10 +30,10 @@ use std::time::Instant;
 
 use datafusion::execution::SessionStateBuilder;
 use datafusion_sqllogictest::{DataFusion, TestContext, df_value_validator, value_normalizer};
+use fulmen_engine::gpu::GpuOverrides;
+use fulmen_engine::physical_plan::gpu_stream::run_counts;
 use indicatif::ProgressBar;
 use sqllogictest::{Normalizer, strict_column_validator};
-use volley_engine::gpu::GpuOverrides;
-use volley_engine::physical_plan::gpu_stream::run_counts;
 
 /// Files left out of the forced run, with the reason.
 const EXCLUDED: &[(&str, &str)] = &[
@@ -69,9 +69,9 @@ const EXCLUDED: &[(&str, &str)] = &[
     ),
 ];
 
-/// Where the suite lives: `VOLLEY_DF_SLT_DIR`, else the crate in Cargo's registry.
+/// Where the suite lives: `FULMEN_DF_SLT_DIR`, else the crate in Cargo's registry.
 fn suite_root() -> Option<PathBuf> {
-    if let Ok(dir) = std::env::var("VOLLEY_DF_SLT_DIR") {
+    if let Ok(dir) = std::env::var("FULMEN_DF_SLT_DIR") {
         return Some(PathBuf::from(dir));
     }
     let cargo_home = std::env::var("CARGO_HOME")
@@ -200,10 +200,10 @@ async fn run_file(
         let mut state = state_ref.write();
         let mut builder = SessionStateBuilder::new_from_existing(state.clone());
         if mode == Mode::Forced {
-            let volley = volley_tests::forced_gpu_config();
+            let fulmen = fulmen_tests::forced_gpu_config();
             builder = builder.with_physical_optimizer_rule(Arc::new(GpuOverrides::new()));
             if let Some(config) = builder.config() {
-                config.options_mut().extensions.insert(volley);
+                config.options_mut().extensions.insert(fulmen);
             }
         }
         *state = builder.build();
@@ -280,7 +280,7 @@ fn main() -> ExitCode {
     let Some(root) = suite_root() else {
         eprintln!(
             "DataFusion's sqllogictest suite was not found: build the workspace once (it \
-             downloads datafusion-sqllogictest 55.2.0) or set VOLLEY_DF_SLT_DIR"
+             downloads datafusion-sqllogictest 55.2.0) or set FULMEN_DF_SLT_DIR"
         );
         return ExitCode::FAILURE;
     };
@@ -303,12 +303,12 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let limit: usize = std::env::var("VOLLEY_DF_SLT_LIMIT")
+    let limit: usize = std::env::var("FULMEN_DF_SLT_LIMIT")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(usize::MAX);
     let mut files = Vec::new();
-    volley_tests::slt_files(Path::new("test_files"), &mut files);
+    fulmen_tests::slt_files(Path::new("test_files"), &mut files);
     files.sort();
     files.retain(|f| {
         let name = f.to_string_lossy();
@@ -382,7 +382,7 @@ fn main() -> ExitCode {
                         Ok(f) => f.into_iter().map(|(_, e)| e).collect(),
                         Err(e) => e,
                     };
-                    let first = if std::env::var_os("VOLLEY_DF_SLT_VERBOSE").is_some() {
+                    let first = if std::env::var_os("FULMEN_DF_SLT_VERBOSE").is_some() {
                         off.as_str()
                     } else {
                         off.lines().find(|l| !l.trim().is_empty()).unwrap_or("")

@@ -1,22 +1,22 @@
-//! Runs every `tests/slt/**/*.slt` file through a fresh `VolleyContext`, twice: with
-//! Volley's defaults, and with `volley.gpu.mode = force` on `emulated:1` (or on `cuda:0`
-//! when `VOLLEY_TEST_DEVICE=cuda`), so that every filter and projection the GPU supports
+//! Runs every `tests/slt/**/*.slt` file through a fresh `FulmenContext`, twice: with
+//! Fulmen's defaults, and with `fulmen.gpu.mode = force` on `emulated:1` (or on `cuda:0`
+//! when `FULMEN_TEST_DEVICE=cuda`), so that every filter and projection the GPU supports
 //! runs there. A file whose first lines hold `# gpu-forced: skip (reason)` runs only with
 //! the defaults (tests/README.md lists them).
 //!
 //! Files under `tests/slt/tpch/` start with the TPC-H tables at scale factor 0.01.
-//! `cargo test -p volley-tests --test slt -- --complete NAME` rewrites the expected results
+//! `cargo test -p fulmen-tests --test slt -- --complete NAME` rewrites the expected results
 //! of the matching files (review the diff).
-//! `cargo test -p volley-tests --test slt -- NAME` runs only the files whose path contains
+//! `cargo test -p fulmen-tests --test slt -- NAME` runs only the files whose path contains
 //! NAME. The run ends with a line `N passed, M failed`.
 
 use std::path::Path;
 use std::process::ExitCode;
 
+use fulmen_engine::physical_plan::gpu_stream::run_counts;
+use fulmen_engine::{FulmenConfig, FulmenContext};
+use fulmen_tests::FulmenDb;
 use sqllogictest::{Runner, strict_column_validator};
-use volley_engine::physical_plan::gpu_stream::run_counts;
-use volley_engine::{VolleyConfig, VolleyContext};
-use volley_tests::VolleyDb;
 
 fn skips_forced_gpu(path: &Path) -> bool {
     std::fs::read_to_string(path).is_ok_and(|text| {
@@ -26,16 +26,16 @@ fn skips_forced_gpu(path: &Path) -> bool {
     })
 }
 
-async fn run_file(path: &Path, config: VolleyConfig, complete: bool) -> Result<(), String> {
+async fn run_file(path: &Path, config: FulmenConfig, complete: bool) -> Result<(), String> {
     let tpch = path.components().any(|c| c.as_os_str() == "tpch");
     let mut runner = Runner::new(move || {
         let config = config.clone();
         async move {
-            let ctx = VolleyContext::with_config(config);
+            let ctx = FulmenContext::with_config(config);
             if tpch {
                 ctx.register_tpch(0.01)?;
             }
-            Ok::<_, volley_tests::SltError>(VolleyDb::new(ctx))
+            Ok::<_, fulmen_tests::SltError>(FulmenDb::new(ctx))
         }
     });
     runner.with_column_validator(strict_column_validator);
@@ -64,7 +64,7 @@ fn main() -> ExitCode {
     let complete = std::env::args().any(|a| a == "--complete");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("slt");
     let mut files = Vec::new();
-    volley_tests::slt_files(&root, &mut files);
+    fulmen_tests::slt_files(&root, &mut files);
     files.sort();
     files.retain(|f| {
         filter
@@ -82,9 +82,9 @@ fn main() -> ExitCode {
             .unwrap_or(file)
             .display()
             .to_string();
-        let mut modes = vec![("defaults", VolleyConfig::default())];
+        let mut modes = vec![("defaults", FulmenConfig::default())];
         if !complete && !skips_forced_gpu(file) {
-            modes.push(("gpu forced", volley_tests::forced_gpu_config()));
+            modes.push(("gpu forced", fulmen_tests::forced_gpu_config()));
         }
         for (mode, config) in modes {
             match runtime.block_on(run_file(file, config, complete)) {

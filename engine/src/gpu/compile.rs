@@ -1,5 +1,5 @@
 //! Compiles DataFusion physical expressions into one device [`Program`]
-//! (`volley_kernels::ops::expr`), or says why it cannot: an unsupported expression is a
+//! (`fulmen_kernels::ops::expr`), or says why it cannot: an unsupported expression is a
 //! reason, never an approximation.
 //!
 //! Values on the device are computed with DataFusion's semantics for every row the
@@ -21,7 +21,7 @@ use datafusion::physical_expr::expressions::{
 };
 use datafusion::physical_expr::scalar_subquery::ScalarSubqueryExpr;
 use datafusion::physical_plan::PhysicalExpr;
-use volley_kernels::ops::expr::{
+use fulmen_kernels::ops::expr::{
     CMP_NULL_SAFE, Cmp, IntKind, MAX_OUTPUTS, MAX_STACK, Op, OutKind, Program,
 };
 

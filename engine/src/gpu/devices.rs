@@ -1,10 +1,10 @@
-//! The devices of this process, opened once per selection (`volley.devices`) and shared by
+//! The devices of this process, opened once per selection (`fulmen.devices`) and shared by
 //! every session and query that names the same selection.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use volley_kernels::{Device, DeviceSelection, EmulatorOptions, open_devices};
+use fulmen_kernels::{Device, DeviceSelection, EmulatorOptions, open_devices};
 
 type Opened = HashMap<(DeviceSelection, Option<usize>), Arc<Vec<Device>>>;
 
@@ -20,7 +20,7 @@ pub fn devices(selection: &DeviceSelection) -> Result<Arc<Vec<Device>>, String> 
 }
 
 /// The devices `selection` names, each holding at most `limit` bytes
-/// (`volley.gpu.memory_limit`). Devices opened with different limits are distinct.
+/// (`fulmen.gpu.memory_limit`). Devices opened with different limits are distinct.
 pub fn devices_with_limit(
     selection: &DeviceSelection,
     limit: Option<usize>,

@@ -19,10 +19,10 @@ use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::HashJoinExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{ExecutionPlan, StatisticsArgs, StatisticsContext};
-use volley_kernels::{Device, DeviceSelection};
+use fulmen_kernels::{Device, DeviceSelection};
 
 use super::devices::{describe, devices_with_limit};
-use crate::config::{GpuMode, VolleyConfig};
+use crate::config::{FulmenConfig, GpuMode};
 use crate::physical_plan::{GpuAggregateExec, GpuFilterExec, GpuHashJoinExec, GpuProjectionExec};
 
 /// Whether an operator can run on a GPU.
@@ -34,7 +34,7 @@ pub enum SupportLevel {
     Unsupported(String),
 }
 
-/// The rule. `VolleyContext` registers it after DataFusion's own physical optimizer rules.
+/// The rule. `FulmenContext` registers it after DataFusion's own physical optimizer rules.
 #[derive(Debug, Default)]
 pub struct GpuOverrides;
 
@@ -51,15 +51,15 @@ impl PhysicalOptimizerRule for GpuOverrides {
         plan: Arc<dyn ExecutionPlan>,
         config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let Some(volley) = config.extensions.get::<VolleyConfig>() else {
+        let Some(fulmen) = config.extensions.get::<FulmenConfig>() else {
             return Ok(plan);
         };
-        if volley.gpu_mode == GpuMode::Off {
+        if fulmen.gpu_mode == GpuMode::Off {
             return Ok(plan);
         }
-        let available = devices_with_limit(&volley.devices, volley.gpu_memory_limit);
+        let available = devices_with_limit(&fulmen.devices, fulmen.gpu_memory_limit);
         plan.transform_up(|node| {
-            Ok(match decide(&node, volley, &available) {
+            Ok(match decide(&node, fulmen, &available) {
                 Decision::Gpu(gpu) => Transformed::yes(gpu),
                 Decision::Cpu(..) | Decision::NotApplicable => Transformed::no(node),
             })
@@ -68,7 +68,7 @@ impl PhysicalOptimizerRule for GpuOverrides {
     }
 
     fn name(&self) -> &str {
-        "volley_gpu_overrides"
+        "fulmen_gpu_overrides"
     }
 
     fn schema_check(&self) -> bool {
@@ -97,40 +97,40 @@ impl Decision {
     }
 }
 
-/// Decides where `node` runs under `volley`'s settings with these devices.
+/// Decides where `node` runs under `fulmen`'s settings with these devices.
 pub fn decide(
     node: &Arc<dyn ExecutionPlan>,
-    volley: &VolleyConfig,
+    fulmen: &FulmenConfig,
     available: &Result<Arc<Vec<Device>>, String>,
 ) -> Decision {
     let (name, enabled, flag) = if node.is::<FilterExec>() {
-        ("FilterExec", volley.gpu_filter, "volley.gpu.filter")
+        ("FilterExec", fulmen.gpu_filter, "fulmen.gpu.filter")
     } else if node.is::<ProjectionExec>() {
         (
             "ProjectionExec",
-            volley.gpu_projection,
-            "volley.gpu.projection",
+            fulmen.gpu_projection,
+            "fulmen.gpu.projection",
         )
     } else if node.is::<AggregateExec>() {
         (
             "AggregateExec",
-            volley.gpu_aggregate,
-            "volley.gpu.aggregate",
+            fulmen.gpu_aggregate,
+            "fulmen.gpu.aggregate",
         )
     } else if node.is::<HashJoinExec>() {
-        ("HashJoinExec", volley.gpu_join, "volley.gpu.join")
+        ("HashJoinExec", fulmen.gpu_join, "fulmen.gpu.join")
     } else {
         return Decision::NotApplicable;
     };
     let cpu = |reason: String| Decision::Cpu(name, reason);
-    if volley.gpu_mode == GpuMode::Off {
-        return cpu("volley.gpu.mode is off".into());
+    if fulmen.gpu_mode == GpuMode::Off {
+        return cpu("fulmen.gpu.mode is off".into());
     }
     let devices = match available {
         Ok(d) if d.is_empty() => {
-            return cpu(match volley.devices {
-                DeviceSelection::None => "no device (volley.devices is none)".into(),
-                _ => format!("no GPU found (volley.devices is {})", volley.devices),
+            return cpu(match fulmen.devices {
+                DeviceSelection::None => "no device (fulmen.devices is none)".into(),
+                _ => format!("no GPU found (fulmen.devices is {})", fulmen.devices),
             });
         }
         Ok(d) => Arc::clone(d),
@@ -139,24 +139,24 @@ pub fn decide(
     if !enabled {
         return cpu(format!("{flag} is false"));
     }
-    if volley.gpu_mode == GpuMode::Auto
+    if fulmen.gpu_mode == GpuMode::Auto
         && let Some(rows) = estimated_input_rows(node)
-        && rows < volley.gpu_min_rows
+        && rows < fulmen.gpu_min_rows
     {
         return cpu(format!(
-            "an estimated {rows} input rows, below volley.gpu.min_rows ({})",
-            volley.gpu_min_rows
+            "an estimated {rows} input rows, below fulmen.gpu.min_rows ({})",
+            fulmen.gpu_min_rows
         ));
     }
     let node = Arc::clone(node);
     let gpu: Result<Arc<dyn ExecutionPlan>, String> = match name {
-        "FilterExec" => GpuFilterExec::try_new(node, devices, volley.gpu_batch_rows)
+        "FilterExec" => GpuFilterExec::try_new(node, devices, fulmen.gpu_batch_rows)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
-        "ProjectionExec" => GpuProjectionExec::try_new(node, devices, volley.gpu_batch_rows)
+        "ProjectionExec" => GpuProjectionExec::try_new(node, devices, fulmen.gpu_batch_rows)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
-        "AggregateExec" => GpuAggregateExec::try_new(node, devices, volley.gpu_batch_rows)
+        "AggregateExec" => GpuAggregateExec::try_new(node, devices, fulmen.gpu_batch_rows)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
-        _ => GpuHashJoinExec::try_new(node, devices, volley.gpu_batch_rows)
+        _ => GpuHashJoinExec::try_new(node, devices, fulmen.gpu_batch_rows)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
     };
     match gpu {
@@ -177,15 +177,15 @@ fn estimated_input_rows(node: &Arc<dyn ExecutionPlan>) -> Option<usize> {
 }
 
 /// One line per filter, projection, aggregation and hash join of a final plan: where it runs, or why it stays on
-/// the CPU. Empty when `volley.gpu.mode` is off. `EXPLAIN` shows it as `gpu_placement`.
+/// the CPU. Empty when `fulmen.gpu.mode` is off. `EXPLAIN` shows it as `gpu_placement`.
 pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -> Vec<String> {
-    let Some(volley) = config.extensions.get::<VolleyConfig>() else {
+    let Some(fulmen) = config.extensions.get::<FulmenConfig>() else {
         return Vec::new();
     };
-    if volley.gpu_mode == GpuMode::Off {
+    if fulmen.gpu_mode == GpuMode::Off {
         return Vec::new();
     }
-    let available = devices_with_limit(&volley.devices, volley.gpu_memory_limit);
+    let available = devices_with_limit(&fulmen.devices, fulmen.gpu_memory_limit);
     let mut lines = Vec::new();
     let _ = plan.apply(|node| {
         if let Some(gpu) = node.downcast_ref::<GpuFilterExec>() {
@@ -212,7 +212,7 @@ pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -
                 gpu.join_type(),
                 describe(gpu.devices())
             ));
-        } else if let Decision::Cpu(name, reason) = decide(node, volley, &available) {
+        } else if let Decision::Cpu(name, reason) = decide(node, fulmen, &available) {
             lines.push(format!("{name} stays on CPU: {reason}"));
         }
         Ok(TreeNodeRecursion::Continue)

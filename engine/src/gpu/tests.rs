@@ -7,17 +7,17 @@ use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::physical_plan::displayable;
 
 use crate::config::GpuMode;
-use crate::{VolleyConfig, VolleyContext};
+use crate::{FulmenConfig, FulmenContext};
 
-fn gpu_context(devices: &str) -> VolleyContext {
-    VolleyContext::with_config(VolleyConfig {
+fn gpu_context(devices: &str) -> FulmenContext {
+    FulmenContext::with_config(FulmenConfig {
         devices: devices.parse().unwrap(),
         gpu_mode: GpuMode::Force,
-        ..VolleyConfig::default()
+        ..FulmenConfig::default()
     })
 }
 
-async fn setup(ctx: &VolleyContext) {
+async fn setup(ctx: &FulmenContext) {
     ctx.sql(
         "CREATE TABLE t AS VALUES (1, 2.5, 'apple', DATE '2024-03-05'), \
          (2, NULL, 'banana', DATE '1969-12-31'), (NULL, -1.0, NULL, NULL)",
@@ -29,7 +29,7 @@ async fn setup(ctx: &VolleyContext) {
     .unwrap();
 }
 
-async fn run(ctx: &VolleyContext, sql: &str) -> (String, String) {
+async fn run(ctx: &FulmenContext, sql: &str) -> (String, String) {
     let frame = ctx.sql(sql).await.unwrap();
     let plan = frame.clone().create_physical_plan().await.unwrap();
     let plan_text = displayable(plan.as_ref()).indent(true).to_string();
@@ -41,7 +41,7 @@ async fn run(ctx: &VolleyContext, sql: &str) -> (String, String) {
 }
 
 /// A query's rows (or error) and its plan with the GPU placement report.
-async fn answer(ctx: &VolleyContext, sql: &str) -> (Result<String, String>, String) {
+async fn answer(ctx: &FulmenContext, sql: &str) -> (Result<String, String>, String) {
     let frame = match ctx.sql(sql).await {
         Ok(f) => f,
         Err(e) => return (Err(e.to_string()), String::new()),
@@ -68,9 +68,9 @@ async fn answer(ctx: &VolleyContext, sql: &str) -> (Result<String, String>, Stri
 #[tokio::test]
 async fn filters_and_projections_run_on_the_emulated_gpu() {
     let gpu = gpu_context("emulated:1");
-    let cpu = VolleyContext::with_config(VolleyConfig {
+    let cpu = FulmenContext::with_config(FulmenConfig {
         gpu_mode: GpuMode::Off,
-        ..VolleyConfig::default()
+        ..FulmenConfig::default()
     });
     setup(&gpu).await;
     setup(&cpu).await;
@@ -98,14 +98,14 @@ mod properties {
         RecordBatch, StringArray, TimestampMicrosecondArray,
     };
     use datafusion::prelude::SessionConfig;
+    use fulmen_kernels::FaultPlan;
     use proptest::prelude::*;
     use proptest::test_runner::TestCaseError;
-    use volley_kernels::FaultPlan;
 
     use super::answer;
     use crate::config::GpuMode;
     use crate::gpu::devices::devices;
-    use crate::{VolleyConfig, VolleyContext};
+    use crate::{FulmenConfig, FulmenContext};
 
     type Row = (
         Option<i32>,
@@ -320,20 +320,20 @@ mod properties {
         })
     }
 
-    fn context(gpu: bool) -> VolleyContext {
+    fn context(gpu: bool) -> FulmenContext {
         let config = if gpu {
-            VolleyConfig {
+            FulmenConfig {
                 devices: "emulated:1".parse().unwrap(),
                 gpu_mode: GpuMode::Force,
-                ..VolleyConfig::default()
+                ..FulmenConfig::default()
             }
         } else {
-            VolleyConfig {
+            FulmenConfig {
                 gpu_mode: GpuMode::Off,
-                ..VolleyConfig::default()
+                ..FulmenConfig::default()
             }
         };
-        VolleyContext::with_session_config(SessionConfig::new().with_target_partitions(1), config)
+        FulmenContext::with_session_config(SessionConfig::new().with_target_partitions(1), config)
     }
 
     fn check(rows: &[Row], sql: &str, operator: &str) -> Result<(), TestCaseError> {
@@ -412,12 +412,12 @@ mod properties {
             })
             .collect();
         let selection = "emulated:3".parse().unwrap();
-        let config = VolleyConfig {
+        let config = FulmenConfig {
             devices: "emulated:3".parse().unwrap(),
             gpu_mode: GpuMode::Force,
-            ..VolleyConfig::default()
+            ..FulmenConfig::default()
         };
-        let gpu = VolleyContext::with_session_config(
+        let gpu = FulmenContext::with_session_config(
             SessionConfig::new().with_target_partitions(1),
             config,
         );
@@ -464,12 +464,12 @@ async fn partitions_are_spread_over_the_devices() {
     use datafusion::prelude::SessionConfig;
 
     let selection = "emulated:4".parse().unwrap();
-    let ctx = VolleyContext::with_session_config(
+    let ctx = FulmenContext::with_session_config(
         SessionConfig::new().with_target_partitions(4),
-        VolleyConfig {
+        FulmenConfig {
             devices: "emulated:4".parse().unwrap(),
             gpu_mode: GpuMode::Force,
-            ..VolleyConfig::default()
+            ..FulmenConfig::default()
         },
     );
     let devices = crate::gpu::devices::devices(&selection).unwrap();
@@ -538,23 +538,23 @@ fn tpch_contexts(
     devices: &str,
     partitions: usize,
     limit: Option<usize>,
-) -> (VolleyContext, VolleyContext) {
+) -> (FulmenContext, FulmenContext) {
     use datafusion::prelude::SessionConfig;
 
-    let gpu = VolleyContext::with_session_config(
+    let gpu = FulmenContext::with_session_config(
         SessionConfig::new().with_target_partitions(partitions),
-        VolleyConfig {
+        FulmenConfig {
             devices: devices.parse().unwrap(),
             gpu_mode: GpuMode::Force,
             gpu_memory_limit: limit,
-            ..VolleyConfig::default()
+            ..FulmenConfig::default()
         },
     );
-    let cpu = VolleyContext::with_session_config(
+    let cpu = FulmenContext::with_session_config(
         SessionConfig::new().with_target_partitions(partitions),
-        VolleyConfig {
+        FulmenConfig {
             gpu_mode: GpuMode::Off,
-            ..VolleyConfig::default()
+            ..FulmenConfig::default()
         },
     );
     gpu.register_tpch(0.01).unwrap();
@@ -564,7 +564,7 @@ fn tpch_contexts(
 
 /// Runs TPC-H query `q` (1-based) on `gpu`: its rows and the executed plan.
 async fn tpch_run(
-    gpu: &VolleyContext,
+    gpu: &FulmenContext,
     q: usize,
 ) -> (String, Arc<dyn datafusion::physical_plan::ExecutionPlan>) {
     let frame = gpu.sql(crate::tpch::QUERIES[q - 1]).await.unwrap();
@@ -696,13 +696,13 @@ async fn tpch_q3_q9_q18_survive_every_device_fault() {
 /// Fails each of `device`'s next `allocations` allocations in turn, then each of its next
 /// `launches` launches, and checks that `run` still answers `want` every time.
 async fn fail_each_in_turn<T: PartialEq + std::fmt::Debug>(
-    device: &volley_kernels::Device,
+    device: &fulmen_kernels::Device,
     (allocations, launches): (u64, u64),
     want: &T,
     label: &str,
     mut run: impl AsyncFnMut() -> T,
 ) {
-    use volley_kernels::FaultPlan;
+    use fulmen_kernels::FaultPlan;
 
     println!("{label}: {allocations} allocations and {launches} launches fail in turn");
     for (kind, count) in [("allocation", allocations), ("launch", launches)] {
@@ -746,7 +746,7 @@ mod aggregate_properties {
     use super::answer;
     use crate::config::GpuMode;
     use crate::gpu::devices::devices;
-    use crate::{VolleyConfig, VolleyContext};
+    use crate::{FulmenConfig, FulmenContext};
 
     /// k (int key), s (string key), x (float key with -0.0 and NaN), v (int64), d
     /// (decimal), f (float in quarters, so that sums are exact in any order), t (date).
@@ -833,13 +833,13 @@ mod aggregate_properties {
         .unwrap()
     }
 
-    fn context(gpu: bool, partitions: usize) -> VolleyContext {
-        let config = VolleyConfig {
+    fn context(gpu: bool, partitions: usize) -> FulmenContext {
+        let config = FulmenConfig {
             devices: "emulated:1".parse().unwrap(),
             gpu_mode: if gpu { GpuMode::Force } else { GpuMode::Off },
-            ..VolleyConfig::default()
+            ..FulmenConfig::default()
         };
-        VolleyContext::with_session_config(
+        FulmenContext::with_session_config(
             SessionConfig::new().with_target_partitions(partitions),
             config,
         )
@@ -965,7 +965,7 @@ mod aggregate_properties {
 
     /// Registers `rows` as `r` in `partitions` partitions (several, so that partial
     /// aggregates see parts of a group).
-    fn register(ctx: &VolleyContext, rows: &[Row], partitions: usize) {
+    fn register(ctx: &FulmenContext, rows: &[Row], partitions: usize) {
         let data = batch(rows);
         let parts: Vec<Vec<RecordBatch>> = (0..partitions)
             .map(|p| {
@@ -992,13 +992,13 @@ mod aggregate_properties {
         let selection = "emulated:1".parse().unwrap();
         let device = crate::gpu::devices::devices_with_limit(&selection, limit).unwrap()[0].clone();
         let partitions = 2;
-        let gpu = VolleyContext::with_session_config(
+        let gpu = FulmenContext::with_session_config(
             SessionConfig::new().with_target_partitions(partitions),
-            VolleyConfig {
+            FulmenConfig {
                 devices: selection,
                 gpu_mode: GpuMode::Force,
                 gpu_memory_limit: limit,
-                ..VolleyConfig::default()
+                ..FulmenConfig::default()
             },
         );
         let cpu = context(false, partitions);
@@ -1029,13 +1029,13 @@ mod aggregate_properties {
     #[tokio::test]
     async fn distinct_counts_are_right_under_device_memory_pressure() {
         let rows: Vec<Row> = fixed_rows().into_iter().cycle().take(6000).collect();
-        let gpu = VolleyContext::with_session_config(
+        let gpu = FulmenContext::with_session_config(
             SessionConfig::new().with_target_partitions(1),
-            VolleyConfig {
+            FulmenConfig {
                 devices: "emulated:1".parse().unwrap(),
                 gpu_mode: GpuMode::Force,
                 gpu_memory_limit: Some(160 << 10),
-                ..VolleyConfig::default()
+                ..FulmenConfig::default()
             },
         );
         let cpu = context(false, 1);
@@ -1075,7 +1075,7 @@ mod join_properties {
     use super::answer;
     use crate::config::GpuMode;
     use crate::gpu::devices::devices;
-    use crate::{VolleyConfig, VolleyContext};
+    use crate::{FulmenConfig, FulmenContext};
 
     type Row = (Option<i32>, Option<String>, Option<i64>);
 
@@ -1119,7 +1119,7 @@ mod join_properties {
 
     /// With several partitions, both sides are hash-partitioned (Partitioned mode) rather
     /// than the small build side collected (CollectLeft, which one partition gives).
-    fn context(gpu: bool, partitions: usize) -> VolleyContext {
+    fn context(gpu: bool, partitions: usize) -> FulmenContext {
         let session = SessionConfig::new()
             .with_target_partitions(partitions)
             .set_usize(
@@ -1130,17 +1130,17 @@ mod join_properties {
                 "datafusion.optimizer.hash_join_single_partition_threshold_rows",
                 if partitions > 1 { 0 } else { 1 << 20 },
             );
-        VolleyContext::with_session_config(
+        FulmenContext::with_session_config(
             session,
-            VolleyConfig {
+            FulmenConfig {
                 devices: "emulated:1".parse().unwrap(),
                 gpu_mode: if gpu { GpuMode::Force } else { GpuMode::Off },
-                ..VolleyConfig::default()
+                ..FulmenConfig::default()
             },
         )
     }
 
-    fn register(ctx: &VolleyContext, name: &str, data: &RecordBatch, partitions: usize) {
+    fn register(ctx: &FulmenContext, name: &str, data: &RecordBatch, partitions: usize) {
         let n = data.num_rows();
         let parts: Vec<Vec<RecordBatch>> = (0..partitions)
             .map(|p| {
@@ -1392,12 +1392,12 @@ async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
                     "datafusion.optimizer.hash_join_single_partition_threshold_rows",
                     0,
                 );
-            VolleyContext::with_session_config(
+            FulmenContext::with_session_config(
                 config,
-                VolleyConfig {
+                FulmenConfig {
                     devices: "emulated:1".parse().unwrap(),
                     gpu_mode,
-                    ..VolleyConfig::default()
+                    ..FulmenConfig::default()
                 },
             )
         });
@@ -1490,8 +1490,8 @@ async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
     }
 }
 
-/// With the GPU off, Volley plans every TPC-H query exactly as plain DataFusion does (the
-/// same physical plan, operator for operator): what `volley-bench` measures for `volley`
+/// With the GPU off, Fulmen plans every TPC-H query exactly as plain DataFusion does (the
+/// same physical plan, operator for operator): what `fulmen-bench` measures for `fulmen`
 /// against `datafusion` is the same work, so a gap between the two is measurement noise or
 /// session overhead outside the plan.
 #[tokio::test]
@@ -1499,17 +1499,17 @@ async fn with_the_gpu_off_tpch_plans_are_datafusions() {
     use datafusion::physical_plan::displayable;
     use datafusion::prelude::{SessionConfig, SessionContext};
 
-    let volley = VolleyContext::with_session_config(
+    let fulmen = FulmenContext::with_session_config(
         SessionConfig::new().with_target_partitions(4),
-        VolleyConfig {
+        FulmenConfig {
             gpu_mode: GpuMode::Off,
-            ..VolleyConfig::default()
+            ..FulmenConfig::default()
         },
     );
-    volley.register_tpch(0.01).unwrap();
+    fulmen.register_tpch(0.01).unwrap();
     let plain = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(4));
     for table in crate::tpch::TABLES {
-        let provider = volley
+        let provider = fulmen
             .session_context()
             .table_provider(table)
             .await
@@ -1517,7 +1517,7 @@ async fn with_the_gpu_off_tpch_plans_are_datafusions() {
         plain.register_table(table, provider).unwrap();
     }
     for (q, sql) in crate::tpch::QUERIES.iter().enumerate() {
-        let volley_plan = volley
+        let fulmen_plan = fulmen
             .sql(sql)
             .await
             .unwrap()
@@ -1532,7 +1532,7 @@ async fn with_the_gpu_off_tpch_plans_are_datafusions() {
             .await
             .unwrap();
         assert_eq!(
-            displayable(volley_plan.as_ref()).indent(true).to_string(),
+            displayable(fulmen_plan.as_ref()).indent(true).to_string(),
             displayable(plain_plan.as_ref()).indent(true).to_string(),
             "Q{}",
             q + 1

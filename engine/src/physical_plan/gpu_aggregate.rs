@@ -2,7 +2,7 @@
 //! PartialReduce, Final, FinalPartitioned, Single, SinglePartitioned).
 //!
 //! Each partition keeps one device [`GroupTable`] for its whole input: batches (coalesced
-//! to `volley.gpu.batch_rows`) are uploaded, computed keys, arguments and `FILTER` clauses
+//! to `fulmen.gpu.batch_rows`) are uploaded, computed keys, arguments and `FILTER` clauses
 //! run as one expression program, and the table finds or adds every row's group and
 //! updates the accumulators of all aggregates in one pass. When the input ends the table's
 //! keys and accumulator states come back once:
@@ -65,12 +65,12 @@ use datafusion::physical_plan::metrics::{
 };
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
+use fulmen_kernels::ops::aggregate::{AccInput, AccOp, AccState, AccValues, GroupTable};
+use fulmen_kernels::ops::compact::selection_indices;
+use fulmen_kernels::ops::expr;
+use fulmen_kernels::ops::gather::gather_column;
+use fulmen_kernels::{Device, DeviceColumn, KernelError};
 use futures::{StreamExt, TryStreamExt};
-use volley_kernels::ops::aggregate::{AccInput, AccOp, AccState, AccValues, GroupTable};
-use volley_kernels::ops::compact::selection_indices;
-use volley_kernels::ops::expr;
-use volley_kernels::ops::gather::gather_column;
-use volley_kernels::{Device, DeviceColumn, KernelError};
 
 use super::gpu_stream::{
     Chunk, ChunkStream, GpuMetrics, OperatorKind, count_operator, device_for, input_chunks,
@@ -272,7 +272,7 @@ impl Sources<'_> {
     fn of(&mut self, expr: &Arc<dyn PhysicalExpr>) -> Result<(Source, DataType), Reason> {
         let data_type = expr.data_type(self.schema).map_err(|e| e.to_string())?;
         if let Some(c) = expr.downcast_ref::<Column>() {
-            let device = volley_kernels::column::device_type(&data_type, 0).map_err(|_| {
+            let device = fulmen_kernels::column::device_type(&data_type, 0).map_err(|_| {
                 format!(
                     "column {} of type {data_type} is not supported on GPU",
                     c.name()
@@ -331,7 +331,7 @@ fn distinct_count(
         ));
     };
     distinct_type(item.data_type())?;
-    let value_type = volley_kernels::column::device_type(item.data_type(), 0).map_err(|_| {
+    let value_type = fulmen_kernels::column::device_type(item.data_type(), 0).map_err(|_| {
         format!(
             "count(DISTINCT …) of {} values is not supported on GPU",
             item.data_type()
@@ -470,7 +470,7 @@ impl AggregateWork {
             };
             if state.len() != state_types.len() {
                 return Err(format!(
-                    "{} keeps {} state fields, Volley expected {}",
+                    "{} keeps {} state fields, Fulmen expected {}",
                     agg.name(),
                     state_types.len(),
                     state.len()

@@ -12,8 +12,8 @@ use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricsSet};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
+use fulmen_kernels::Device;
 use futures::StreamExt;
-use volley_kernels::Device;
 
 use super::gpu_stream::{
     BatchWork, Chunk, ChunkStream, DeviceResident, GpuMetrics, GpuStream, count_operator,

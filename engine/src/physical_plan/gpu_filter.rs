@@ -13,8 +13,8 @@ use datafusion::error::Result;
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::filter::{FilterExec, batch_filter};
-use volley_kernels::ops::{compact, expr, gather};
-use volley_kernels::{Device, DeviceColumn, KernelError};
+use fulmen_kernels::ops::{compact, expr, gather};
+use fulmen_kernels::{Device, DeviceColumn, KernelError};
 
 use super::gpu_batch_exec::GpuBatchExec;
 use super::gpu_stream::{BatchWork, Chunk, Col, GpuMetrics, OperatorKind, Output};
@@ -49,7 +49,7 @@ impl BatchWork for FilterWork {
             .unwrap_or_else(|| (0..input_schema.fields().len()).collect());
         for &c in &outputs {
             let field = input_schema.field(c);
-            if volley_kernels::column::device_type(field.data_type(), 0).is_err() {
+            if fulmen_kernels::column::device_type(field.data_type(), 0).is_err() {
                 return Err(format!(
                     "column {} of type {} is not supported on GPU",
                     field.name(),

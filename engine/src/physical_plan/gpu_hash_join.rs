@@ -2,7 +2,7 @@
 //!
 //! The build side (left) is collected once, its key columns are uploaded to the partition's
 //! device and a [`JoinTable`] is built there. Probe batches (right, coalesced to
-//! `volley.gpu.batch_rows`) upload their keys; the device hashes them, finds candidate
+//! `fulmen.gpu.batch_rows`) upload their keys; the device hashes them, finds candidate
 //! pairs in the table, keeps the pairs whose keys are equal and returns them in probe
 //! order. The host then applies the residual filter (DataFusion's expression, when the
 //! join has one) and gathers the output columns with Arrow's `take`, per join type:
@@ -48,10 +48,10 @@ use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties,
 };
+use fulmen_kernels::ops::gather;
+use fulmen_kernels::ops::join::{JoinTable, Matches};
+use fulmen_kernels::{Device, DeviceBuffer, DeviceColumn, KernelError};
 use futures::StreamExt;
-use volley_kernels::ops::gather;
-use volley_kernels::ops::join::{JoinTable, Matches};
-use volley_kernels::{Device, DeviceBuffer, DeviceColumn, KernelError};
 
 use super::gpu_stream::{
     Chunk, ChunkStream, Col, DeviceResident, GpuMetrics, OperatorKind, Output, count_batch,
@@ -85,7 +85,7 @@ fn key_columns(
             return Err(format!("join key {e} is not a column"));
         };
         let t = schema.field(c.index()).data_type();
-        let device = volley_kernels::column::device_type(t, 0)
+        let device = fulmen_kernels::column::device_type(t, 0)
             .map_err(|_| format!("join keys of type {t} are not supported on GPU"))?;
         if !super::keyable(&device) {
             return Err(format!("{device} join keys are not supported on GPU"));

@@ -12,8 +12,8 @@ use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::expressions::{Column, Literal};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::projection::ProjectionExec;
-use volley_kernels::ops::expr;
-use volley_kernels::{Device, DeviceColumn, KernelError};
+use fulmen_kernels::ops::expr;
+use fulmen_kernels::{Device, DeviceColumn, KernelError};
 
 use super::gpu_batch_exec::GpuBatchExec;
 use super::gpu_stream::{BatchWork, Chunk, Col, GpuMetrics, OperatorKind, Output, make_batch};

@@ -4,7 +4,7 @@
 //! kernel leaves to the CPU such as an overflow).
 //!
 //! ```text
-//!   Pull ─batch─▶ coalesce to volley.gpu.batch_rows ─full─▶ Process ─▶ Emit (up to fetch)
+//!   Pull ─batch─▶ coalesce to fulmen.gpu.batch_rows ─full─▶ Process ─▶ Emit (up to fetch)
 //!    └─input ends─▶ Flush (the last partial batch) ─▶ Process ─▶ Done
 //!   Process = device work; on Err or "leave to the CPU" → the operator's CPU twin
 //! ```
@@ -26,8 +26,8 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::metrics::{
     BaselineMetrics, Count, ExecutionPlanMetricsSet, Label, MetricBuilder, Time,
 };
+use fulmen_kernels::{Device, DeviceBatch, DeviceColumn, KernelError};
 use futures::{Stream, StreamExt};
-use volley_kernels::{Device, DeviceBatch, DeviceColumn, KernelError};
 
 use crate::gpu::compile::Reason;
 

@@ -1,4 +1,4 @@
-//! Volley's GPU operators: DataFusion's operators with a `Gpu` prefix, each keeping the
+//! Fulmen's GPU operators: DataFusion's operators with a `Gpu` prefix, each keeping the
 //! CPU operator it replaces so that any batch can be redone on the CPU.
 
 /// The `ExecutionPlan` methods a GPU operator takes from the CPU operator it wraps (its
@@ -84,7 +84,7 @@ macro_rules! delegate_to_cpu_operator {
 pub(crate) fn fmt_gpu_operator(
     name: &str,
     inner: &std::sync::Arc<dyn datafusion::physical_plan::ExecutionPlan>,
-    devices: &[volley_kernels::Device],
+    devices: &[fulmen_kernels::Device],
     t: datafusion::physical_plan::DisplayFormatType,
     f: &mut std::fmt::Formatter,
 ) -> std::fmt::Result {

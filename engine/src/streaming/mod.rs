@@ -3,7 +3,7 @@
 //!
 //! The window functions work on any table, so a windowed aggregation over a live table can
 //! be checked against the same SQL over a plain table. A continuous query (see the
-//! `volley-connectors` crate) runs its SQL once per tick in a session whose config carries a
+//! `fulmen-connectors` crate) runs its SQL once per tick in a session whose config carries a
 //! [`StreamScope`]: the window functions then emit only the windows that closed since the
 //! previous tick, and note the windows they used so that the query knows how far back its
 //! open windows reach.

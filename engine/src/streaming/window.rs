@@ -673,15 +673,15 @@ fn timestamps(array: &ArrayRef) -> Result<Vec<Option<i64>>> {
 mod tests {
     use datafusion::arrow::util::pretty::pretty_format_batches;
 
-    use crate::VolleyContext;
+    use crate::FulmenContext;
 
-    async fn run(ctx: &VolleyContext, sql: &str) -> String {
+    async fn run(ctx: &FulmenContext, sql: &str) -> String {
         let batches = ctx.sql(sql).await.unwrap().collect().await.unwrap();
         pretty_format_batches(&batches).unwrap().to_string()
     }
 
-    async fn context() -> VolleyContext {
-        let ctx = VolleyContext::new().unwrap();
+    async fn context() -> FulmenContext {
+        let ctx = FulmenContext::new().unwrap();
         ctx.sql(
             "CREATE TABLE t AS SELECT * FROM (VALUES \
              ('a', TIMESTAMP '2026-01-01 00:00:01'), ('a', TIMESTAMP '2026-01-01 00:00:04'), \

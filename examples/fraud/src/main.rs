@@ -5,9 +5,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
+use fulmen_fraud::{Options, START_MS, Transaction, generate, profiles_csv, rfc3339};
 use rdkafka::ClientConfig;
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
-use volley_fraud::{Options, START_MS, Transaction, generate, profiles_csv, rfc3339};
 
 /// Card transactions with planted fraud, for examples/fraud/pipeline.sql.
 #[derive(Parser)]

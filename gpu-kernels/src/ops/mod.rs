@@ -19,7 +19,7 @@ use crate::device::Device;
 use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
 
-/// Threads per block for Volley's one-dimensional kernels.
+/// Threads per block for Fulmen's one-dimensional kernels.
 pub const BLOCK: u32 = 256;
 
 /// Row indices are u32 and `u32::MAX` marks a NULL index, so a batch holds fewer rows.
@@ -114,7 +114,7 @@ impl RowIndices {
     }
 }
 
-/// How the kernels compare a key column (`KeyKind` in volley.cuh). Floats compare bit for
+/// How the kernels compare a key column (`KeyKind` in fulmen.cuh). Floats compare bit for
 /// bit after -0.0 becomes 0.0: DataFusion's GROUP BY, joins, INTERSECT and EXCEPT all put
 /// the two zeros together, and a NaN meets a NaN of the same bits.
 fn key_kind(column: &DeviceColumn) -> Result<u64> {
@@ -138,7 +138,7 @@ fn key_kind(column: &DeviceColumn) -> Result<u64> {
     })
 }
 
-/// A key column as the kernels read it (`KeyCol` in volley.cuh).
+/// A key column as the kernels read it (`KeyCol` in fulmen.cuh).
 pub(crate) fn key_descriptor(column: &DeviceColumn) -> Result<[u64; 4]> {
     Ok([
         column.values().addr(),

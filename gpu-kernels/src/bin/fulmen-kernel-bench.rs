@@ -1,8 +1,8 @@
-//! `volley-kernel-bench`: kernel throughput on one device, as a ratio of the device's own
+//! `fulmen-kernel-bench`: kernel throughput on one device, as a ratio of the device's own
 //! copy bandwidth measured in the same run.
 //!
 //! ```text
-//! volley-kernel-bench [--device cuda:0|emulated] [--rows N] [--iterations K]
+//! fulmen-kernel-bench [--device cuda:0|emulated] [--rows N] [--iterations K]
 //! ```
 //! Prints a markdown table: operation, rows, median milliseconds, GB/s moved, and GB/s as
 //! a share of device-to-device copy bandwidth. Times on the emulated device only show that
@@ -10,13 +10,13 @@
 
 use std::time::Instant;
 
-use volley_kernels::ops::{RowIndices, compact, gather};
-use volley_kernels::{Device, DeviceColumn, EmulatorOptions};
+use fulmen_kernels::ops::{RowIndices, compact, gather};
+use fulmen_kernels::{Device, DeviceColumn, EmulatorOptions};
 
 fn median_ms(
     iterations: usize,
-    mut run: impl FnMut() -> volley_kernels::Result<()>,
-) -> volley_kernels::Result<f64> {
+    mut run: impl FnMut() -> fulmen_kernels::Result<()>,
+) -> fulmen_kernels::Result<f64> {
     run()?; // warm-up: compiles and loads kernels, fills the memory pool
     let mut times = Vec::with_capacity(iterations.max(1));
     for _ in 0..iterations.max(1) {
@@ -97,7 +97,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // GROUP BY key with count(*) and sum(v): 4 groups (per-block shared-memory tables)
     // and every row its own group (the global table); reads keys and values once.
-    use volley_kernels::ops::aggregate::{AccInput, AccOp, GroupTable};
+    use fulmen_kernels::ops::aggregate::{AccInput, AccOp, GroupTable};
     let mut group_by = Vec::new();
     for (name, distinct) in [
         ("group by, count + sum (4 groups)", 4i64),
@@ -136,7 +136,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let build: arrow::array::Int64Array = (0..build_rows as i64).collect();
     let build = DeviceColumn::upload(&device, &build)?;
     let join =
-        volley_kernels::ops::join::JoinTable::build(&device, vec![build], None, build_rows, false)?;
+        fulmen_kernels::ops::join::JoinTable::build(&device, vec![build], None, build_rows, false)?;
     let join_ms = median_ms(iterations, || join.probe(&[&column], None, rows).map(drop))?;
     let join_bytes = rows * 8 + build_rows * 8;
 

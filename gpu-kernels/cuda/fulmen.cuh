@@ -1,6 +1,6 @@
-// Shared definitions for Volley's kernels, compiled two ways:
+// Shared definitions for Fulmen's kernels, compiled two ways:
 //   - by NVRTC for a real GPU (no system headers there, so fixed-width types are defined here);
-//   - by the host C++ compiler for the emulated device (VOLLEY_EMULATOR, see emu/emu.h).
+//   - by the host C++ compiler for the emulated device (FULMEN_EMULATOR, see emu/emu.h).
 //
 // Conventions every kernel follows:
 //   - grid-stride loops, so any grid size is correct;
@@ -10,9 +10,9 @@
 //   - output sizes are computed by the host beforehand (counts → scan), never guessed.
 #pragma once
 
-#if defined(VOLLEY_EMULATOR)
+#if defined(FULMEN_EMULATOR)
 #include "../emu/emu.h"
-#define VOLLEY_KERNEL static void
+#define FULMEN_KERNEL static void
 #else
 typedef signed char int8_t;
 typedef unsigned char uint8_t;
@@ -22,8 +22,8 @@ typedef int int32_t;
 typedef unsigned int uint32_t;
 typedef long long int64_t;
 typedef unsigned long long uint64_t;
-#define VOLLEY_KERNEL extern "C" __global__ void
-#define VOLLEY_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#define FULMEN_KERNEL extern "C" __global__ void
+#define FULMEN_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #endif
 
 #define NULL_INDEX 0xFFFFFFFFu
