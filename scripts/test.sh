@@ -23,8 +23,44 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test"
 cargo test --workspace --locked
 
+# Binaries and examples are built for the whole workspace at once, as the tests were: a
+# `cargo run -p NAME` resolves features for that package alone and rebuilds DataFusion.
+target="${CARGO_TARGET_DIR:-target}"
+cargo build --workspace --bins --examples --locked -q
+bin="$target/debug"
+
 step "example: embedding FulmenContext"
-cargo run --locked -q -p fulmen-engine --example embed
+"$bin/examples/embed"
+
+step "the CUDA backend through the stand-in driver: kernel tests on cuda:0, the engine's GPU tests and TPC-H on cuda:0 and cuda:0,1, a sticky fault mid-query"
+standin="$target/standin"
+rm -rf "$standin" && mkdir -p "$standin" && cp "$bin/libfulmen_cuda_standin.so" "$standin/libcuda.so"
+through_standin() {
+  LD_LIBRARY_PATH="$standin:$LD_LIBRARY_PATH" FULMEN_TEST_DEVICE=cuda "$@"
+}
+through_standin cargo test --workspace --locked -q --test kernels
+FULMEN_STANDIN_COUNTS="$standin/engine-counts.json" through_standin \
+  cargo test --workspace --locked --lib -- gpu::tests
+echo "stand-in driver calls during the engine's GPU tests: $(cat "$standin/engine-counts.json")"
+# TPC-H Q1 forced on cuda:0 with its 20th launch poisoning the context: the answer is
+# DataFusion's, and nothing is launched after the fault (the device is quarantined).
+q1="$(cat engine/src/tpch_queries/q01.sql)"
+fulmen=("$bin/fulmen" --demo 0.01 -q --format csv)
+want="$("${fulmen[@]}" --devices none -c "$q1")"
+got="$(FULMEN_STANDIN_STICKY_LAUNCH=20 FULMEN_STANDIN_COUNTS="$standin/sticky-counts.json" \
+  through_standin "${fulmen[@]}" --devices cuda:0 -c "SET fulmen.gpu.mode = 'force'" -c "$q1" \
+  2>"$standin/sticky.log")" || { cat "$standin/sticky.log"; exit 1; }
+if [ "$got" != "$want" ]; then
+  printf 'sticky fault: wrong answer\n--- want\n%s\n--- got\n%s\n' "$want" "$got"
+  exit 1
+fi
+if ! grep -q '"launches": 20,' "$standin/sticky-counts.json" ||
+  ! grep -q 'context poisoned' "$standin/sticky.log"; then
+  echo "sticky fault: expected exactly 20 launches and a poisoned context"
+  cat "$standin/sticky-counts.json" "$standin/sticky.log"
+  exit 1
+fi
+echo "sticky fault at launch 20 of TPC-H Q1: DataFusion's answer, no launch after it"
 
 step "benchmark smoke runs: TPC-H and SSB at SF 0.01, every engine, answers checked against DataFusion"
 # DuckDB comes from PyPI into a private folder (the runner skips it, with a note, if absent).
@@ -33,13 +69,12 @@ if ! PYTHONPATH="$duckdb_dir" python3 -c 'import duckdb' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --target "$duckdb_dir" "duckdb==2.0.1"
 fi
 for benchmark in tpch ssb; do
-  PYTHONPATH="$duckdb_dir" cargo run --locked -q -p fulmen-benches --bin fulmen-bench -- \
-    "$benchmark" --sf 0.01 --iterations 1 --output "${CARGO_TARGET_DIR:-target}/bench-smoke"
+  PYTHONPATH="$duckdb_dir" "$bin/fulmen-bench" \
+    "$benchmark" --sf 0.01 --iterations 1 --output "$target/bench-smoke"
 done
 
 step "benchmark smoke run: Kafka ingest and window-close-to-alert latency (mock cluster)"
-cargo run --locked -q -p fulmen-benches --bin fulmen-bench -- \
-  stream --events 20000 --latency-seconds 3 --output "${CARGO_TARGET_DIR:-target}/bench-smoke"
+"$bin/fulmen-bench" stream --events 20000 --latency-seconds 3 --output "$target/bench-smoke"
 
 step "kernel micro-benchmarks compile (cargo bench --no-run)"
 cargo bench --locked --no-run -p fulmen-kernels

@@ -52,6 +52,42 @@ impl fmt::Display for GpuMode {
     }
 }
 
+/// What a GPU operator does when its device fails at something other than running out of
+/// memory (a kernel error, a driver error, an out-of-bounds write the emulator caught).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnError {
+    /// Redo the work on the CPU: the query still answers; the error is logged with the
+    /// kernel's name and counted per device.
+    #[default]
+    Fallback,
+    /// Fail the query with the device's error (what every test runs with, so that a kernel
+    /// defect cannot hide behind a correct CPU answer).
+    Fail,
+}
+
+impl FromStr for OnError {
+    type Err = DataFusionError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "fallback" => Ok(Self::Fallback),
+            "fail" => Ok(Self::Fail),
+            other => Err(DataFusionError::Configuration(format!(
+                "invalid value '{other}' for fulmen.gpu.on_error (expected fallback or fail)"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for OnError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Fallback => "fallback",
+            Self::Fail => "fail",
+        })
+    }
+}
+
 /// Fulmen's settings, kept in DataFusion's `ConfigOptions` under the prefix `fulmen`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FulmenConfig {
@@ -76,6 +112,8 @@ pub struct FulmenConfig {
     /// `fulmen.gpu.memory_limit`: bytes of device memory Fulmen may hold on each device
     /// (`None`: the whole device, or 2 GiB per emulated device).
     pub gpu_memory_limit: Option<usize>,
+    /// `fulmen.gpu.on_error`: what a device error does to the query.
+    pub gpu_on_error: OnError,
 }
 
 impl Default for FulmenConfig {
@@ -90,6 +128,7 @@ impl Default for FulmenConfig {
             gpu_aggregate: true,
             gpu_join: true,
             gpu_memory_limit: None,
+            gpu_on_error: OnError::Fallback,
         }
     }
 }
@@ -147,6 +186,12 @@ const SETTINGS: &[Setting] = &[
                       G allowed), or 0 for the whole device. Operators whose state outgrows \
                       it finish on the CPU.",
     },
+    Setting {
+        key: "gpu.on_error",
+        description: "What a device error (a failed kernel or driver call, not exhausted \
+                      memory) does: fallback (redo the work on the CPU, log the error and \
+                      count it for the device) or fail (the query fails with the error).",
+    },
 ];
 
 impl FulmenConfig {
@@ -172,6 +217,7 @@ impl FulmenConfig {
             "gpu.aggregate" => self.gpu_aggregate.to_string(),
             "gpu.join" => self.gpu_join.to_string(),
             "gpu.memory_limit" => self.gpu_memory_limit.unwrap_or(0).to_string(),
+            "gpu.on_error" => self.gpu_on_error.to_string(),
             _ => String::new(),
         }
     }
@@ -232,6 +278,7 @@ impl ExtensionOptions for FulmenConfig {
                 self.gpu_memory_limit =
                     Some(parse_bytes("gpu.memory_limit", value)?).filter(|&b| b > 0)
             }
+            "gpu.on_error" => self.gpu_on_error = value.parse()?,
             other => return Err(Self::unknown_key(other)),
         }
         Ok(())
@@ -304,6 +351,8 @@ mod tests {
         c.set("gpu.aggregate", "false").unwrap();
         c.set("gpu.join", "false").unwrap();
         c.set("gpu.memory_limit", "1G").unwrap();
+        c.set("gpu.on_error", "Fail").unwrap();
+        assert_eq!(c.gpu_on_error, OnError::Fail);
         assert!(!c.gpu_filter && !c.gpu_projection && c.gpu_batch_rows == 4096);
         assert!(!c.gpu_aggregate && c.gpu_memory_limit == Some(1 << 30));
         assert_eq!(c.devices, DeviceSelection::Emulated(2));
@@ -329,6 +378,7 @@ mod tests {
                     "fulmen.gpu.memory_limit".to_string(),
                     "1073741824".to_string()
                 ),
+                ("fulmen.gpu.on_error".to_string(), "fail".to_string()),
             ]
         );
     }
@@ -350,6 +400,8 @@ mod tests {
         c.set("gpu.memory_limit", "0").unwrap();
         assert_eq!(c.gpu_memory_limit, None);
         assert!(c.set("gpu.memory_limit", "lots").is_err());
+        let e = c.set("gpu.on_error", "ignore").unwrap_err().to_string();
+        assert!(e.contains("fallback or fail"), "{e}");
         let e = c.set("gpu.filter", "maybe").unwrap_err().to_string();
         assert!(e.contains("true or false"), "{e}");
         let e = c.set("gpu.mdoe", "off").unwrap_err().to_string();

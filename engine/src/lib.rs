@@ -15,7 +15,7 @@ pub mod physical_plan;
 pub mod streaming;
 pub mod tpch;
 
-pub use config::{FulmenConfig, GpuMode};
+pub use config::{FulmenConfig, GpuMode, OnError};
 pub use context::{FulmenContext, StatementHandler, TableFormat};
 pub use error::EngineError;
 pub use fulmen_kernels::DeviceSelection;

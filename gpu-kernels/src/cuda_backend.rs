@@ -8,6 +8,11 @@
 //!   has one; the budget is kept by the device's pool as on the emulator.
 //! - Copies go through a pinned staging buffer with async copies on the device's stream.
 //! - Every call binds the device's context to the calling thread first.
+//! - Threads waiting for the device block instead of spinning (the primary context is
+//!   created with `CU_CTX_SCHED_BLOCKING_SYNC`), so waiting partitions leave the CPU to
+//!   DataFusion's operators.
+//! - A sticky error (after which every call on the context fails) is reported as
+//!   [`KernelError::DeviceLost`], which quarantines the device.
 
 use std::collections::HashMap;
 use std::ffi::{CString, c_void};
@@ -21,8 +26,41 @@ use crate::{KernelError, Result};
 /// Bytes of pinned host memory used to stage each copy (larger copies go in pieces).
 const STAGING_BYTES: usize = 16 << 20;
 
+/// Whether CUDA leaves the context unusable after `error` (every later call fails).
+fn sticky(error: &DriverError) -> bool {
+    use sys::cudaError_enum as E;
+    matches!(
+        error.0,
+        E::CUDA_ERROR_ILLEGAL_ADDRESS
+            | E::CUDA_ERROR_LAUNCH_FAILED
+            | E::CUDA_ERROR_LAUNCH_TIMEOUT
+            | E::CUDA_ERROR_ECC_UNCORRECTABLE
+            | E::CUDA_ERROR_HARDWARE_STACK_ERROR
+            | E::CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | E::CUDA_ERROR_MISALIGNED_ADDRESS
+            | E::CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | E::CUDA_ERROR_INVALID_PC
+            | E::CUDA_ERROR_ASSERT
+            | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
+    )
+}
+
 fn driver(what: &str) -> impl Fn(DriverError) -> KernelError + '_ {
     move |e| KernelError::Driver(format!("{what}: {e}"))
+}
+
+impl CudaBackend {
+    /// The error of a failed driver call: the device is lost when CUDA says so.
+    fn failed(&self, what: &str, e: DriverError) -> KernelError {
+        if sticky(&e) {
+            KernelError::DeviceLost {
+                device: format!("cuda:{}", self.ctx.ordinal()),
+                message: format!("{what}: {e}"),
+            }
+        } else {
+            KernelError::Driver(format!("{what}: {e}"))
+        }
+    }
 }
 
 struct Staging {
@@ -32,6 +70,27 @@ struct Staging {
 
 // SAFETY: the pinned buffer is only touched under the backend's mutex.
 unsafe impl Send for Staging {}
+
+/// The stand-in driver's hook (`gpu-kernels/standin`): the length a pool block is lent at,
+/// so that it guards the bytes past it as the emulator does. A real driver has no such
+/// symbol, and the backend then never calls it.
+type LendHook = unsafe extern "C" fn(u64, usize) -> u32;
+
+fn standin_lend_hook() -> Option<LendHook> {
+    static HOOK: std::sync::OnceLock<Option<(libloading::Library, LendHook)>> =
+        std::sync::OnceLock::new();
+    HOOK.get_or_init(|| {
+        // SAFETY: loads the library cudarc already loaded as the driver (the same name
+        // first, as cudarc tries it) and looks up one symbol of a known signature.
+        unsafe {
+            let library = libloading::Library::new("libcuda.so").ok()?;
+            let hook = *library.get::<LendHook>(b"fulmenStandinLend\0").ok()?;
+            Some((library, hook))
+        }
+    })
+    .as_ref()
+    .map(|(_, hook)| *hook)
+}
 
 pub(crate) struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -68,6 +127,15 @@ impl CudaBackend {
             return Err(KernelError::Driver(format!(
                 "no CUDA device {ordinal} (this machine has {count})"
             )));
+        }
+        // Block, rather than spin, while waiting for the device (before the primary context
+        // exists: its flags are fixed when it is created; a context another library made
+        // first keeps its own, so this is best effort).
+        let dev = result::device::get(ordinal as i32).map_err(driver("finding the device"))?;
+        let blocking = sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC as u32;
+        // SAFETY: `dev` was just returned by cuDeviceGet; the call only sets flags.
+        if let Err(e) = unsafe { sys::cuDevicePrimaryCtxSetFlags_v2(dev, blocking) }.result() {
+            log::debug!("cuda:{ordinal}: blocking synchronisation not set: {e}");
         }
         let ctx = CudaContext::new(ordinal).map_err(driver("creating a CUDA context"))?;
         let stream = ctx.new_stream().map_err(driver("creating a CUDA stream"))?;
@@ -112,7 +180,7 @@ impl CudaBackend {
     fn sync(&self) -> Result<()> {
         self.stream
             .synchronize()
-            .map_err(driver("waiting for the stream"))
+            .map_err(|e| self.failed("waiting for the stream", e))
     }
 
     pub fn alloc(&self, len: usize) -> Result<u64> {
@@ -133,8 +201,16 @@ impl CudaBackend {
                 in_use: 0,
                 budget: 0,
             },
-            _ => KernelError::Driver(format!("allocating {len} bytes: {e}")),
+            _ => self.failed(&format!("allocating {len} bytes"), e),
         })
+    }
+
+    /// Tells the stand-in driver the length a block is now used at (nothing on a GPU).
+    pub fn lend(&self, addr: u64, len: usize) {
+        if let Some(hook) = standin_lend_hook() {
+            // SAFETY: the hook takes an address it handed out and a length within it.
+            unsafe { hook(addr, len) };
+        }
     }
 
     pub fn free(&self, addr: u64) {
@@ -163,7 +239,7 @@ impl CudaBackend {
                 let pinned = std::slice::from_raw_parts(staging.ptr, piece.len());
                 let dst = addr + (offset + k * staging.len) as u64;
                 result::memcpy_htod_async(dst, pinned, self.stream.cu_stream())
-                    .map_err(driver("copying to the device"))?;
+                    .map_err(|e| self.failed("copying to the device", e))?;
             }
             self.sync()?;
         }
@@ -180,7 +256,7 @@ impl CudaBackend {
                 let pinned = std::slice::from_raw_parts_mut(staging.ptr, piece.len());
                 let src = addr + (offset + k * piece_len) as u64;
                 result::memcpy_dtoh_async(pinned, src, self.stream.cu_stream())
-                    .map_err(driver("copying from the device"))?;
+                    .map_err(|e| self.failed("copying from the device", e))?;
                 self.sync()?;
                 std::ptr::copy_nonoverlapping(staging.ptr, piece.as_mut_ptr(), piece.len());
             }
@@ -193,7 +269,7 @@ impl CudaBackend {
         self.bind()?;
         // SAFETY: both ranges lie inside live buffers (checked by the caller).
         unsafe { result::memcpy_dtod_async(dst, src, len, self.stream.cu_stream()) }
-            .map_err(driver("copying on the device"))?;
+            .map_err(|e| self.failed("copying on the device", e))?;
         self.sync()
     }
 
@@ -214,7 +290,7 @@ impl CudaBackend {
                 let image = crate::nvrtc::kernel_image(file, self.compute_capability)?;
                 // SAFETY: `image` is a cubin NVRTC produced for this device's architecture.
                 let m = unsafe { result::module::load_data(image.as_ptr().cast()) }
-                    .map_err(driver("loading kernels"))?;
+                    .map_err(|e| self.failed("loading kernels", e))?;
                 modules.insert(file, m);
                 m
             }
@@ -223,7 +299,7 @@ impl CudaBackend {
             .map_err(|_| KernelError::Unsupported("kernel name".into()))?;
         // SAFETY: `module` is loaded and never unloaded while the backend lives.
         let f = unsafe { result::module::get_function(module, name) }
-            .map_err(driver("finding a kernel"))?;
+            .map_err(|e| self.failed("finding a kernel", e))?;
         self.functions
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -256,16 +332,21 @@ impl CudaBackend {
                 params,
             )
         }
-        .map_err(|e| KernelError::LaunchFailed {
-            kernel: kernel.name(),
-            device: format!("cuda:{}", self.ctx.ordinal()),
-            message: e.to_string(),
-        })?;
-        self.sync().map_err(|e| KernelError::LaunchFailed {
-            kernel: kernel.name(),
-            device: format!("cuda:{}", self.ctx.ordinal()),
-            message: e.to_string(),
-        })
+        .map_err(|e| self.launch_failed(kernel, e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| self.launch_failed(kernel, e))
+    }
+
+    fn launch_failed(&self, kernel: Kernel, e: DriverError) -> KernelError {
+        match self.failed(&format!("kernel {}", kernel.name()), e) {
+            lost @ KernelError::DeviceLost { .. } => lost,
+            other => KernelError::LaunchFailed {
+                kernel: kernel.name(),
+                device: format!("cuda:{}", self.ctx.ordinal()),
+                message: other.to_string(),
+            },
+        }
     }
 }
 

@@ -17,6 +17,18 @@ use crate::memory::{DeviceBuffer, Pool, size_class};
 use crate::selection::DeviceSelection;
 use crate::{KernelError, Result};
 
+/// Whether any GPU of this process is quarantined (a fast check before the map).
+static CUDA_QUARANTINED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The quarantined GPUs of this process, by ordinal, with the reason.
+fn cuda_quarantine() -> std::sync::MutexGuard<'static, std::collections::HashMap<usize, String>> {
+    static MAP: std::sync::OnceLock<Mutex<std::collections::HashMap<usize, String>>> =
+        std::sync::OnceLock::new();
+    MAP.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
 /// The two kinds of device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceKind {
@@ -59,6 +71,9 @@ pub struct FaultPlan {
     pub fail_allocation: Option<u64>,
     /// Which launch from now fails.
     pub fail_launch: Option<u64>,
+    /// Which launch from now loses the device, as a sticky CUDA error does: it fails with
+    /// [`KernelError::DeviceLost`] and the device is quarantined.
+    pub lose_device_at_launch: Option<u64>,
 }
 
 /// Grid and block size of a launch (one-dimensional: every Fulmen kernel is).
@@ -133,8 +148,20 @@ struct Inner {
     backend: Backend,
     allocations: AtomicU64,
     launches: AtomicU64,
-    /// Absolute allocation / launch numbers that fail.
-    faults: Mutex<(Option<u64>, Option<u64>)>,
+    /// Device errors that made an operator redo its work on the CPU.
+    errors: AtomicU64,
+    /// Absolute allocation / launch numbers that fail, and the launch that loses the device.
+    faults: Mutex<Faults>,
+    /// Why the device is out of use, once it is: a sticky error lost its state.
+    quarantine: Mutex<Option<String>>,
+    quarantined: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Faults {
+    allocation: Option<u64>,
+    launch: Option<u64>,
+    lose_at_launch: Option<u64>,
 }
 
 /// A device. Cloning is cheap; clones share the device.
@@ -184,7 +211,10 @@ impl Device {
                 backend: Backend::Emulated(EmuMemory::default()),
                 allocations: AtomicU64::new(0),
                 launches: AtomicU64::new(0),
-                faults: Mutex::new((None, None)),
+                errors: AtomicU64::new(0),
+                faults: Mutex::new(Faults::default()),
+                quarantine: Mutex::new(None),
+                quarantined: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -206,7 +236,10 @@ impl Device {
                 backend: Backend::Cuda(backend),
                 allocations: AtomicU64::new(0),
                 launches: AtomicU64::new(0),
-                faults: Mutex::new((None, None)),
+                errors: AtomicU64::new(0),
+                faults: Mutex::new(Faults::default()),
+                quarantine: Mutex::new(None),
+                quarantined: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -249,6 +282,18 @@ impl Device {
         )
     }
 
+    /// Counts a device error an operator met.
+    pub fn count_error(&self) {
+        self.inner.errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Device errors met so far by operators (redone on the CPU, or failing the query with
+    /// `fulmen.gpu.on_error = fail`); exhausted memory, injected allocation and launch faults
+    /// and calls on a quarantined device are not counted: they are not errors of the device.
+    pub fn errors(&self) -> u64 {
+        self.inner.errors.load(Ordering::Relaxed)
+    }
+
     /// Injects faults (emulated devices only).
     pub fn inject_faults(&self, plan: FaultPlan) -> Result<()> {
         if self.inner.kind != DeviceKind::Emulated {
@@ -258,19 +303,20 @@ impl Device {
         }
         let (allocations, launches) = self.counters();
         let mut faults = self.inner.faults.lock().unwrap_or_else(|p| p.into_inner());
-        *faults = (
-            plan.fail_allocation.map(|n| allocations + n.max(1)),
-            plan.fail_launch.map(|n| launches + n.max(1)),
-        );
+        *faults = Faults {
+            allocation: plan.fail_allocation.map(|n| allocations + n.max(1)),
+            launch: plan.fail_launch.map(|n| launches + n.max(1)),
+            lose_at_launch: plan.lose_device_at_launch.map(|n| launches + n.max(1)),
+        };
         Ok(())
     }
 
     fn injected(&self, what: &'static str, number: u64) -> Result<()> {
-        let faults = self.inner.faults.lock().unwrap_or_else(|p| p.into_inner());
+        let faults = *self.inner.faults.lock().unwrap_or_else(|p| p.into_inner());
         let fail_at = if what == "allocation" {
-            faults.0
+            faults.allocation
         } else {
-            faults.1
+            faults.launch
         };
         if fail_at == Some(number) {
             return Err(KernelError::InjectedFault {
@@ -279,26 +325,99 @@ impl Device {
                 number,
             });
         }
+        if what == "launch" && faults.lose_at_launch == Some(number) {
+            return Err(self.lost(KernelError::DeviceLost {
+                device: self.to_string(),
+                message: format!("injected sticky fault at launch {number}"),
+            }));
+        }
         Ok(())
+    }
+
+    /// Why the device is quarantined, if it is.
+    pub fn quarantined(&self) -> Option<String> {
+        if !self.inner.quarantined.load(Ordering::Acquire) {
+            // Another handle of the same GPU may have lost it: they share its context.
+            if self.inner.kind != DeviceKind::Cuda || !CUDA_QUARANTINED.load(Ordering::Acquire) {
+                return None;
+            }
+            let reason = cuda_quarantine().get(&self.inner.ordinal).cloned()?;
+            self.quarantine(&reason);
+            return Some(reason);
+        }
+        self.inner
+            .quarantine
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Takes the device out of use for the rest of the process: every later call on it
+    /// fails at once with [`KernelError::Quarantined`], without touching the device. For a
+    /// GPU, every handle of it is quarantined (they share its context).
+    pub fn quarantine(&self, reason: &str) {
+        let mut q = self
+            .inner
+            .quarantine
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if q.is_none() {
+            *q = Some(reason.to_string());
+            self.inner.quarantined.store(true, Ordering::Release);
+        }
+        drop(q);
+        if self.inner.kind == DeviceKind::Cuda {
+            cuda_quarantine()
+                .entry(self.inner.ordinal)
+                .or_insert_with(|| reason.to_string());
+            CUDA_QUARANTINED.store(true, Ordering::Release);
+        }
+    }
+
+    /// Fails at once when the device is quarantined.
+    fn usable(&self) -> Result<()> {
+        match self.quarantined() {
+            None => Ok(()),
+            Some(reason) => Err(KernelError::Quarantined {
+                device: self.to_string(),
+                reason,
+            }),
+        }
+    }
+
+    /// Quarantines the device when `error` says it is lost; returns the error.
+    fn lost(&self, error: KernelError) -> KernelError {
+        if let KernelError::DeviceLost { message, .. } = &error {
+            self.quarantine(message);
+        }
+        error
     }
 
     /// Allocates `len` bytes of device memory (contents undefined).
     pub fn alloc(&self, len: usize) -> Result<DeviceBuffer> {
+        self.usable()?;
         let number = self.inner.allocations.fetch_add(1, Ordering::Relaxed) + 1;
         self.injected("allocation", number)?;
         let class = size_class(len);
-        let addr = self.inner.pool.take(
-            &self.to_string(),
-            class,
-            self.inner.budget,
-            || self.backend_alloc(class),
-            |addr| self.backend_free(addr),
-        )?;
-        if let Backend::Emulated(memory) = &self.inner.backend
-            && let Err(e) = memory.lend(addr, len)
-        {
-            self.release(addr, class);
-            return Err(e);
+        let addr = self
+            .inner
+            .pool
+            .take(
+                &self.to_string(),
+                class,
+                self.inner.budget,
+                || self.backend_alloc(class),
+                |addr| self.backend_free(addr),
+            )
+            .map_err(|e| self.lost(e))?;
+        match &self.inner.backend {
+            Backend::Emulated(memory) => {
+                if let Err(e) = memory.lend(addr, len) {
+                    self.release(addr, class);
+                    return Err(e);
+                }
+            }
+            Backend::Cuda(cuda) => cuda.lend(addr, len),
         }
         Ok(DeviceBuffer {
             device: self.clone(),
@@ -341,10 +460,12 @@ impl Device {
                 buffer.len
             )));
         }
+        self.usable()?;
         match &self.inner.backend {
             Backend::Emulated(memory) => memory.write(buffer.addr, offset, bytes),
             Backend::Cuda(cuda) => cuda.write(buffer.addr, offset, bytes),
         }
+        .map_err(|e| self.lost(e))
     }
 
     pub(crate) fn read(&self, buffer: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
@@ -355,10 +476,12 @@ impl Device {
                 buffer.len
             )));
         }
+        self.usable()?;
         match &self.inner.backend {
             Backend::Emulated(memory) => memory.read(buffer.addr, offset, out),
             Backend::Cuda(cuda) => cuda.read(buffer.addr, offset, out),
         }
+        .map_err(|e| self.lost(e))
     }
 
     pub(crate) fn release(&self, addr: u64, class: usize) {
@@ -373,6 +496,7 @@ impl Device {
                 src.len, dst.len
             )));
         }
+        self.usable()?;
         match &self.inner.backend {
             Backend::Emulated(memory) => {
                 let mut bytes = vec![0u8; src.len];
@@ -381,6 +505,7 @@ impl Device {
             }
             Backend::Cuda(cuda) => cuda.copy(dst.addr, src.addr, src.len),
         }
+        .map_err(|e| self.lost(e))
     }
 
     /// Frees the memory the pool keeps cached for reuse.
@@ -395,6 +520,7 @@ impl Device {
     /// pointer must be a live buffer of this device, large enough for what the kernel
     /// reads and writes at those arguments. Only the typed wrappers in `ops` call this.
     pub unsafe fn launch(&self, kernel: Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        self.usable()?;
         let number = self.inner.launches.fetch_add(1, Ordering::Relaxed) + 1;
         self.injected("launch", number)?;
         let mut slots: Vec<u64> = args.iter().map(|a| a.bits()).collect();
@@ -409,7 +535,8 @@ impl Device {
                 // and CUDA reads a u32 parameter from the first 4 (little-endian).
                 return unsafe {
                     cuda.launch(kernel, cfg.grid, cfg.block, cfg.shared_bytes, &mut params)
-                };
+                }
+                .map_err(|e| self.lost(e));
             }
         };
         let emu_cfg = EmuLaunchConfig {
@@ -437,8 +564,8 @@ impl Device {
     }
 }
 
-/// Opens the devices a selection names: `none` gives no device, `emulated:N` N emulated
-/// devices, `cuda:0,1` those GPUs (an error if one is missing), and `auto` every GPU of the
+/// Opens the devices a selection names: `none` gives no device, `emulated:N` (or
+/// `emulated:N/SET`) N new emulated devices, `cuda:0,1` those GPUs (an error if one is missing), and `auto` every GPU of the
 /// machine (none without a driver). `budget` limits the bytes Fulmen holds on each CUDA
 /// device (emulated devices take theirs from `emulator`).
 pub fn open_devices(
@@ -448,7 +575,7 @@ pub fn open_devices(
 ) -> Result<Vec<Device>> {
     match selection {
         DeviceSelection::None => Ok(Vec::new()),
-        DeviceSelection::Emulated(n) => {
+        DeviceSelection::Emulated(n) | DeviceSelection::EmulatedSet(n, _) => {
             Ok((0..*n).map(|i| Device::emulated(i, emulator)).collect())
         }
         DeviceSelection::Auto => crate::cuda::list_devices()

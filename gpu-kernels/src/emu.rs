@@ -1,14 +1,16 @@
 //! The emulated device's host side: its memory (allocations with guard zones) and kernel
-//! launches through the C++ scheduler in `emu/runtime.cpp`.
+//! launches through the C++ scheduler in `emu/runtime.cpp`. The stand-in CUDA driver
+//! (`gpu-kernels/standin`) is built on the same two pieces.
 //!
 //! ```text
-//! allocation:  [ guard 64 B: 0xFD… ][ data, len bytes ][ guard 64 B + rounding: 0xFD… ]
+//! allocation:  [ guard 256 B: 0xFD… ][ data, len bytes ][ guard 256 B + rounding: 0xFD… ]
+//!                                     ^ 256-byte aligned, as cuMemAlloc's addresses are
 //! ```
 //! After every launch every live allocation's guards are checked, so a kernel that writes
 //! out of bounds fails with [`KernelError::OutOfBounds`] instead of corrupting memory.
 
 use std::alloc::{Layout, alloc, dealloc};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void};
 use std::sync::Mutex;
 
@@ -17,7 +19,7 @@ use crate::{KernelError, Result};
 /// Mirrors `fulmen_emu::LaunchConfig` in `emu/runtime.h`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct EmuLaunchConfig {
+pub struct EmuLaunchConfig {
     pub grid: [u32; 3],
     pub block: [u32; 3],
     pub shared_bytes: u32,
@@ -26,10 +28,13 @@ pub(crate) struct EmuLaunchConfig {
 }
 
 /// An exported kernel launcher: `fulmen_emu_launch_<kernel>`.
-pub(crate) type EmuEntry =
+pub type EmuEntry =
     unsafe extern "C" fn(*const EmuLaunchConfig, *mut *mut c_void, *mut c_char, usize) -> i32;
 
-const GUARD: usize = 64;
+/// Guard bytes before each allocation's data: as many as its alignment, so that data
+/// addresses are aligned as a GPU's are (and a kernel that assumes more alignment than
+/// the driver gives fails here as it would there).
+const GUARD: usize = ALIGN;
 /// Bytes past a buffer's end that the check after each launch reads.
 const CHECK_WINDOW: usize = 4096;
 const GUARD_BYTE: u8 = 0xFD;
@@ -72,8 +77,8 @@ impl Allocation {
 
 /// The memory of one emulated device: host allocations standing for device memory.
 #[derive(Default)]
-pub(crate) struct EmuMemory {
-    live: Mutex<HashMap<u64, Allocation>>,
+pub struct EmuMemory {
+    live: Mutex<BTreeMap<u64, Allocation>>,
 }
 
 impl EmuMemory {
@@ -123,20 +128,30 @@ impl EmuMemory {
     }
 
     /// Checks every live allocation's guards after a launch; the first damage found is
-    /// described. The back guard is read up to `CHECK_WINDOW` bytes past each buffer's
+    /// described, and that allocation's guards are laid anew, so that the next launch is not
+    /// blamed for it. The back guard is read up to `CHECK_WINDOW` bytes past each buffer's
     /// end: a reused block's whole remainder is guard too, but reading megabytes of it
     /// after every launch made whole-query tests crawl; `free` still reads all of it.
     pub fn check_guards(&self) -> Option<String> {
         let live = self.lock();
-        live.values().find_map(|a| {
-            a.damaged_guard(Some(CHECK_WINDOW)).map(|(at, byte)| {
-                format!(
-                    "allocation {:#x} of {} bytes: byte at offset {at} is {byte:#04x}",
-                    a.data() as u64,
-                    a.len
-                )
-            })
-        })
+        let (a, at, byte) = live.values().find_map(|a| {
+            a.damaged_guard(Some(CHECK_WINDOW))
+                .map(|(at, byte)| (a, at, byte))
+        })?;
+        // SAFETY: the guards lie inside the allocation made with `a.layout`.
+        unsafe {
+            std::ptr::write_bytes(a.base, GUARD_BYTE, GUARD);
+            std::ptr::write_bytes(
+                a.data().add(a.len),
+                GUARD_BYTE,
+                a.layout.size() - GUARD - a.len,
+            );
+        }
+        Some(format!(
+            "allocation {:#x} of {} bytes: byte at offset {at} is {byte:#04x}",
+            a.data() as u64,
+            a.len
+        ))
     }
 
     /// Hands a (possibly reused) block to a buffer of `len` bytes: the bytes past `len`
@@ -181,7 +196,7 @@ impl EmuMemory {
 
     /// The address of `len` bytes at `offset` in the allocation at `addr`, if they lie in it.
     fn checked(
-        live: &HashMap<u64, Allocation>,
+        live: &BTreeMap<u64, Allocation>,
         addr: u64,
         offset: usize,
         len: usize,
@@ -199,7 +214,21 @@ impl EmuMemory {
         Ok(unsafe { a.data().add(offset) })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Allocation>> {
+    /// The allocation holding device address `addr` (which may point inside it): its start
+    /// and `addr`'s offset from there.
+    pub fn locate(&self, addr: u64) -> Option<(u64, usize)> {
+        let live = self.lock();
+        let (&start, a) = live.range(..=addr).next_back()?;
+        let offset = (addr - start) as usize;
+        (offset < a.len.max(1)).then_some((start, offset))
+    }
+
+    /// Bytes held by live allocations (what they asked for, not counting guards).
+    pub fn bytes_in_use(&self) -> usize {
+        self.lock().values().map(|a| a.len).sum()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Allocation>> {
         // A panic while holding the lock leaves the map consistent (every operation on it is
         // a single insert, remove or read), so a poisoned lock is still usable.
         self.live.lock().unwrap_or_else(|p| p.into_inner())
@@ -208,7 +237,7 @@ impl EmuMemory {
 
 impl Drop for EmuMemory {
     fn drop(&mut self) {
-        for (_, a) in self.lock().drain() {
+        for (_, a) in std::mem::take(&mut *self.lock()) {
             // SAFETY: each allocation was made with its layout and is freed once here.
             unsafe { dealloc(a.base, a.layout) };
         }
@@ -216,7 +245,7 @@ impl Drop for EmuMemory {
 }
 
 /// Runs `entry` with CUDA-style parameters (`params[i]` points at argument i).
-pub(crate) fn launch(
+pub fn launch(
     entry: EmuEntry,
     cfg: &EmuLaunchConfig,
     params: &mut [*mut c_void],

@@ -60,6 +60,24 @@ pub enum KernelError {
         /// Which allocation was damaged, and where.
         detail: String,
     },
+    /// The device can no longer be used: CUDA reported a sticky error (an illegal address,
+    /// a failed or timed-out kernel, an uncorrectable ECC error), after which every call on
+    /// its context fails. The device is quarantined from then on.
+    #[error("device {device} is lost: {message}")]
+    DeviceLost {
+        /// The device.
+        device: String,
+        /// What the device reported.
+        message: String,
+    },
+    /// A call on a quarantined device, answered without touching it.
+    #[error("device {device} is quarantined: {reason}")]
+    Quarantined {
+        /// The device.
+        device: String,
+        /// Why it was quarantined.
+        reason: String,
+    },
     /// A data type or operation the device layer does not handle.
     #[error("not supported on the device: {0}")]
     Unsupported(String),
@@ -69,6 +87,33 @@ pub enum KernelError {
     /// The CUDA driver or NVRTC reported an error.
     #[error("CUDA error: {0}")]
     Driver(String),
+}
+
+impl KernelError {
+    /// The kernel the error came from, where it names one.
+    pub fn kernel(&self) -> Option<&'static str> {
+        match self {
+            Self::LaunchFailed { kernel, .. } | Self::OutOfBounds { kernel, .. } => Some(kernel),
+            _ => None,
+        }
+    }
+
+    /// Whether this is an outcome the caller simply works around: the device's memory ran
+    /// out (the caller splits its work or finishes on the CPU), a fault was injected on
+    /// purpose, or the device was quarantined earlier (the error that quarantined it was
+    /// reported then). Every other error means a defect in a kernel, the device or Fulmen.
+    pub fn is_expected(&self) -> bool {
+        matches!(
+            self,
+            Self::OutOfDeviceMemory { .. } | Self::InjectedFault { .. } | Self::Quarantined { .. }
+        )
+    }
+
+    /// Whether the device's state is gone with this error (its buffers can no longer be
+    /// read): the device is lost or quarantined.
+    pub fn device_gone(&self) -> bool {
+        matches!(self, Self::DeviceLost { .. } | Self::Quarantined { .. })
+    }
 }
 
 /// Result of the device layer.

@@ -37,6 +37,11 @@ macro_rules! kernels {
             /// Every kernel.
             pub const ALL: &'static [Kernel] = &[$(Kernel::$variant,)*];
 
+            /// The kernel whose symbol is `name`.
+            pub fn by_name(name: &str) -> Option<Kernel> {
+                Self::ALL.iter().copied().find(|k| k.name() == name)
+            }
+
             /// The kernel's symbol in its `.cu` source.
             pub fn name(self) -> &'static str {
                 match self {
@@ -51,7 +56,10 @@ macro_rules! kernels {
                 }
             }
 
-            pub(crate) fn emu_entry(self) -> EmuEntry {
+            /// The kernel's entry point in the emulator (what the stand-in CUDA driver
+            /// runs for a launch of it).
+            #[doc(hidden)]
+            pub fn emu_entry(self) -> EmuEntry {
                 match self {
                     $(Kernel::$variant => $name,)*
                 }

@@ -16,7 +16,8 @@ pub mod column;
 pub mod cuda;
 mod cuda_backend;
 pub mod device;
-mod emu;
+#[doc(hidden)]
+pub mod emu;
 pub mod error;
 pub mod kernels;
 pub mod memory;

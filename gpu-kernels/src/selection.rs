@@ -5,6 +5,8 @@
 //! none          no device: everything runs on the CPU
 //! cuda:0,2      the listed CUDA devices
 //! emulated:N    N emulated devices (the CUDA execution model on the host CPU)
+//! emulated:N/S  N emulated devices of the set named S: sets of other names (and plain
+//!               emulated:N) are other devices, so a test's counters are its own
 //! ```
 
 use std::fmt;
@@ -24,6 +26,9 @@ pub enum DeviceSelection {
     Cuda(Vec<usize>),
     /// This many emulated devices.
     Emulated(usize),
+    /// This many emulated devices of a set of their own, by name: no other selection
+    /// reaches them (tests use this to keep their device counters apart).
+    EmulatedSet(usize, String),
 }
 
 /// The most emulated devices one session may ask for: each runs kernels on host threads,
@@ -62,6 +67,20 @@ impl FromStr for DeviceSelection {
                 Ok(Self::Cuda(ordinals))
             }
             "emulated" | "emu" => {
+                let (list, set) = match list.split_once('/') {
+                    Some((count, set)) => (count, Some(set.trim())),
+                    None => (list, None),
+                };
+                if let Some(set) = set
+                    && (set.is_empty()
+                        || !set
+                            .chars()
+                            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+                {
+                    return Err(invalid(
+                        "a set name after '/' is letters, digits, '-' and '_'",
+                    ));
+                }
                 let count: usize = list.trim().parse().map_err(|_| {
                     invalid("the number of emulated devices must be a whole number")
                 })?;
@@ -70,7 +89,10 @@ impl FromStr for DeviceSelection {
                         "the number of emulated devices must be between 1 and {MAX_EMULATED_DEVICES}"
                     )));
                 }
-                Ok(Self::Emulated(count))
+                Ok(match set {
+                    Some(set) => Self::EmulatedSet(count, set.to_string()),
+                    None => Self::Emulated(count),
+                })
             }
             other => Err(invalid(&format!("unknown device kind '{other}'"))),
         }
@@ -93,6 +115,7 @@ impl fmt::Display for DeviceSelection {
                 Ok(())
             }
             Self::Emulated(n) => write!(f, "emulated:{n}"),
+            Self::EmulatedSet(n, set) => write!(f, "emulated:{n}/{set}"),
         }
     }
 }
@@ -109,6 +132,10 @@ mod tests {
             ("cuda:0,1", DeviceSelection::Cuda(vec![0, 1])),
             (" CUDA: 3 ", DeviceSelection::Cuda(vec![3])),
             ("emulated:4", DeviceSelection::Emulated(4)),
+            (
+                "emulated:2/q-1_b",
+                DeviceSelection::EmulatedSet(2, "q-1_b".into()),
+            ),
         ] {
             let parsed: DeviceSelection = text.parse().unwrap();
             assert_eq!(parsed, expected, "{text}");
@@ -126,6 +153,9 @@ mod tests {
             ("emulated:0", "between 1 and"),
             ("emulated:many", "whole number"),
             ("tpu:1", "unknown device kind 'tpu'"),
+            ("emulated:1/", "a set name"),
+            ("emulated:1/a b", "a set name"),
+            ("emulated:0/x", "between 1 and"),
         ] {
             let err = text.parse::<DeviceSelection>().unwrap_err().to_string();
             assert!(err.contains(needle), "{text}: {err}");

@@ -551,6 +551,12 @@ fn out_of_bounds_writes_and_divergent_barriers_are_typed_errors() {
         ),
         "{e}"
     );
+    // The damage is reported once, by the kernel that did it: the next launch on the
+    // device is not blamed for it.
+    let predicate = BooleanArray::from(vec![true, false, true]);
+    let p = DeviceColumn::upload(&d, &predicate).unwrap();
+    let kept = compact::selection_indices(&d, p.values(), p.validity(), 3).unwrap();
+    assert_eq!(kept.len(), 2);
     let d = emulated();
     let e = selftest::divergent_barrier(&d).unwrap_err();
     assert!(
@@ -610,7 +616,7 @@ fn injected_faults_surface_as_typed_errors_and_then_clear() {
     for k in 1..=allocs {
         d.inject_faults(FaultPlan {
             fail_allocation: Some(k),
-            fail_launch: None,
+            ..FaultPlan::default()
         })
         .unwrap();
         let e = run(&d).unwrap_err();
@@ -632,8 +638,8 @@ fn injected_faults_surface_as_typed_errors_and_then_clear() {
     }
     for k in 1..=launches {
         d.inject_faults(FaultPlan {
-            fail_allocation: None,
             fail_launch: Some(k),
+            ..FaultPlan::default()
         })
         .unwrap();
         let e = run(&d).unwrap_err();
@@ -643,6 +649,42 @@ fn injected_faults_surface_as_typed_errors_and_then_clear() {
         );
         assert_eq!(run(&d).unwrap().as_ref(), expected.as_ref());
     }
+}
+
+/// A launch that loses the device (as a sticky CUDA error does) quarantines it: that call
+/// fails with `DeviceLost`, and every later allocation, copy and launch fails at once with
+/// `Quarantined`, without reaching the device (its counters stand still).
+#[test]
+fn a_lost_device_is_quarantined_and_never_touched_again() {
+    let d = emulated();
+    let values = Int64Array::from_iter_values(0..1000);
+    let predicate = BooleanArray::from_iter((0..1000).map(|i| Some(i % 3 == 0)));
+    let column = DeviceColumn::upload(&d, &values).unwrap();
+    let p = DeviceColumn::upload(&d, &predicate).unwrap();
+    let select = || {
+        let idx = compact::selection_indices(&d, p.values(), p.validity(), 1000)?;
+        gather::gather_column(&column, &idx)
+    };
+    d.inject_faults(FaultPlan {
+        lose_device_at_launch: Some(1),
+        ..FaultPlan::default()
+    })
+    .unwrap();
+    let e = select().unwrap_err();
+    assert!(matches!(e, KernelError::DeviceLost { .. }), "{e}");
+    assert!(e.device_gone() && !e.is_expected(), "{e}");
+    let reason = d.quarantined().expect("quarantined");
+    assert!(reason.contains("sticky"), "{reason}");
+    let before = d.counters();
+    for e in [
+        d.alloc(64).map(|_| ()).unwrap_err(),
+        column.to_arrow().map(|_| ()).unwrap_err(),
+        select().map(|_| ()).unwrap_err(),
+    ] {
+        assert!(matches!(e, KernelError::Quarantined { .. }), "{e}");
+        assert!(e.is_expected() && e.device_gone(), "{e}");
+    }
+    assert_eq!(d.counters(), before, "a quarantined device was touched");
 }
 
 // --- NVRTC -------------------------------------------------------------------------------
@@ -916,12 +958,12 @@ fn a_failed_group_table_update_leaves_the_table_as_it_was() {
             let plan = if kind == "allocation" {
                 FaultPlan {
                     fail_allocation: Some(k),
-                    fail_launch: None,
+                    ..FaultPlan::default()
                 }
             } else {
                 FaultPlan {
-                    fail_allocation: None,
                     fail_launch: Some(k),
+                    ..FaultPlan::default()
                 }
             };
             d.inject_faults(plan).unwrap();

@@ -11,19 +11,22 @@ use arrow::array::RecordBatch;
 use arrow::datatypes::DataType;
 use async_trait::async_trait;
 use datafusion::error::DataFusionError;
-use fulmen_engine::{DeviceSelection, FulmenConfig, FulmenContext, GpuMode};
+use fulmen_engine::{DeviceSelection, FulmenConfig, FulmenContext, GpuMode, OnError};
 use sqllogictest::{AsyncDB, DBOutput, DefaultColumnType};
 
 /// The settings of forced-GPU test runs: `fulmen.gpu.mode = force` on `cuda:0` when
-/// `FULMEN_TEST_DEVICE=cuda`, else on one emulated device.
-pub fn forced_gpu_config() -> FulmenConfig {
+/// `FULMEN_TEST_DEVICE=cuda`, else on one emulated device of the set named `set` (a set of
+/// the runner's own); a device error fails the statement (`fulmen.gpu.on_error = fail`)
+/// instead of being redone on the CPU.
+pub fn forced_gpu_config(set: &str) -> FulmenConfig {
     let devices = match std::env::var("FULMEN_TEST_DEVICE").as_deref() {
         Ok("cuda") => DeviceSelection::Cuda(vec![0]),
-        _ => DeviceSelection::Emulated(1),
+        _ => DeviceSelection::EmulatedSet(1, set.to_string()),
     };
     FulmenConfig {
         devices,
         gpu_mode: GpuMode::Force,
+        gpu_on_error: OnError::Fail,
         ..FulmenConfig::default()
     }
 }

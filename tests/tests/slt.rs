@@ -1,8 +1,12 @@
 //! Runs every `tests/slt/**/*.slt` file through a fresh `FulmenContext`, twice: with
 //! Fulmen's defaults, and with `fulmen.gpu.mode = force` on `emulated:1` (or on `cuda:0`
 //! when `FULMEN_TEST_DEVICE=cuda`), so that every filter and projection the GPU supports
-//! runs there. A file whose first lines hold `# gpu-forced: skip (reason)` runs only with
-//! the defaults (tests/README.md lists them).
+//! runs there, with device errors failing the statement (`fulmen.gpu.on_error = fail`). A
+//! forced run also fails when the file executed GPU operators that did no batch on the
+//! device, or redid a batch on the CPU after a device failure (files run one at a time, so
+//! the process-wide counts before and after a file are the file's own). A file whose first
+//! lines hold `# gpu-forced: skip (reason)` runs only with the defaults (tests/README.md
+//! lists them).
 //!
 //! Files under `tests/slt/tpch/` start with the TPC-H tables at scale factor 0.01.
 //! `cargo test -p fulmen-tests --test slt -- --complete NAME` rewrites the expected results
@@ -13,8 +17,8 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use fulmen_engine::physical_plan::gpu_stream::run_counts;
-use fulmen_engine::{FulmenConfig, FulmenContext};
+use fulmen_engine::physical_plan::gpu_stream::{RunCounts, run_counts};
+use fulmen_engine::{FulmenConfig, FulmenContext, GpuMode};
 use fulmen_tests::FulmenDb;
 use sqllogictest::{Runner, strict_column_validator};
 
@@ -57,6 +61,29 @@ async fn run_file(path: &Path, config: FulmenConfig, complete: bool) -> Result<(
         .map_err(|e| e.display(false).to_string())
 }
 
+/// Why a forced run's device work does not count as the device's, if it does not: GPU
+/// operators executed but did no batch on the device, or batches were redone on the CPU
+/// after a device failure (batches handed to the CPU by rule are allowed).
+fn device_work_problem(before: &RunCounts, after: &RunCounts) -> Option<String> {
+    let operators = (after.filters + after.projections + after.aggregates + after.joins)
+        - (before.filters + before.projections + before.aggregates + before.joins);
+    // Batches a program hands to the CPU by rule were on the device first.
+    let on_device = (after.gpu_batches + after.cpu_rule_batches)
+        - (before.gpu_batches + before.cpu_rule_batches);
+    let redone = after.cpu_batches - before.cpu_batches;
+    if redone > 0 {
+        Some(format!(
+            "{redone} batches were redone on the CPU after a device failure"
+        ))
+    } else if operators > 0 && on_device == 0 {
+        Some(format!(
+            "{operators} GPU operators executed but no batch ran on the device"
+        ))
+    } else {
+        None
+    }
+}
+
 fn main() -> ExitCode {
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     // `-- --complete NAME` rewrites the expected results of the matching files from a run
@@ -84,10 +111,18 @@ fn main() -> ExitCode {
             .to_string();
         let mut modes = vec![("defaults", FulmenConfig::default())];
         if !complete && !skips_forced_gpu(file) {
-            modes.push(("gpu forced", fulmen_tests::forced_gpu_config()));
+            modes.push(("gpu forced", fulmen_tests::forced_gpu_config("slt")));
         }
         for (mode, config) in modes {
-            match runtime.block_on(run_file(file, config, complete)) {
+            let forced = config.gpu_mode == GpuMode::Force;
+            let before = run_counts();
+            let outcome = runtime
+                .block_on(run_file(file, config, complete))
+                .and_then(|()| match device_work_problem(&before, &run_counts()) {
+                    Some(problem) if forced => Err(problem),
+                    _ => Ok(()),
+                });
+            match outcome {
                 Ok(()) => {
                     passed += 1;
                     println!("slt {name} [{mode}] ... ok");

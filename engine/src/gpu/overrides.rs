@@ -133,7 +133,15 @@ pub fn decide(
                 _ => format!("no GPU found (fulmen.devices is {})", fulmen.devices),
             });
         }
-        Ok(d) => Arc::clone(d),
+        Ok(d) => match in_service(d) {
+            Some(d) => d,
+            None => {
+                return cpu(format!(
+                    "every device is quarantined ({})",
+                    quarantine_notes(d).join("; ")
+                ));
+            }
+        },
         Err(e) => return cpu(format!("no device: {e}")),
     };
     if !enabled {
@@ -165,6 +173,30 @@ pub fn decide(
     }
 }
 
+/// The devices not quarantined (the same list when none is), or `None` when every one is.
+fn in_service(devices: &Arc<Vec<Device>>) -> Option<Arc<Vec<Device>>> {
+    if devices.iter().all(|d| d.quarantined().is_none()) {
+        return Some(Arc::clone(devices));
+    }
+    let usable: Vec<Device> = devices
+        .iter()
+        .filter(|d| d.quarantined().is_none())
+        .cloned()
+        .collect();
+    (!usable.is_empty()).then(|| Arc::new(usable))
+}
+
+/// `cuda:0 is quarantined: …` for each quarantined device.
+fn quarantine_notes(devices: &[Device]) -> Vec<String> {
+    devices
+        .iter()
+        .filter_map(|d| {
+            d.quarantined()
+                .map(|why| format!("{d} is quarantined: {why}"))
+        })
+        .collect()
+}
+
 fn estimated_input_rows(node: &Arc<dyn ExecutionPlan>) -> Option<usize> {
     let input = node.children().into_iter().next()?;
     let stats = StatisticsContext::new()
@@ -176,8 +208,9 @@ fn estimated_input_rows(node: &Arc<dyn ExecutionPlan>) -> Option<usize> {
     }
 }
 
-/// One line per filter, projection, aggregation and hash join of a final plan: where it runs, or why it stays on
-/// the CPU. Empty when `fulmen.gpu.mode` is off. `EXPLAIN` shows it as `gpu_placement`.
+/// One line per filter, projection, aggregation and hash join of a final plan: where it
+/// runs, or why it stays on the CPU, after a line per quarantined device of the session's
+/// selection. Empty when `fulmen.gpu.mode` is off. `EXPLAIN` shows it as `gpu_placement`.
 pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -> Vec<String> {
     let Some(fulmen) = config.extensions.get::<FulmenConfig>() else {
         return Vec::new();
@@ -186,7 +219,10 @@ pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -
         return Vec::new();
     }
     let available = devices_with_limit(&fulmen.devices, fulmen.gpu_memory_limit);
-    let mut lines = Vec::new();
+    let mut lines = match &available {
+        Ok(devices) => quarantine_notes(devices),
+        Err(_) => Vec::new(),
+    };
     let _ = plan.apply(|node| {
         if let Some(gpu) = node.downcast_ref::<GpuFilterExec>() {
             lines.push(format!("GpuFilterExec runs on {}", describe(gpu.devices())));

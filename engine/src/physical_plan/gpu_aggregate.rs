@@ -50,7 +50,7 @@ use datafusion::arrow::buffer::{Buffer, NullBuffer, OffsetBuffer};
 use datafusion::arrow::compute::{cast, concat_batches, take};
 use datafusion::arrow::datatypes::{DataType, Schema, SchemaRef};
 use datafusion::arrow::row::{RowConverter, SortField};
-use datafusion::common::internal_datafusion_err;
+use datafusion::common::{exec_err, internal_datafusion_err};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::EmitTo;
@@ -60,6 +60,7 @@ use datafusion::physical_expr::expressions::{Column, Literal};
 use datafusion::physical_plan::aggregates::{
     AggregateExec, AggregateInputMode, AggregateMode, AggregateOutputMode, aggregate_expressions,
 };
+use datafusion::physical_plan::empty::EmptyExec;
 use datafusion::physical_plan::metrics::{
     Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
 };
@@ -73,8 +74,8 @@ use fulmen_kernels::{Device, DeviceColumn, KernelError};
 use futures::{StreamExt, TryStreamExt};
 
 use super::gpu_stream::{
-    Chunk, ChunkStream, GpuMetrics, OperatorKind, count_operator, device_for, input_chunks,
-    make_batch,
+    BatchOn, Chunk, ChunkStream, GpuMetrics, OperatorKind, count_batch, count_operator,
+    device_error, device_for, input_chunks, make_batch,
 };
 use super::once::OnceExec;
 use crate::gpu::compile::{CompiledExprs, Reason, compile, expr_name, is_output_type};
@@ -822,6 +823,10 @@ fn insert_pairs(
     }
 }
 
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn kernel_err(e: KernelError) -> DataFusionError {
     DataFusionError::External(Box::new(e))
 }
@@ -1103,13 +1108,16 @@ impl ExecutionPlan for GpuAggregateExec {
             Arc::clone(&context),
             &self.devices,
         )?;
-        let metrics = GpuMetrics::new(&self.metrics, partition, &device);
+        let metrics = GpuMetrics::new(&self.metrics, partition, &device, &context);
         let extra = ExtraMetrics::new(&self.metrics, partition, &device);
         count_operator(&self.executed, OperatorKind::Aggregate);
         super::gpu_stream::count_partition();
+        let merging = self.work.cpu.mode().input_mode() == AggregateInputMode::Partial;
         let run = Run {
             work: Arc::clone(&self.work),
             device,
+            partition,
+            retained: merging.then(|| std::sync::Mutex::new(Vec::new())),
             batch_rows: self.batch_rows,
             context,
             metrics,
@@ -1172,6 +1180,11 @@ impl ExtraMetrics {
 struct Run {
     work: Arc<AggregateWork>,
     device: Device,
+    partition: usize,
+    /// Merging partial states: the chunks already added to the device table, so that the
+    /// groups can be merged again on the CPU should the device be lost with them (partial
+    /// states are few next to raw rows; raw input is read again instead).
+    retained: Option<std::sync::Mutex<Vec<Chunk>>>,
     batch_rows: usize,
     context: Arc<TaskContext>,
     metrics: GpuMetrics,
@@ -1228,7 +1241,7 @@ impl Run {
             None => match self.work.new_tables(&self.device) {
                 Ok(t) => t,
                 Err(e) => {
-                    log::warn!("{}: aggregating on the CPU: {e}", self.device);
+                    self.metrics.recover(&e, "aggregating on the CPU")?;
                     return self.fallback(None, Vec::new(), input);
                 }
             },
@@ -1239,12 +1252,31 @@ impl Run {
         let out = match out {
             Ok(out) => out,
             Err(e) => {
-                // Downloading failed: the state is still on the device, intact.
-                log::warn!(
-                    "{}: retrying the download of an aggregation: {e}",
-                    self.device
-                );
-                self.work.output(&table, &self.metrics)?
+                // Downloading failed: the state is still on the device, intact, unless
+                // the device is gone.
+                let Some(device_error) = device_error(&e) else {
+                    return Err(e);
+                };
+                if device_error.device_gone() {
+                    self.metrics
+                        .recover(device_error, "computing the groups on the CPU")?;
+                    let lost = device_error.to_string();
+                    drop(table);
+                    return self.recompute(&lost, Vec::new(), input);
+                }
+                self.metrics
+                    .recover(device_error, "retrying the download of an aggregation")?;
+                match self.work.output(&table, &self.metrics) {
+                    Ok(out) => out,
+                    Err(e) => match super::gpu_stream::device_error(&e) {
+                        Some(lost) if lost.device_gone() => {
+                            let lost = lost.to_string();
+                            drop(table);
+                            return self.recompute(&lost, Vec::new(), input);
+                        }
+                        _ => return Err(e),
+                    },
+                }
             }
         };
         self.extra.groups.add(table.groups());
@@ -1320,12 +1352,15 @@ impl Run {
             timer.done();
             match (outcome, &piece) {
                 (Ok(on_device), _) => {
-                    if on_device {
-                        self.metrics.gpu_batches.add(1);
+                    let on = if on_device {
+                        BatchOn::Device
                     } else {
-                        self.metrics.cpu_batches.add(1);
+                        BatchOn::Rule
+                    };
+                    count_batch(&self.metrics, on);
+                    if let Some(retained) = &self.retained {
+                        lock(retained).push(piece.clone());
                     }
-                    super::gpu_stream::count_batch(on_device);
                 }
                 (
                     Err(UpdateError::Device(KernelError::OutOfDeviceMemory { .. })),
@@ -1359,13 +1394,49 @@ impl Run {
         match error {
             UpdateError::Query(e) => Err(e),
             UpdateError::Device(e) => {
-                log::warn!(
-                    "{}: the aggregation continues on the CPU after: {e}",
-                    self.device
-                );
+                self.metrics
+                    .recover(&e, "the aggregation continues on the CPU")?;
                 self.fallback(table, rest, input)
             }
         }
+    }
+
+    /// The device was lost with this partition's groups. Merging partial states, the CPU
+    /// merges again what the device had been given (retained), then the rest; over raw
+    /// input, DataFusion's AggregateExec computes the partition again from its input,
+    /// executed anew (GPU operators in it find the device quarantined and run on the CPU),
+    /// where that input can be read a second time. Otherwise the query fails with an error
+    /// that says so: never a wrong answer.
+    fn recompute(
+        mut self,
+        lost: &str,
+        rest: Vec<Chunk>,
+        input: ChunkStream,
+    ) -> Result<SendableRecordBatchStream> {
+        log::warn!(
+            "{}: the aggregation's groups were lost with the device ({lost}); partition {} \
+             is computed on the CPU",
+            self.device,
+            self.partition
+        );
+        if let Some(retained) = self.retained.take() {
+            let mut again = retained.into_inner().unwrap_or_else(|p| p.into_inner());
+            again.extend(rest);
+            return self.fallback(None, again, input);
+        }
+        drop((rest, input));
+        if !super::re_executable(self.work.cpu.input()) {
+            return exec_err!(
+                "{}: the device was lost with this aggregation's groups ({lost}), and its input \
+                 cannot be read a second time; the device is quarantined, so the query runs on \
+                 the CPU when it is run again",
+                self.device
+            );
+        }
+        self.extra.cpu_fallback.add(1);
+        count_batch(&self.metrics, BatchOn::Fallback);
+        let cpu: Arc<dyn ExecutionPlan> = Arc::clone(&self.work.cpu) as _;
+        cpu.execute(self.partition, Arc::clone(&self.context))
     }
 
     /// Finishes on the CPU with DataFusion's AggregateExec: the device's groups so far (as
@@ -1376,21 +1447,15 @@ impl Run {
         rest: Vec<Chunk>,
         input: ChunkStream,
     ) -> Result<SendableRecordBatchStream> {
-        self.extra.cpu_fallback.add(1);
-        self.metrics.cpu_batches.add(rest.len().max(1));
-        super::gpu_stream::count_batch(false);
-        let cpu = &self.work.cpu;
+        if table.is_some()
+            && let Some(reason) = self.device.quarantined()
+        {
+            // The groups went with the device.
+            drop(table);
+            return self.recompute(&reason, rest, input);
+        }
+        let cpu = Arc::clone(&self.work.cpu);
         let input_schema = cpu.input().schema();
-        // What is left of the input, on the host (device chunks come down).
-        let metrics = self.metrics.clone();
-        let to_host =
-            move |chunk: Result<Chunk>| chunk.and_then(|c| c.to_host(&metrics).map_err(kernel_err));
-        let remaining: SendableRecordBatchStream = Box::pin(RecordBatchStreamAdapter::new(
-            Arc::clone(&input_schema),
-            futures::stream::iter(rest.into_iter().map(Ok))
-                .chain(input)
-                .map(to_host),
-        ));
         let mode = *cpu.mode();
         let raw_input = cpu.input_schema();
         let aggregate = |mode: AggregateMode,
@@ -1408,25 +1473,47 @@ impl Run {
             )?))
         };
         let no_filters = vec![None; cpu.aggr_expr().len()];
-        // The device's groups as a batch of partial states in `schema` (none without a
-        // table; an error downloading them is retried once, then is the query's).
-        let states = |schema: &SchemaRef| -> Result<Vec<RecordBatch>> {
-            match &table {
-                None => Ok(Vec::new()),
-                Some(t) => {
-                    let batch = self
-                        .work
-                        .state_batch(t, schema, &self.metrics)
-                        .or_else(|_| self.work.state_batch(t, schema, &self.metrics))?;
-                    Ok(vec![batch])
-                }
-            }
+        // The device's groups, as partial states of the schema the CPU merges them in.
+        let state_schema = match mode.input_mode() {
+            AggregateInputMode::Partial => Arc::clone(&input_schema),
+            AggregateInputMode::Raw => aggregate(
+                AggregateMode::Partial,
+                cpu.group_expr().clone(),
+                cpu.filter_expr().to_vec(),
+                Arc::new(EmptyExec::new(Arc::clone(&input_schema))),
+            )?
+            .schema(),
         };
+        let saved = match table
+            .as_ref()
+            .map(|t| self.download_states(t, &state_schema))
+        {
+            None => Vec::new(),
+            Some(Ok(Ok(batch))) => vec![batch],
+            Some(Ok(Err(lost))) => {
+                drop(table);
+                return self.recompute(&lost, rest, input);
+            }
+            Some(Err(e)) => return Err(e),
+        };
+        drop(table);
+        self.extra.cpu_fallback.add(1);
+        for _ in 0..rest.len().max(1) {
+            count_batch(&self.metrics, BatchOn::Fallback);
+        }
+        // What is left of the input, on the host (device chunks come down).
+        let metrics = self.metrics.clone();
+        let to_host = move |chunk: Result<Chunk>| chunk.and_then(|c| c.host_for_cpu(&metrics));
+        let remaining: SendableRecordBatchStream = Box::pin(RecordBatchStreamAdapter::new(
+            Arc::clone(&input_schema),
+            futures::stream::iter(rest.into_iter().map(Ok))
+                .chain(input)
+                .map(to_host),
+        ));
         let ctx = Arc::clone(&self.context);
         let plan: Arc<dyn ExecutionPlan> = match mode.input_mode() {
             AggregateInputMode::Partial => {
                 // The states merge with the input's, which has their schema.
-                let saved = states(&input_schema)?;
                 let merged: SendableRecordBatchStream = Box::pin(RecordBatchStreamAdapter::new(
                     Arc::clone(&input_schema),
                     futures::stream::iter(saved.into_iter().map(Ok)).chain(remaining),
@@ -1446,7 +1533,6 @@ impl Run {
                     Arc::new(OnceExec::new(remaining)),
                 )?;
                 let partial_schema = partial.schema();
-                let saved = states(&partial_schema)?;
                 let partial_stream = partial.execute(0, Arc::clone(&ctx))?;
                 let merged: SendableRecordBatchStream = Box::pin(RecordBatchStreamAdapter::new(
                     Arc::clone(&partial_schema),
@@ -1464,8 +1550,36 @@ impl Run {
                 )?
             }
         };
-        drop(table);
         plan.execute(0, ctx)
+    }
+
+    /// The device's groups as a batch of partial states in `schema`: `Ok(Err(why))` when
+    /// the device is gone with them. Another download error is retried once (the groups
+    /// are still on the device), then is the query's.
+    fn download_states(
+        &self,
+        table: &Tables,
+        schema: &SchemaRef,
+    ) -> Result<std::result::Result<RecordBatch, String>> {
+        let first = match self.work.state_batch(table, schema, &self.metrics) {
+            Ok(batch) => return Ok(Ok(batch)),
+            Err(e) => e,
+        };
+        let Some(error) = device_error(&first) else {
+            return Err(first);
+        };
+        self.metrics
+            .recover(error, "retrying the download of the groups")?;
+        if error.device_gone() {
+            return Ok(Err(error.to_string()));
+        }
+        match self.work.state_batch(table, schema, &self.metrics) {
+            Ok(batch) => Ok(Ok(batch)),
+            Err(e) => match device_error(&e) {
+                Some(error) if error.device_gone() => Ok(Err(error.to_string())),
+                _ => Err(e),
+            },
+        }
     }
 }
 

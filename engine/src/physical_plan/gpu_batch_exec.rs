@@ -79,7 +79,7 @@ impl<W: BatchWork> GpuBatchExec<W> {
             .map(|c| Arc::clone(*c))
             .ok_or_else(|| internal_datafusion_err!("{} without an input", W::NAME))?;
         let input = input_chunks(&child, partition, Arc::clone(&context), &self.devices)?;
-        let metrics = GpuMetrics::new(&self.metrics, partition, &device);
+        let metrics = GpuMetrics::new(&self.metrics, partition, &device, &context);
         count_operator(&self.executed, W::KIND);
         Ok(Box::pin(GpuStream::new(
             self.schema(),

@@ -72,10 +72,11 @@ impl BatchWork for FilterWork {
         metrics: &GpuMetrics,
     ) -> Result<Option<Output>, KernelError> {
         let n = input.num_rows();
-        let program = self
-            .program
-            .bind(&input.host_view())
-            .map_err(KernelError::Unsupported)?;
+        // A per-batch constant (a scalar subquery's value) the program cannot hold leaves
+        // the batch to the CPU, by rule.
+        let Ok(program) = self.program.bind(&input.host_view()) else {
+            return Ok(None);
+        };
         let mut on_device: HashMap<usize, DeviceColumn> = HashMap::new();
         for &c in self.program.inputs.iter().chain(&self.outputs) {
             if let std::collections::hash_map::Entry::Vacant(slot) = on_device.entry(c) {

@@ -54,8 +54,8 @@ use fulmen_kernels::{Device, DeviceBuffer, DeviceColumn, KernelError};
 use futures::StreamExt;
 
 use super::gpu_stream::{
-    Chunk, ChunkStream, Col, DeviceResident, GpuMetrics, OperatorKind, Output, count_batch,
-    count_operator, device_for, input_chunks,
+    BatchOn, Chunk, ChunkStream, Col, DeviceResident, GpuMetrics, OperatorKind, Output, Redo,
+    count_batch, count_operator, device_for, input_chunks,
 };
 use crate::gpu::compile::Reason;
 
@@ -753,7 +753,7 @@ impl GpuHashJoinExec {
         let children = self.inner.children();
         let (left, right) = (Arc::clone(children[0]), Arc::clone(children[1]));
         let probe_partitions = right.output_partitioning().partition_count();
-        let metrics = GpuMetrics::new(&self.metrics, partition, &device);
+        let metrics = GpuMetrics::new(&self.metrics, partition, &device, context);
         let label = || Label::new("device", device.to_string());
         let extra = JoinMetrics {
             build_rows: MetricBuilder::new(&self.metrics)
@@ -882,7 +882,7 @@ impl JoinRun {
             match self.build_table(&build) {
                 Ok(t) => Some(t),
                 Err(e) => {
-                    log::warn!("{}: matching a join on the host: {e}", self.device);
+                    self.metrics.recover(&e, "matching the join on the host")?;
                     self.extra.cpu_fallback.add(1);
                     None
                 }
@@ -967,7 +967,7 @@ impl JoinRun {
             match on_device {
                 Ok(t) => table = Some(t),
                 Err(e) => {
-                    log::warn!("{}: matching a join on the host: {e}", self.device);
+                    self.metrics.recover(&e, "matching the join on the host")?;
                     self.extra.cpu_fallback.add(1);
                     build_columns.clear();
                 }
@@ -1089,15 +1089,16 @@ impl Probing {
         if let Some(table) = &self.table {
             match self.run.device_matches(table, probe) {
                 Ok(m) => {
-                    self.run.metrics.gpu_batches.add(1);
-                    count_batch(true);
+                    count_batch(&self.run.metrics, BatchOn::Device);
                     return Ok(m);
                 }
-                Err(e) => log::warn!("{}: matching a batch on the host: {e}", self.run.device),
+                Err(e) => self
+                    .run
+                    .metrics
+                    .recover(&e, "matching a batch on the host")?,
             }
         }
-        self.run.metrics.cpu_batches.add(1);
-        count_batch(false);
+        count_batch(&self.run.metrics, BatchOn::Fallback);
         host_matches(&mut self.host, &self.run.work, &self.build, probe)
     }
 
@@ -1156,25 +1157,21 @@ impl DeviceProbing {
         if let Some(table) = &self.table {
             match self.on_device(table, &chunk) {
                 Ok(out) => {
-                    self.run.metrics.gpu_batches.add(1);
-                    count_batch(true);
+                    count_batch(&self.run.metrics, BatchOn::Device);
                     if let Some(out) = &out {
                         self.run.metrics.record_chunk(out);
                     }
                     return Ok(out);
                 }
-                Err(e) => log::warn!("{}: matching a batch on the host: {e}", self.run.device),
+                Err(e) => self
+                    .run
+                    .metrics
+                    .recover(&e, "matching a batch on the host")?,
             }
         }
-        self.run.metrics.cpu_batches.add(1);
-        count_batch(false);
-        let probe = chunk
-            .to_host(&self.run.metrics)
-            .map_err(|e| DataFusionError::External(Box::new(e)))?;
-        let matches = host_matches(&mut self.host, &self.run.work, &self.build, &probe)?;
-        let work = &self.run.work;
-        let mut visited = vec![false; self.build.num_rows()];
-        let out = work.probe_output(&self.build, &probe, &matches, &mut visited)?;
+        count_batch(&self.run.metrics, BatchOn::Fallback);
+        let probe = chunk.host_for_cpu(&self.run.metrics)?;
+        let out = host_probe(&mut self.host, &self.run.work, &self.build, &probe)?;
         if let Some(out) = &out {
             self.run.metrics.record_batch(out);
         }
@@ -1219,8 +1216,26 @@ impl DeviceProbing {
             };
             columns.push(Col::Device(column));
         }
+        let (work, build, probe) = (Arc::clone(&run.work), self.build.clone(), chunk.lineage());
+        let redo = Redo::new(move || {
+            let probe = probe.run()?;
+            let out = host_probe(&mut None, &work, &build, &probe)?;
+            Ok(out.unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(&work.schema))))
+        });
         Output { columns, rows }
-            .to_device(&run.work.schema, device, metrics)
+            .to_device(&run.work.schema, device, metrics, redo)
             .map(Some)
     }
+}
+
+/// An inner join's output for one probe batch, matched on the host.
+fn host_probe(
+    host: &mut Option<HostIndex>,
+    work: &JoinWork,
+    build: &RecordBatch,
+    probe: &RecordBatch,
+) -> Result<Option<RecordBatch>> {
+    let matches = host_matches(host, work, build, probe)?;
+    let mut visited = vec![false; build.num_rows()];
+    work.probe_output(build, probe, &matches, &mut visited)
 }

@@ -87,10 +87,11 @@ impl BatchWork for ProjectionWork {
         metrics: &GpuMetrics,
     ) -> Result<Option<Output>, KernelError> {
         let n = input.num_rows();
-        let program = self
-            .program
-            .bind(&input.host_view())
-            .map_err(KernelError::Unsupported)?;
+        // A per-batch constant (a scalar subquery's value) the program cannot hold leaves
+        // the batch to the CPU, by rule.
+        let Ok(program) = self.program.bind(&input.host_view()) else {
+            return Ok(None);
+        };
         let inputs = self
             .program
             .inputs
@@ -109,7 +110,7 @@ impl BatchWork for ProjectionWork {
                 // Passed through from wherever the input is.
                 Source::Input(i) => Ok(match input {
                     Chunk::Host(batch) => Col::Host(Arc::clone(batch.column(*i))),
-                    Chunk::Device(batch, _) => Col::Device(batch.columns()[*i].clone()),
+                    Chunk::Device(batch, ..) => Col::Device(batch.columns()[*i].clone()),
                 }),
                 Source::Constant(v) => v
                     .to_array_of_size(n)

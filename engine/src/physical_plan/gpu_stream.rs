@@ -20,6 +20,7 @@ use std::time::Instant;
 use datafusion::arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions};
 use datafusion::arrow::compute::{cast, concat_batches};
 use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::common::internal_err;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::physical_plan::ExecutionPlan;
@@ -29,6 +30,7 @@ use datafusion::physical_plan::metrics::{
 use fulmen_kernels::{Device, DeviceBatch, DeviceColumn, KernelError};
 use futures::{Stream, StreamExt};
 
+use crate::config::{FulmenConfig, OnError};
 use crate::gpu::compile::Reason;
 
 /// Metrics of one partition of a GPU operator, labelled with its device; EXPLAIN ANALYZE
@@ -49,15 +51,37 @@ pub struct GpuMetrics {
     pub d2h_time: Time,
     /// Batches the device processed.
     pub gpu_batches: Count,
-    /// Batches redone on the CPU (device fault, memory, or rows left to the CPU).
+    /// Batches redone on the CPU because the device could not do them (exhausted memory,
+    /// an injected fault, or a device error with `fulmen.gpu.on_error = fallback`).
     pub cpu_batches: Count,
+    /// Batches a program handed to the CPU by rule: some row needs DataFusion's exact
+    /// answer or error (an overflow, a division by zero), which the device leaves to it.
+    pub cpu_rule_batches: Count,
+    /// Device errors (not exhausted memory, not injected faults) after which work was
+    /// redone on the CPU.
+    pub device_errors: Count,
+    device: Device,
+    on_error: OnError,
 }
 
 impl GpuMetrics {
-    /// Registers the metrics of `partition`, which runs on `device`.
-    pub fn new(set: &ExecutionPlanMetricsSet, partition: usize, device: &Device) -> Self {
+    /// Registers the metrics of `partition`, which runs on `device` under the settings of
+    /// `context` (`fulmen.gpu.on_error`).
+    pub fn new(
+        set: &ExecutionPlanMetricsSet,
+        partition: usize,
+        device: &Device,
+        context: &TaskContext,
+    ) -> Self {
         let label = || Label::new("device", device.to_string());
         let builder = || MetricBuilder::new(set).with_label(label());
+        let on_error = context
+            .session_config()
+            .options()
+            .extensions
+            .get::<FulmenConfig>()
+            .map(|c| c.gpu_on_error)
+            .unwrap_or_default();
         Self {
             baseline: BaselineMetrics::new(set, partition),
             kernel_time: builder().subset_time("kernel_time", partition),
@@ -67,6 +91,40 @@ impl GpuMetrics {
             d2h_time: builder().subset_time("d2h_time", partition),
             gpu_batches: builder().counter("gpu_batches", partition),
             cpu_batches: builder().counter("cpu_batches", partition),
+            cpu_rule_batches: builder().counter("cpu_rule_batches", partition),
+            device_errors: builder().counter("device_errors", partition),
+            device: device.clone(),
+            on_error,
+        }
+    }
+
+    /// What a device error means for the work at hand (`doing`, such as "redoing a batch
+    /// on the CPU"): `Ok(())` when the work is to be redone on the CPU, `Err` when the
+    /// query must fail instead. Exhausted memory and injected faults are ordinary outcomes
+    /// and always fall back. Any other error is counted for the device and, with
+    /// `fulmen.gpu.on_error = fallback`, logged with its kernel; with `fail` it is the
+    /// query's error.
+    pub fn recover(&self, error: &KernelError, doing: &str) -> Result<()> {
+        if error.is_expected() {
+            log::debug!("{}: {doing}: {error}", self.device);
+            return Ok(());
+        }
+        self.device.count_error();
+        self.device_errors.add(1);
+        let kernel = error.kernel().unwrap_or("(no kernel)");
+        match self.on_error {
+            OnError::Fallback => {
+                log::warn!(
+                    "{}: device error in {kernel}, {doing}: {error}",
+                    self.device
+                );
+                Ok(())
+            }
+            OnError::Fail => Err(DataFusionError::Execution(format!(
+                "{}: device error in {kernel}: {error} (fulmen.gpu.on_error is fail; with \
+                 fallback the work would be redone on the CPU)",
+                self.device
+            ))),
         }
     }
 
@@ -107,7 +165,7 @@ impl GpuMetrics {
     pub fn record_chunk(&self, chunk: &Chunk) {
         match chunk {
             Chunk::Host(b) => self.record_batch(b),
-            Chunk::Device(b, _) => {
+            Chunk::Device(b, ..) => {
                 self.baseline.record_output(b.num_rows());
                 self.baseline.output_batches().add(1);
             }
@@ -145,8 +203,10 @@ pub struct RunCounts {
     pub partitions: u64,
     /// Batches processed on a device.
     pub gpu_batches: u64,
-    /// Batches redone on the CPU.
+    /// Batches redone on the CPU because the device could not do them.
     pub cpu_batches: u64,
+    /// Batches a program handed to the CPU by rule (overflow, division by zero).
+    pub cpu_rule_batches: u64,
 }
 
 impl fmt::Display for RunCounts {
@@ -154,14 +214,16 @@ impl fmt::Display for RunCounts {
         write!(
             f,
             "{} filters, {} projections, {} aggregates and {} hash joins ran on a device ({} \
-             partitions), {} batches on the device, {} redone on the CPU",
+             partitions), {} batches on the device, {} redone on the CPU after a device \
+             failure, {} handed to the CPU by rule",
             self.filters,
             self.projections,
             self.aggregates,
             self.joins,
             self.partitions,
             self.gpu_batches,
-            self.cpu_batches
+            self.cpu_batches,
+            self.cpu_rule_batches
         )
     }
 }
@@ -197,14 +259,37 @@ pub fn count_operator(first: &std::sync::atomic::AtomicBool, kind: OperatorKind)
     }
 }
 
-/// Counts a batch processed on a device (`true`) or redone on the CPU, for operators that
-/// do not run through [`GpuStream`].
-pub fn count_batch(on_device: bool) {
-    if on_device {
-        GPU_BATCHES.fetch_add(1, Ordering::Relaxed);
-    } else {
-        CPU_BATCHES.fetch_add(1, Ordering::Relaxed);
+/// The device error inside a query error, if it is one (device work reports its errors
+/// as `DataFusionError::External(KernelError)`).
+pub fn device_error(error: &DataFusionError) -> Option<&KernelError> {
+    match error {
+        DataFusionError::External(e) => e.downcast_ref::<KernelError>(),
+        DataFusionError::Shared(e) => device_error(e),
+        DataFusionError::Context(_, e) => device_error(e),
+        _ => None,
     }
+}
+
+/// Where a batch of a GPU operator was done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchOn {
+    /// On the device.
+    Device,
+    /// Redone on the CPU because the device could not do it.
+    Fallback,
+    /// On the CPU by rule: a program left some row to DataFusion.
+    Rule,
+}
+
+/// Counts a batch in the process-wide totals and in `metrics`.
+pub fn count_batch(metrics: &GpuMetrics, on: BatchOn) {
+    let (total, metric) = match on {
+        BatchOn::Device => (&GPU_BATCHES, &metrics.gpu_batches),
+        BatchOn::Fallback => (&CPU_BATCHES, &metrics.cpu_batches),
+        BatchOn::Rule => (&CPU_RULE_BATCHES, &metrics.cpu_rule_batches),
+    };
+    total.fetch_add(1, Ordering::Relaxed);
+    metric.add(1);
 }
 
 /// Counts a partition of an operator that does not run through [`GpuStream`].
@@ -213,6 +298,7 @@ pub fn count_partition() {
 }
 static GPU_BATCHES: AtomicU64 = AtomicU64::new(0);
 static CPU_BATCHES: AtomicU64 = AtomicU64::new(0);
+static CPU_RULE_BATCHES: AtomicU64 = AtomicU64::new(0);
 
 /// The process-wide totals so far.
 pub fn run_counts() -> RunCounts {
@@ -224,6 +310,7 @@ pub fn run_counts() -> RunCounts {
         partitions: PARTITIONS.load(Ordering::Relaxed),
         gpu_batches: GPU_BATCHES.load(Ordering::Relaxed),
         cpu_batches: CPU_BATCHES.load(Ordering::Relaxed),
+        cpu_rule_batches: CPU_RULE_BATCHES.load(Ordering::Relaxed),
     }
 }
 
@@ -233,9 +320,37 @@ pub fn run_counts() -> RunCounts {
 pub enum Chunk {
     /// Host columns.
     Host(RecordBatch),
-    /// Device columns (in their device types: strings for string views) and the host
-    /// schema they stand for.
-    Device(DeviceBatch, SchemaRef),
+    /// Device columns (in their device types: strings for string views), the host schema
+    /// they stand for, and how to compute the same batch on the CPU should the device be
+    /// lost before the consumer has read it.
+    Device(DeviceBatch, SchemaRef, Redo),
+}
+
+/// How to compute a device chunk's batch on the CPU instead: what the producing operator's
+/// CPU twin makes of the producer's input (kept only while the chunk is in flight).
+#[derive(Clone, Default)]
+pub struct Redo(Option<Arc<dyn Fn() -> Result<RecordBatch> + Send + Sync>>);
+
+impl Redo {
+    /// A redo that runs `cpu`. It must hold host data only (a host batch, or another
+    /// chunk's redo), never device buffers: it outlives what it stands for on the device.
+    pub fn new(cpu: impl Fn() -> Result<RecordBatch> + Send + Sync + 'static) -> Self {
+        Self(Some(Arc::new(cpu)))
+    }
+
+    /// Computes the batch on the CPU.
+    pub fn run(&self) -> Result<RecordBatch> {
+        match &self.0 {
+            Some(cpu) => cpu(),
+            None => internal_err!("a device chunk lost with its device has no CPU redo"),
+        }
+    }
+}
+
+impl fmt::Debug for Redo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() { "Redo" } else { "NoRedo" })
+    }
 }
 
 impl Chunk {
@@ -243,7 +358,7 @@ impl Chunk {
     pub fn num_rows(&self) -> usize {
         match self {
             Self::Host(b) => b.num_rows(),
-            Self::Device(b, _) => b.num_rows(),
+            Self::Device(b, ..) => b.num_rows(),
         }
     }
 
@@ -251,7 +366,7 @@ impl Chunk {
     pub fn schema(&self) -> SchemaRef {
         match self {
             Self::Host(b) => b.schema(),
-            Self::Device(_, s) => Arc::clone(s),
+            Self::Device(_, s, _) => Arc::clone(s),
         }
     }
 
@@ -265,8 +380,8 @@ impl Chunk {
     ) -> Result<DeviceColumn, KernelError> {
         match self {
             Self::Host(b) => metrics.upload(device, b.column(i).as_ref()),
-            Self::Device(b, _) if b.columns()[i].device() == device => Ok(b.columns()[i].clone()),
-            Self::Device(b, schema) => {
+            Self::Device(b, ..) if b.columns()[i].device() == device => Ok(b.columns()[i].clone()),
+            Self::Device(b, schema, _) => {
                 // Another device: through the host.
                 let array = metrics.download(&b.columns()[i], schema.field(i).data_type())?;
                 metrics.upload(device, array.as_ref())
@@ -274,11 +389,38 @@ impl Chunk {
         }
     }
 
+    /// The batch on the host for the CPU to work on: a device chunk is downloaded (and
+    /// counted), or, when its device is gone, computed again on the CPU from its producer's
+    /// input.
+    pub fn host_for_cpu(&self, metrics: &GpuMetrics) -> Result<RecordBatch> {
+        match (self.to_host(metrics), self) {
+            (Ok(batch), _) => Ok(batch),
+            (Err(e), Self::Device(_, _, redo)) => {
+                metrics.recover(&e, "computing a device chunk again on the CPU")?;
+                redo.run()
+            }
+            (Err(e), Self::Host(_)) => Err(DataFusionError::External(Box::new(e))),
+        }
+    }
+
+    /// How to have this chunk's rows on the host without its device: the host batch
+    /// itself, or the device chunk's redo (host data only, so that holding it keeps no
+    /// device memory).
+    pub fn lineage(&self) -> Redo {
+        match self {
+            Self::Host(b) => {
+                let batch = b.clone();
+                Redo::new(move || Ok(batch.clone()))
+            }
+            Self::Device(_, _, redo) => redo.clone(),
+        }
+    }
+
     /// The batch on the host (a device chunk is downloaded, and counted).
     pub fn to_host(&self, metrics: &GpuMetrics) -> Result<RecordBatch, KernelError> {
         match self {
             Self::Host(b) => Ok(b.clone()),
-            Self::Device(b, schema) => {
+            Self::Device(b, schema, _) => {
                 let columns = b
                     .columns()
                     .iter()
@@ -296,7 +438,7 @@ impl Chunk {
     pub fn host_view(&self) -> RecordBatch {
         match self {
             Self::Host(b) => b.clone(),
-            Self::Device(_, schema) => RecordBatch::new_empty(Arc::clone(schema)),
+            Self::Device(_, schema, _) => RecordBatch::new_empty(Arc::clone(schema)),
         }
     }
 }
@@ -342,12 +484,14 @@ impl Output {
         make_batch(schema, columns, self.rows).map_err(|e| KernelError::InvalidData(e.to_string()))
     }
 
-    /// The output on `device`: host columns uploaded (counted).
+    /// The output on `device`: host columns uploaded (counted); `redo` computes it on the
+    /// CPU should the device be lost before the consumer reads it.
     pub fn to_device(
         &self,
         schema: &SchemaRef,
         device: &Device,
         metrics: &GpuMetrics,
+        redo: Redo,
     ) -> Result<Chunk, KernelError> {
         let columns = self
             .columns
@@ -365,7 +509,7 @@ impl Output {
             .collect();
         let device_schema = Arc::new(datafusion::arrow::datatypes::Schema::new(fields));
         let batch = DeviceBatch::try_new(device_schema, columns, self.rows)?;
-        Ok(Chunk::Device(batch, Arc::clone(schema)))
+        Ok(Chunk::Device(batch, Arc::clone(schema), redo))
     }
 }
 
@@ -485,28 +629,30 @@ impl<W: BatchWork> GpuStream<W> {
             .gpu(&self.device, &chunk, &self.metrics)
             .and_then(|out| match out {
                 None => Ok(None),
-                Some(out) if self.resident => out
-                    .to_device(&self.schema, &self.device, &self.metrics)
-                    .map(Some),
+                Some(out) if self.resident => {
+                    let (work, input) = (Arc::clone(&self.work), chunk.lineage());
+                    let redo = Redo::new(move || work.cpu(&input.run()?));
+                    out.to_device(&self.schema, &self.device, &self.metrics, redo)
+                        .map(Some)
+                }
                 Some(out) => out
                     .to_host(&self.schema, &self.metrics)
                     .map(|b| Some(Chunk::Host(b))),
             });
         let out = match done {
             Ok(Some(out)) => {
-                self.metrics.gpu_batches.add(1);
-                GPU_BATCHES.fetch_add(1, Ordering::Relaxed);
+                count_batch(&self.metrics, BatchOn::Device);
                 out
             }
             outcome => {
-                if let Err(e) = outcome {
-                    log::warn!("{}: redoing a batch on the CPU: {e}", self.device);
+                match outcome {
+                    Err(e) => {
+                        self.metrics.recover(&e, "redoing a batch on the CPU")?;
+                        count_batch(&self.metrics, BatchOn::Fallback);
+                    }
+                    _ => count_batch(&self.metrics, BatchOn::Rule),
                 }
-                self.metrics.cpu_batches.add(1);
-                CPU_BATCHES.fetch_add(1, Ordering::Relaxed);
-                let batch = chunk
-                    .to_host(&self.metrics)
-                    .map_err(|e| DataFusionError::External(Box::new(e)))?;
+                let batch = chunk.host_for_cpu(&self.metrics)?;
                 Chunk::Host(self.work.cpu(&batch)?)
             }
         };

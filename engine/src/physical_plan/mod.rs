@@ -138,6 +138,23 @@ pub fn resident(plan: &Arc<dyn ExecutionPlan>) -> Option<&dyn gpu_stream::Device
     }
 }
 
+/// Whether executing a partition of `plan` a second time reads the same rows again, so a
+/// partition whose device state was lost can be computed again from its input: scans of
+/// files and memory under filters and projections (CPU or GPU). Not repartitions (each of
+/// their output partitions can be taken once), joins (outer joins count their finished
+/// partitions) or live tables (a second read sees other rows).
+pub(crate) fn re_executable(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    use datafusion::datasource::source::DataSourceExec;
+    use datafusion::physical_plan::filter::FilterExec;
+    use datafusion::physical_plan::projection::ProjectionExec;
+    let passes = plan.is::<DataSourceExec>()
+        || plan.is::<FilterExec>()
+        || plan.is::<ProjectionExec>()
+        || plan.is::<GpuFilterExec>()
+        || plan.is::<GpuProjectionExec>();
+    passes && plan.children().into_iter().all(re_executable)
+}
+
 /// Whether the device compares keys (group keys, join keys) of its type `t` as DataFusion
 /// does: not booleans (bits) nor half floats (compared by their bits, -0.0 apart from 0.0).
 pub(crate) fn keyable(t: &datafusion::arrow::datatypes::DataType) -> bool {

@@ -510,8 +510,14 @@ impl GroupTable {
         // From here until the commit the table holds pending slots: any failure rolls
         // them back before returning.
         let result = self.commit_batch(keys, inputs, n, &hashes, &refs);
-        if result.is_err() {
-            self.rollback(g0)?;
+        if let Err(e) = result {
+            // A failed rollback is the error to report (the table is no longer as it was),
+            // unless the device is gone: then the rollback fails only for that, and the
+            // first error says why.
+            return Err(match self.rollback(g0) {
+                Err(rollback) if !e.device_gone() => rollback,
+                _ => e,
+            });
         }
         result
     }

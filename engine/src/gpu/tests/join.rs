@@ -1,0 +1,347 @@
+//! Joins: random equi-joins of every supported type over random data with NULL keys and
+//! skew (a hot key, all keys distinct, an empty side), with and without a residual filter,
+//! in one partition and in three (the GPU's answer equals DataFusion's and the device
+//! matched the batches); the probe side's dynamic filter.
+
+use std::sync::Arc;
+
+use datafusion::arrow::array::{Int32Array, Int64Array, RecordBatch, StringArray};
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::prelude::SessionConfig;
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+
+use super::{answer, cpu_config, devices_of, gpu_config, run};
+use crate::FulmenContext;
+
+type Row = (Option<i32>, Option<String>, Option<i64>);
+
+/// The devices of the random joins, which no other test uses.
+const JOIN_DEVICES: &str = "emulated:1/joins";
+
+fn key() -> BoxedStrategy<Option<i32>> {
+    prop_oneof![
+        proptest::option::weighted(0.85, 0i32..8),
+        prop_oneof![8 => Just(Some(3)), 2 => proptest::option::of(0i32..50)],
+        proptest::option::weighted(0.95, any::<i32>()),
+    ]
+    .boxed()
+}
+
+fn side(max: usize) -> impl Strategy<Value = Vec<Row>> {
+    proptest::collection::vec(
+        (
+            key(),
+            proptest::option::weighted(0.9, "[ab]{0,1}"),
+            proptest::option::weighted(0.9, -50i64..50),
+        ),
+        0..max,
+    )
+}
+
+fn batch(rows: &[Row], names: [&str; 3]) -> RecordBatch {
+    RecordBatch::try_from_iter(vec![
+        (
+            names[0],
+            Arc::new(Int32Array::from_iter(rows.iter().map(|r| r.0))) as _,
+        ),
+        (
+            names[1],
+            Arc::new(StringArray::from_iter(rows.iter().map(|r| r.1.clone()))) as _,
+        ),
+        (
+            names[2],
+            Arc::new(Int64Array::from_iter(rows.iter().map(|r| r.2))) as _,
+        ),
+    ])
+    .unwrap()
+}
+
+/// With several partitions, both sides are hash-partitioned (Partitioned mode) rather
+/// than the small build side collected (CollectLeft, which one partition gives).
+fn context(gpu: bool, partitions: usize) -> FulmenContext {
+    let session = SessionConfig::new()
+        .with_target_partitions(partitions)
+        .set_usize(
+            "datafusion.optimizer.hash_join_single_partition_threshold",
+            if partitions > 1 { 0 } else { 1 << 20 },
+        )
+        .set_usize(
+            "datafusion.optimizer.hash_join_single_partition_threshold_rows",
+            if partitions > 1 { 0 } else { 1 << 20 },
+        );
+    let config = if gpu {
+        gpu_config(JOIN_DEVICES)
+    } else {
+        cpu_config()
+    };
+    FulmenContext::with_session_config(session, config)
+}
+
+fn register(ctx: &FulmenContext, name: &str, data: &RecordBatch, partitions: usize) {
+    let n = data.num_rows();
+    let parts: Vec<Vec<RecordBatch>> = (0..partitions)
+        .map(|p| {
+            let (from, to) = (n * p / partitions, n * (p + 1) / partitions);
+            vec![data.slice(from, to - from)]
+        })
+        .collect();
+    let table = datafusion::datasource::MemTable::try_new(data.schema(), parts).unwrap();
+    ctx.session_context()
+        .register_table(name, Arc::new(table))
+        .unwrap();
+}
+
+fn check(l: &[Row], r: &[Row], sql: &str, partitions: usize) -> Result<(), TestCaseError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let (gpu, cpu) = (context(true, partitions), context(false, partitions));
+        for ctx in [&gpu, &cpu] {
+            register(ctx, "l", &batch(l, ["k", "s", "a"]), partitions);
+            register(ctx, "r", &batch(r, ["k2", "s2", "b"]), partitions);
+        }
+        // The set is this test's own: no other test moves its counters.
+        let device = devices_of(JOIN_DEVICES)[0].clone();
+        let launches = device.counters().1;
+        let (gpu_rows, gpu_plan, work) = answer(&gpu, sql).await;
+        let (cpu_rows, cpu_plan, _) = answer(&cpu, sql).await;
+
+        prop_assert_eq!(&gpu_rows, &cpu_rows, "{}\n{}", sql, gpu_plan);
+        let mode = if partitions > 1 {
+            "mode=Partitioned"
+        } else {
+            "mode=CollectLeft"
+        };
+        prop_assert!(cpu_plan.contains(mode), "{}\n{}", sql, cpu_plan);
+        prop_assert!(work.nothing_fell_back(), "{}: {:?}", sql, work);
+        if cpu_plan.contains("HashJoinExec") {
+            prop_assert!(
+                gpu_plan.contains("GpuHashJoinExec"),
+                "{}\n{}",
+                sql,
+                gpu_plan
+            );
+            prop_assert!(
+                !gpu_plan.contains("HashJoinExec stays on CPU"),
+                "{}\n{}",
+                sql,
+                gpu_plan
+            );
+            if !l.is_empty() && !r.is_empty() {
+                prop_assert!(device.counters().1 > launches, "no kernel ran for {}", sql);
+            }
+        }
+        Ok(())
+    })
+}
+
+fn join() -> impl Strategy<Value = (&'static str, bool)> {
+    (
+        prop_oneof![
+            Just("INNER"),
+            Just("LEFT"),
+            Just("RIGHT"),
+            Just("FULL"),
+            Just("LEFT SEMI"),
+            Just("LEFT ANTI"),
+            Just("RIGHT SEMI"),
+            Just("RIGHT ANTI"),
+        ],
+        any::<bool>(),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn gpu_joins_equal_datafusion(
+        l in side(60),
+        r in side(60),
+        (kind, filtered) in join(),
+        two_keys in any::<bool>(),
+        partitions in prop_oneof![Just(1usize), Just(3)],
+    ) {
+        let mut on = "l.k = r.k2".to_string();
+        if two_keys {
+            on.push_str(" AND l.s = r.s2");
+        }
+        if filtered {
+            on.push_str(" AND l.a < r.b");
+        }
+        let columns = match kind {
+            "LEFT SEMI" | "LEFT ANTI" => "l.k, l.s, l.a",
+            "RIGHT SEMI" | "RIGHT ANTI" => "r.k2, r.s2, r.b",
+            _ => "l.k, l.s, l.a, r.k2, r.s2, r.b",
+        };
+        let order: Vec<String> =
+            (1..=columns.split(',').count()).map(|i| i.to_string()).collect();
+        let sql = format!(
+            "SELECT {columns} FROM l {kind} JOIN r ON {on} ORDER BY {}",
+            order.join(", ")
+        );
+        check(&l, &r, &sql, partitions)?;
+        if kind == "INNER" {
+            // Under a GPU parent the join's output stays on the device.
+            let sql = format!(
+                "SELECT l.s, count(*) AS n, sum(l.a * 2 + r.b) AS t \
+                 FROM l JOIN r ON {on} GROUP BY l.s ORDER BY 1"
+            );
+            check(&l, &r, &sql, partitions)?;
+        }
+    }
+}
+
+/// A GPU join fills the dynamic filter DataFusion's planner gave its probe side's scan
+/// with the build side's key range (as DataFusion's HashJoinExec does), in CollectLeft and
+/// in Partitioned mode, and the Parquet scan prunes row groups with it.
+#[tokio::test]
+async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
+    use datafusion::arrow::array::{Int64Array, RecordBatch};
+    use datafusion::arrow::util::pretty::pretty_format_batches;
+    use datafusion::parquet::arrow::ArrowWriter;
+    use datafusion::parquet::file::properties::WriterProperties;
+    use datafusion::physical_plan::displayable;
+    use datafusion::prelude::ParquetReadOptions;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("probe.parquet");
+    let k: Vec<i64> = (0..100_000).collect();
+    let probe = RecordBatch::try_from_iter(vec![
+        ("k", Arc::new(Int64Array::from(k.clone())) as _),
+        (
+            "v",
+            Arc::new(Int64Array::from_iter_values(k.iter().map(|k| k % 97))) as _,
+        ),
+    ])
+    .unwrap();
+    let properties = WriterProperties::builder()
+        .set_max_row_group_row_count(Some(10_000))
+        .build();
+    let mut writer = ArrowWriter::try_new(
+        std::fs::File::create(&path).unwrap(),
+        probe.schema(),
+        Some(properties),
+    )
+    .unwrap();
+    writer.write(&probe).unwrap();
+    writer.close().unwrap();
+    let dim = RecordBatch::try_from_iter(vec![(
+        "d",
+        Arc::new(Int64Array::from_iter_values(20_000..20_010)) as _,
+    )])
+    .unwrap();
+    let sql = "SELECT count(*) AS n, sum(p.v) AS s FROM dim JOIN probe p ON p.k = dim.d";
+    for partitions in [1, 3] {
+        let contexts = [true, false].map(|on_gpu| {
+            let config = SessionConfig::new()
+                .with_target_partitions(partitions)
+                .set_usize(
+                    "datafusion.optimizer.hash_join_single_partition_threshold",
+                    0,
+                )
+                .set_usize(
+                    "datafusion.optimizer.hash_join_single_partition_threshold_rows",
+                    0,
+                );
+            let fulmen = if on_gpu {
+                gpu_config("emulated:1/dynamic-filter")
+            } else {
+                cpu_config()
+            };
+            FulmenContext::with_session_config(config, fulmen)
+        });
+        for ctx in &contexts {
+            ctx.session_context()
+                .register_batch("dim", dim.clone())
+                .unwrap();
+            ctx.session_context()
+                .register_parquet(
+                    "probe",
+                    path.to_str().unwrap(),
+                    ParquetReadOptions::default(),
+                )
+                .await
+                .unwrap();
+        }
+        let [gpu, cpu] = &contexts;
+        let (_, want) = run(cpu, sql).await;
+        let plan = gpu
+            .sql(sql)
+            .await
+            .unwrap()
+            .create_physical_plan()
+            .await
+            .unwrap();
+        let batches =
+            datafusion::physical_plan::collect(Arc::clone(&plan), gpu.session_context().task_ctx())
+                .await
+                .unwrap();
+        assert_eq!(pretty_format_batches(&batches).unwrap().to_string(), want);
+        let work = super::Work::of(&plan);
+        assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
+        let text = displayable(plan.as_ref()).indent(true).to_string();
+        let mode = if partitions == 1 {
+            "CollectLeft"
+        } else {
+            "Partitioned"
+        };
+        let device = super::described("emulated:1/dynamic-filter");
+        assert!(
+            text.contains(&format!("GpuHashJoinExec: device={device}, mode={mode}")),
+            "{text}"
+        );
+        assert!(
+            text.contains("DynamicFilter [ k@0 >= 20000 AND k@0 <= 20009 ]"),
+            "{partitions} partitions:\n{text}"
+        );
+        // Nine of the ten row groups lie outside the range: the scan reads one.
+        let mut scanned = 0;
+        let _ = plan.apply(|node| {
+            if node.name() == "DataSourceExec"
+                && let Some(m) = node.metrics()
+            {
+                scanned += m.output_rows().unwrap_or(0);
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
+        assert!(
+            scanned <= 10_000 + 10,
+            "{partitions} partitions: {scanned} rows scanned"
+        );
+        // Run again after DataFusion's reset (as recursive queries do): the same answer.
+        let again = datafusion::physical_plan::execution_plan::reset_plan_states(plan).unwrap();
+        let batches = datafusion::physical_plan::collect(again, gpu.session_context().task_ctx())
+            .await
+            .unwrap();
+        assert_eq!(pretty_format_batches(&batches).unwrap().to_string(), want);
+        // Every join type, and an empty build side (its filter is `false`): the same
+        // answers as DataFusion's.
+        let none = dim.slice(0, 0);
+        for ctx in &contexts {
+            ctx.session_context()
+                .register_batch("none", none.clone())
+                .unwrap();
+        }
+        for join in [
+            "SELECT count(*), sum(p.v) FROM dim LEFT JOIN probe p ON p.k = dim.d",
+            "SELECT count(*), sum(p.v) FROM dim RIGHT JOIN probe p ON p.k = dim.d",
+            "SELECT count(*) FROM dim WHERE d IN (SELECT k FROM probe)",
+            "SELECT count(*) FROM dim WHERE d NOT IN (SELECT k FROM probe WHERE v > 3)",
+            "SELECT count(*), sum(v) FROM probe WHERE k IN (SELECT d FROM dim)",
+            "SELECT count(*), sum(v) FROM probe WHERE NOT EXISTS \
+             (SELECT 1 FROM dim WHERE d = k)",
+            "SELECT count(*), sum(p.v) FROM none JOIN probe p ON p.k = none.d",
+            "SELECT count(*), sum(p.v) FROM none RIGHT JOIN probe p ON p.k = none.d",
+            "SELECT count(*), sum(v) FROM probe WHERE k IN (SELECT d FROM none)",
+        ] {
+            let (_, want) = run(cpu, join).await;
+            let (got, plan, work) = answer(gpu, join).await;
+            assert_eq!(got, Ok(want), "{join}\n{plan}");
+            assert!(plan.contains("GpuHashJoinExec"), "{join}\n{plan}");
+            assert!(work.nothing_fell_back(), "{join}: {work:?}");
+        }
+    }
+}

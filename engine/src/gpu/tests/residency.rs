@@ -1,0 +1,99 @@
+//! Device-resident chains: adjacent GPU operators hand device batches to each other, so a
+//! chain moves only its inputs up and its groups down.
+
+use std::sync::Arc;
+
+use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+
+use super::{Work, run, tpch_contexts, tpch_run};
+
+/// TPC-H Q1's filter → projection → partial aggregate runs as one device-resident stage:
+/// the filter uploads the scanned columns, its output stays on the device for the
+/// projection, whose output stays there for the aggregation; only the groups come down.
+#[tokio::test]
+async fn adjacent_gpu_operators_pass_device_batches() {
+    let (gpu, cpu) = tpch_contexts("emulated:1/resident-q1", 1, None);
+    let (got, plan) = tpch_run(&gpu, 1).await;
+    let (_, want) = run(&cpu, crate::tpch::QUERIES[0]).await;
+    assert_eq!(got, want);
+    let work = Work::of(&plan);
+    assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
+    let mut seen = Vec::new();
+    let _ = plan.apply(|node| {
+        if let Some(m) = node.metrics() {
+            let get = |name: &str| m.sum_by_name(name).map_or(0, |v| v.as_usize());
+            seen.push((node.name().to_string(), get("h2d_bytes"), get("d2h_bytes")));
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    let find = |name: &str| {
+        seen.iter()
+            .find(|(n, ..)| n == name)
+            .unwrap_or_else(|| panic!("no {name} in {seen:?}"))
+    };
+    let (_, filter_up, filter_down) = find("GpuFilterExec");
+    let (_, projection_up, projection_down) = find("GpuProjectionExec");
+    let (_, aggregate_up, aggregate_down) = find("GpuAggregateExec");
+    println!(
+        "Q1 bytes (up, down): filter {filter_up}/{filter_down}, projection {projection_up}/{projection_down}, aggregate {aggregate_up}/{aggregate_down}"
+    );
+    assert!(*filter_up > 0, "{seen:?}");
+    assert_eq!(
+        (
+            *filter_down,
+            *projection_up,
+            *projection_down,
+            *aggregate_up
+        ),
+        (0, 0, 0, 0),
+        "{seen:?}"
+    );
+    assert!(*aggregate_down > 0 && *aggregate_down < 2048, "{seen:?}");
+}
+
+/// A filter → hash join → partial aggregate chain moves only its inputs up and its groups
+/// down: the filtered probe rows reach the join on the device, the join's output reaches
+/// the aggregation on the device.
+#[tokio::test]
+async fn a_filter_join_aggregate_chain_stays_on_the_device() {
+    let (gpu, cpu) = tpch_contexts("emulated:1/resident-join", 1, None);
+    let sql = "SELECT o_orderpriority, count(*) AS n, sum(l_quantity) AS q \
+               FROM orders JOIN lineitem ON l_orderkey = o_orderkey \
+               WHERE l_commitdate < l_receiptdate GROUP BY o_orderpriority ORDER BY 1";
+    let frame = gpu.sql(sql).await.unwrap();
+    let plan = frame.create_physical_plan().await.unwrap();
+    let task = gpu.session_context().task_ctx();
+    let batches = datafusion::physical_plan::collect(Arc::clone(&plan), task)
+        .await
+        .unwrap();
+    let got = pretty_format_batches(&batches).unwrap().to_string();
+    let (_, want) = run(&cpu, sql).await;
+    assert_eq!(got, want);
+    let work = Work::of(&plan);
+    assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
+    let mut seen = Vec::new();
+    let _ = plan.apply(|node| {
+        if let Some(m) = node.metrics() {
+            let get = |name: &str| m.sum_by_name(name).map_or(0, |v| v.as_usize());
+            seen.push((node.name().to_string(), get("h2d_bytes"), get("d2h_bytes")));
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    println!("bytes (up, down) per node: {seen:?}");
+    let find = |name: &str| {
+        seen.iter()
+            .find(|(n, ..)| n == name)
+            .unwrap_or_else(|| panic!("no {name} in {seen:?}"))
+    };
+    let (_, filter_up, filter_down) = find("GpuFilterExec");
+    let (_, join_up, join_down) = find("GpuHashJoinExec");
+    let (_, aggregate_up, aggregate_down) = find("GpuAggregateExec");
+    assert!(*filter_up > 0 && *join_up > 0, "{seen:?}");
+    assert_eq!(
+        (*filter_down, *join_down, *aggregate_up),
+        (0, 0, 0),
+        "{seen:?}"
+    );
+    assert!(*aggregate_down > 0 && *aggregate_down < 4096, "{seen:?}");
+}
