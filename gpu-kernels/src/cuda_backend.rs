@@ -71,27 +71,6 @@ struct Staging {
 // SAFETY: the pinned buffer is only touched under the backend's mutex.
 unsafe impl Send for Staging {}
 
-/// The stand-in driver's hook (`gpu-kernels/standin`): the length a pool block is lent at,
-/// so that it guards the bytes past it as the emulator does. A real driver has no such
-/// symbol, and the backend then never calls it.
-type LendHook = unsafe extern "C" fn(u64, usize) -> u32;
-
-fn standin_lend_hook() -> Option<LendHook> {
-    static HOOK: std::sync::OnceLock<Option<(libloading::Library, LendHook)>> =
-        std::sync::OnceLock::new();
-    HOOK.get_or_init(|| {
-        // SAFETY: loads the library cudarc already loaded as the driver (the same name
-        // first, as cudarc tries it) and looks up one symbol of a known signature.
-        unsafe {
-            let library = libloading::Library::new("libcuda.so").ok()?;
-            let hook = *library.get::<LendHook>(b"fulmenStandinLend\0").ok()?;
-            Some((library, hook))
-        }
-    })
-    .as_ref()
-    .map(|(_, hook)| *hook)
-}
-
 pub(crate) struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -203,14 +182,6 @@ impl CudaBackend {
             },
             _ => self.failed(&format!("allocating {len} bytes"), e),
         })
-    }
-
-    /// Tells the stand-in driver the length a block is now used at (nothing on a GPU).
-    pub fn lend(&self, addr: u64, len: usize) {
-        if let Some(hook) = standin_lend_hook() {
-            // SAFETY: the hook takes an address it handed out and a length within it.
-            unsafe { hook(addr, len) };
-        }
     }
 
     pub fn free(&self, addr: u64) {

@@ -410,14 +410,11 @@ impl Device {
                 |addr| self.backend_free(addr),
             )
             .map_err(|e| self.lost(e))?;
-        match &self.inner.backend {
-            Backend::Emulated(memory) => {
-                if let Err(e) = memory.lend(addr, len) {
-                    self.release(addr, class);
-                    return Err(e);
-                }
-            }
-            Backend::Cuda(cuda) => cuda.lend(addr, len),
+        if let Backend::Emulated(memory) = &self.inner.backend
+            && let Err(e) = memory.lend(addr, len)
+        {
+            self.release(addr, class);
+            return Err(e);
         }
         Ok(DeviceBuffer {
             device: self.clone(),

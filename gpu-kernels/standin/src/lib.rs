@@ -767,18 +767,6 @@ pub extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CUr
     result(current().and_then(|c| copy(c, what, len)))
 }
 
-/// Not a CUDA call: Fulmen's CUDA backend tells this driver the length it now uses a pool
-/// block at, so that the bytes past it are guarded (and a kernel writing there is caught)
-/// as on the emulator. A real driver has no such symbol; the backend then skips the call.
-#[unsafe(no_mangle)]
-pub extern "C" fn fulmenStandinLend(dptr: u64, len: usize) -> CUresult {
-    let lent = driver()
-        .contexts
-        .iter()
-        .any(|c| c.memory().lend(dptr, len).is_ok());
-    if lent { SUCCESS } else { INVALID_VALUE }
-}
-
 // ---- modules and launches ----
 
 #[unsafe(no_mangle)]

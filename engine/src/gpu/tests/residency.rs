@@ -5,8 +5,29 @@ use std::sync::Arc;
 
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::physical_plan::ExecutionPlan;
 
 use super::{Work, run, tpch_contexts, tpch_run};
+
+/// Each node of an executed plan with the bytes it copied up (host → device) and down.
+fn bytes_moved(plan: &Arc<dyn ExecutionPlan>) -> Vec<(String, usize, usize)> {
+    let mut seen = Vec::new();
+    let _ = plan.apply(|node| {
+        if let Some(m) = node.metrics() {
+            let get = |name: &str| m.sum_by_name(name).map_or(0, |v| v.as_usize());
+            seen.push((node.name().to_string(), get("h2d_bytes"), get("d2h_bytes")));
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    seen
+}
+
+/// The first node called `name` among `seen`.
+fn moved_by<'a>(seen: &'a [(String, usize, usize)], name: &str) -> &'a (String, usize, usize) {
+    seen.iter()
+        .find(|(n, ..)| n == name)
+        .unwrap_or_else(|| panic!("no {name} in {seen:?}"))
+}
 
 /// TPC-H Q1's filter → projection → partial aggregate runs as one device-resident stage:
 /// the filter uploads the scanned columns, its output stays on the device for the
@@ -19,19 +40,8 @@ async fn adjacent_gpu_operators_pass_device_batches() {
     assert_eq!(got, want);
     let work = Work::of(&plan);
     assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
-    let mut seen = Vec::new();
-    let _ = plan.apply(|node| {
-        if let Some(m) = node.metrics() {
-            let get = |name: &str| m.sum_by_name(name).map_or(0, |v| v.as_usize());
-            seen.push((node.name().to_string(), get("h2d_bytes"), get("d2h_bytes")));
-        }
-        Ok(TreeNodeRecursion::Continue)
-    });
-    let find = |name: &str| {
-        seen.iter()
-            .find(|(n, ..)| n == name)
-            .unwrap_or_else(|| panic!("no {name} in {seen:?}"))
-    };
+    let seen = bytes_moved(&plan);
+    let find = |name: &str| moved_by(&seen, name);
     let (_, filter_up, filter_down) = find("GpuFilterExec");
     let (_, projection_up, projection_down) = find("GpuProjectionExec");
     let (_, aggregate_up, aggregate_down) = find("GpuAggregateExec");
@@ -72,20 +82,9 @@ async fn a_filter_join_aggregate_chain_stays_on_the_device() {
     assert_eq!(got, want);
     let work = Work::of(&plan);
     assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
-    let mut seen = Vec::new();
-    let _ = plan.apply(|node| {
-        if let Some(m) = node.metrics() {
-            let get = |name: &str| m.sum_by_name(name).map_or(0, |v| v.as_usize());
-            seen.push((node.name().to_string(), get("h2d_bytes"), get("d2h_bytes")));
-        }
-        Ok(TreeNodeRecursion::Continue)
-    });
+    let seen = bytes_moved(&plan);
     println!("bytes (up, down) per node: {seen:?}");
-    let find = |name: &str| {
-        seen.iter()
-            .find(|(n, ..)| n == name)
-            .unwrap_or_else(|| panic!("no {name} in {seen:?}"))
-    };
+    let find = |name: &str| moved_by(&seen, name);
     let (_, filter_up, filter_down) = find("GpuFilterExec");
     let (_, join_up, join_down) = find("GpuHashJoinExec");
     let (_, aggregate_up, aggregate_down) = find("GpuAggregateExec");
