@@ -110,10 +110,7 @@ fn context(gpu: bool, partitions: usize) -> FulmenContext {
 }
 
 fn check(rows: &[Row], sql: &str, partitions: usize) -> Result<(), TestCaseError> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
+    super::block_on(async {
         let (gpu, cpu) = (context(true, partitions), context(false, partitions));
         for ctx in [&gpu, &cpu] {
             register(ctx, rows, partitions);

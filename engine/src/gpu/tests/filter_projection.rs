@@ -237,10 +237,7 @@ fn context(gpu: bool) -> FulmenContext {
 }
 
 fn check(rows: &[Row], sql: &str, operator: &str) -> Result<(), TestCaseError> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
+    super::block_on(async {
         let data = batch(rows);
         let (gpu, cpu) = (context(true), context(false));
         for ctx in [&gpu, &cpu] {

@@ -93,10 +93,7 @@ fn register(ctx: &FulmenContext, name: &str, data: &RecordBatch, partitions: usi
 }
 
 fn check(l: &[Row], r: &[Row], sql: &str, partitions: usize) -> Result<(), TestCaseError> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
+    super::block_on(async {
         let (gpu, cpu) = (context(true, partitions), context(false, partitions));
         for ctx in [&gpu, &cpu] {
             register(ctx, "l", &batch(l, ["k", "s", "a"]), partitions);
@@ -200,7 +197,6 @@ proptest! {
 #[tokio::test]
 async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
     use datafusion::arrow::array::{Int64Array, RecordBatch};
-    use datafusion::arrow::util::pretty::pretty_format_batches;
     use datafusion::parquet::arrow::ArrowWriter;
     use datafusion::parquet::file::properties::WriterProperties;
     use datafusion::physical_plan::displayable;
@@ -268,18 +264,8 @@ async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
         }
         let [gpu, cpu] = &contexts;
         let (_, want) = run(cpu, sql).await;
-        let plan = gpu
-            .sql(sql)
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
-        let batches =
-            datafusion::physical_plan::collect(Arc::clone(&plan), gpu.session_context().task_ctx())
-                .await
-                .unwrap();
-        assert_eq!(pretty_format_batches(&batches).unwrap().to_string(), want);
+        let plan = super::plan_of(gpu, sql).await;
+        assert_eq!(super::rows_of(gpu, &plan).await, want);
         let work = super::Work::of(&plan);
         assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
         let text = displayable(plan.as_ref()).indent(true).to_string();
@@ -313,10 +299,7 @@ async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
         );
         // Run again after DataFusion's reset (as recursive queries do): the same answer.
         let again = datafusion::physical_plan::execution_plan::reset_plan_states(plan).unwrap();
-        let batches = datafusion::physical_plan::collect(again, gpu.session_context().task_ctx())
-            .await
-            .unwrap();
-        assert_eq!(pretty_format_batches(&batches).unwrap().to_string(), want);
+        assert_eq!(super::rows_of(gpu, &again).await, want);
         // Every join type, and an empty build side (its filter is `false`): the same
         // answers as DataFusion's.
         let none = dim.slice(0, 0);

@@ -228,15 +228,34 @@ fn tpch_contexts(
     (gpu, cpu)
 }
 
+/// The physical plan of `sql` on `ctx` (it must plan).
+async fn plan_of(ctx: &FulmenContext, sql: &str) -> Arc<dyn ExecutionPlan> {
+    let frame = ctx.sql(sql).await.unwrap();
+    frame.create_physical_plan().await.unwrap()
+}
+
+/// Executes `plan` on `ctx` (it must succeed) and renders its rows; the plan keeps the
+/// metrics of the run.
+async fn rows_of(ctx: &FulmenContext, plan: &Arc<dyn ExecutionPlan>) -> String {
+    let task = ctx.session_context().task_ctx();
+    let batches = datafusion::physical_plan::collect(Arc::clone(plan), task)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    pretty_format_batches(&batches).unwrap().to_string()
+}
+
 /// Runs TPC-H query `q` (1-based) on `gpu`: its rows and the executed plan.
 async fn tpch_run(gpu: &FulmenContext, q: usize) -> (String, Arc<dyn ExecutionPlan>) {
-    let frame = gpu.sql(crate::tpch::QUERIES[q - 1]).await.unwrap();
-    let plan = frame.create_physical_plan().await.unwrap();
-    let task = gpu.session_context().task_ctx();
-    let batches = datafusion::physical_plan::collect(Arc::clone(&plan), task)
-        .await
-        .unwrap_or_else(|e| panic!("Q{q}: {e}"));
-    (pretty_format_batches(&batches).unwrap().to_string(), plan)
+    let plan = plan_of(gpu, crate::tpch::QUERIES[q - 1]).await;
+    (rows_of(gpu, &plan).await, plan)
+}
+
+/// Runs a property test's async body on a runtime of its own.
+fn block_on<T>(body: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap()
+        .block_on(body)
 }
 
 /// Fails each of `device`'s next `allocations` allocations in turn, then each of its next

@@ -3,11 +3,10 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::physical_plan::ExecutionPlan;
 
-use super::{Work, run, tpch_contexts, tpch_run};
+use super::{Work, plan_of, rows_of, run, tpch_contexts, tpch_run};
 
 /// Each node of an executed plan with the bytes it copied up (host → device) and down.
 fn bytes_moved(plan: &Arc<dyn ExecutionPlan>) -> Vec<(String, usize, usize)> {
@@ -71,13 +70,8 @@ async fn a_filter_join_aggregate_chain_stays_on_the_device() {
     let sql = "SELECT o_orderpriority, count(*) AS n, sum(l_quantity) AS q \
                FROM orders JOIN lineitem ON l_orderkey = o_orderkey \
                WHERE l_commitdate < l_receiptdate GROUP BY o_orderpriority ORDER BY 1";
-    let frame = gpu.sql(sql).await.unwrap();
-    let plan = frame.create_physical_plan().await.unwrap();
-    let task = gpu.session_context().task_ctx();
-    let batches = datafusion::physical_plan::collect(Arc::clone(&plan), task)
-        .await
-        .unwrap();
-    let got = pretty_format_batches(&batches).unwrap().to_string();
+    let plan = plan_of(&gpu, sql).await;
+    let got = rows_of(&gpu, &plan).await;
     let (_, want) = run(&cpu, sql).await;
     assert_eq!(got, want);
     let work = Work::of(&plan);

@@ -173,20 +173,9 @@ async fn with_the_gpu_off_tpch_plans_are_datafusions() {
         plain.register_table(table, provider).unwrap();
     }
     for (q, sql) in crate::tpch::QUERIES.iter().enumerate() {
-        let fulmen_plan = fulmen
-            .sql(sql)
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
-        let plain_plan = plain
-            .sql(sql)
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
+        let fulmen_plan = super::plan_of(&fulmen, sql).await;
+        let plain_frame = plain.sql(sql).await.unwrap();
+        let plain_plan = plain_frame.create_physical_plan().await.unwrap();
         assert_eq!(
             displayable(fulmen_plan.as_ref()).indent(true).to_string(),
             displayable(plain_plan.as_ref()).indent(true).to_string(),
