@@ -32,7 +32,7 @@ bin="$target/debug"
 step "example: embedding FulmenContext"
 "$bin/examples/embed"
 
-step "the CUDA backend through the stand-in driver: kernel tests on cuda:0, the engine's GPU tests and TPC-H on cuda:0 and cuda:0,1, a sticky fault mid-query"
+step "the CUDA backend through the stand-in driver: kernel tests on cuda:0, the engine's GPU tests and TPC-H on cuda:0 and cuda:0,1, a sticky fault mid-query, kernels built ahead without NVRTC"
 standin="$target/standin"
 rm -rf "$standin" && mkdir -p "$standin" && cp "$bin/libfulmen_cuda_standin.so" "$standin/libcuda.so"
 through_standin() {
@@ -61,6 +61,29 @@ if ! grep -q '"launches": 20,' "$standin/sticky-counts.json" ||
   exit 1
 fi
 echo "sticky fault at launch 20 of TPC-H Q1: DataFusion's answer, no launch after it"
+# No NVRTC at run time (only the stand-in on the library path, an empty kernel cache): a
+# compute 9.0 GPU loads the sm_90 cubins built ahead, a compute 8.6 one the sm_80 cubins,
+# and a compute 12.0 one (no cubin built for it) the PTX, which its driver compiles.
+for compute in 9.0:0 8.6:0 12.0:all; do
+  cc="${compute%%:*}" ptx="${compute##*:}"
+  counts="$standin/no-nvrtc-$cc.json"
+  got="$(FULMEN_STANDIN_COMPUTE=$cc FULMEN_KERNEL_CACHE="$standin/empty-cache-$cc" \
+    FULMEN_STANDIN_COUNTS="$counts" LD_LIBRARY_PATH="$standin" "${fulmen[@]}" --devices cuda:0 \
+    -c "SET fulmen.gpu.mode = 'force'" -c "SET fulmen.gpu.on_error = 'fail'" -c "$q1" \
+    2>"$standin/no-nvrtc.log")" || { cat "$standin/no-nvrtc.log"; exit 1; }
+  if [ "$got" != "$want" ]; then
+    printf 'compute %s without NVRTC: wrong answer\n--- want\n%s\n--- got\n%s\n' "$cc" "$want" "$got"
+    exit 1
+  fi
+  python3 - "$counts" "$ptx" <<'PY'
+import json, sys
+counts, ptx = json.load(open(sys.argv[1])), sys.argv[2]
+expected = counts["modules"] if ptx == "all" else 0
+assert counts["launches"] > 0 and counts["modules"] > 0, counts
+assert counts["ptx_modules"] == expected, f"expected {expected} PTX modules: {counts}"
+PY
+done
+echo "without NVRTC: TPC-H Q1 right on compute 9.0 and 8.6 (cubins built ahead) and 12.0 (PTX)"
 
 step "benchmark smoke runs: TPC-H and SSB at SF 0.01, every engine, answers checked against DataFusion"
 # DuckDB comes from PyPI into a private folder (the runner skips it, with a note, if absent).

@@ -19,7 +19,9 @@ use fulmen_engine::{FulmenConfig, FulmenContext, GpuMode};
 pub enum Engine {
     /// Fulmen with the GPU off: DataFusion plus Fulmen's session (the overhead check).
     Fulmen,
-    /// Fulmen with `fulmen.gpu.mode = auto` on whatever devices `FULMEN_DEVICES` gives.
+    /// Fulmen with `fulmen.gpu.mode = auto` (or `force`, with `--gpu-mode force`, where a device
+    /// error fails the query) on whatever
+    /// devices `FULMEN_DEVICES` gives.
     FulmenGpu,
     /// Plain DataFusion, the reference for answers and ratios.
     DataFusion,
@@ -77,26 +79,33 @@ pub struct EngineRun {
     pub outcomes: Vec<Outcome>,
 }
 
-fn datafusion_session(engine: Engine) -> Result<SessionContext> {
+fn datafusion_session(engine: Engine, gpu: GpuMode) -> Result<SessionContext> {
     let gpu_mode = match engine {
         Engine::DataFusion => return Ok(SessionContext::new()),
         Engine::Fulmen => GpuMode::Off,
-        Engine::FulmenGpu => GpuMode::Auto,
+        Engine::FulmenGpu => gpu,
         Engine::DuckDb => bail!("DuckDB is not a DataFusion session"),
     };
-    let config = FulmenConfig {
+    let mut config = FulmenConfig {
         gpu_mode,
         ..FulmenConfig::from_env()?
     };
+    if gpu_mode == GpuMode::Force {
+        // An answer check of the device path: a device error fails the query rather than
+        // being redone on the CPU.
+        config.gpu_on_error = fulmen_engine::OnError::Fail;
+    }
     Ok(FulmenContext::with_config(config).session_context().clone())
 }
 
 /// Runs `queries` (name, SQL) on the DataFusion-based `engines`, interleaved so that no
 /// engine gains from running after another (warm caches, a quieter machine): for each query,
 /// every engine first runs it once untimed (its answer is kept), then the timed iterations
-/// go round the engines, starting with a different one each time.
+/// go round the engines, starting with a different one each time. `fulmen-gpu` runs with
+/// `fulmen.gpu.mode = gpu` (auto, or force to put every supported operator on the device).
 pub async fn run_datafusion(
     engines: &[Engine],
+    gpu: GpuMode,
     data: &Path,
     tables: &[&str],
     queries: &[(String, String)],
@@ -104,7 +113,7 @@ pub async fn run_datafusion(
 ) -> Result<Vec<EngineRun>> {
     let mut sessions = Vec::with_capacity(engines.len());
     for &engine in engines {
-        let ctx = datafusion_session(engine)?;
+        let ctx = datafusion_session(engine, gpu)?;
         for table in tables {
             let path = data.join(format!("{table}.parquet"));
             ctx.register_parquet(

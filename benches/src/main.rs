@@ -83,6 +83,11 @@ struct Options {
     /// Runs per query; the median is reported.
     #[arg(long, default_value_t = 5)]
     iterations: usize,
+    /// `fulmen.gpu.mode` of fulmen-gpu: auto (the cost model decides), or force (every
+    /// supported operator on the device, and a device error fails the query: an answer
+    /// check of the device path at scale).
+    #[arg(long, default_value = "auto")]
+    gpu_mode: fulmen_engine::GpuMode,
     /// Only these queries (TPC-H: 1,6,18; SSB: 1.1,3.2); all by default.
     #[arg(long, value_delimiter = ',')]
     queries: Vec<String>,
@@ -199,6 +204,7 @@ async fn run(benchmark: &str, options: Options) -> Result<bool> {
     );
     let mut runs = engines::run_datafusion(
         &datafusion_like,
+        options.gpu_mode,
         &data,
         &tables,
         &queries,

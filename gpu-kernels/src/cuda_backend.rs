@@ -2,8 +2,9 @@
 //! driver API (cudarc's raw `result` layer, since device addresses travel as plain u64
 //! like the emulator's).
 //!
-//! - Kernels are compiled per file by NVRTC to a cubin for the device's exact architecture
-//!   (cached on disk, see `nvrtc::kernel_image`) and loaded once per device.
+//! - Kernels are loaded once per device and file, from the image `images::module_image`
+//!   picks: a cubin built ahead, one NVRTC compiles for the exact architecture (cached on
+//!   disk), or PTX built ahead.
 //! - Memory comes from the stream-ordered allocator (`cuMemAllocAsync`) where the device
 //!   has one; the budget is kept by the device's pool as on the emulator.
 //! - Copies go through a pinned staging buffer with async copies on the device's stream.
@@ -258,10 +259,11 @@ impl CudaBackend {
         let module = match modules.get(file) {
             Some(m) => *m,
             None => {
-                let image = crate::nvrtc::kernel_image(file, self.compute_capability)?;
-                // SAFETY: `image` is a cubin NVRTC produced for this device's architecture.
-                let m = unsafe { result::module::load_data(image.as_ptr().cast()) }
-                    .map_err(|e| self.failed("loading kernels", e))?;
+                let image = crate::images::module_image(file, self.compute_capability)?;
+                log::debug!("cuda:{}: {file}: {}", self.ctx.ordinal(), image.origin);
+                // SAFETY: `image` is a whole cubin, or NUL-terminated PTX, of this file.
+                let m = unsafe { result::module::load_data(image.bytes.as_ptr().cast()) }
+                    .map_err(|e| self.failed(&format!("loading {file} ({})", image.origin), e))?;
                 modules.insert(file, m);
                 m
             }

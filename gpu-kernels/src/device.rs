@@ -17,14 +17,12 @@ use crate::memory::{DeviceBuffer, Pool, size_class};
 use crate::selection::DeviceSelection;
 use crate::{KernelError, Result};
 
-/// Whether any GPU of this process is quarantined (a fast check before the map).
-static CUDA_QUARANTINED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// The quarantined GPUs of this process, by ordinal, with the reason.
-fn cuda_quarantine() -> std::sync::MutexGuard<'static, std::collections::HashMap<usize, String>> {
-    static MAP: std::sync::OnceLock<Mutex<std::collections::HashMap<usize, String>>> =
+/// The GPUs this process has opened, by ordinal: one [`Device`] each, whatever selection
+/// string or memory limit named it (a limit is a quota on the one device).
+fn opened_gpus() -> std::sync::MutexGuard<'static, std::collections::HashMap<usize, Device>> {
+    static GPUS: std::sync::OnceLock<Mutex<std::collections::HashMap<usize, Device>>> =
         std::sync::OnceLock::new();
-    MAP.get_or_init(Default::default)
+    GPUS.get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|p| p.into_inner())
 }
@@ -165,9 +163,26 @@ struct Faults {
 }
 
 /// A device. Cloning is cheap; clones share the device.
+///
+/// A handle may carry a memory limit ([`Device::with_memory_limit`]): a quota of the bytes
+/// allocated through it (and its clones) on the one device, within the device's budget.
 #[derive(Clone)]
 pub struct Device {
     inner: Arc<Inner>,
+    quota: Option<Arc<Quota>>,
+}
+
+/// A memory limit on one handle of a device.
+struct Quota {
+    limit: usize,
+    /// (bytes in use, peak bytes in use) through the handle.
+    usage: Mutex<(usize, usize)>,
+}
+
+impl Quota {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, usize)> {
+        self.usage.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl fmt::Display for Device {
@@ -181,7 +196,7 @@ impl fmt::Display for Device {
 }
 
 impl PartialEq for Device {
-    /// The same device: clones of one handle.
+    /// The same device (whatever memory limits the two handles carry).
     fn eq(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
@@ -216,11 +231,31 @@ impl Device {
                 quarantine: Mutex::new(None),
                 quarantined: std::sync::atomic::AtomicBool::new(false),
             }),
+            quota: None,
         }
     }
 
-    /// Opens CUDA device `ordinal`. Its budget is `budget` bytes, or 90 % of its memory.
-    pub fn cuda(ordinal: usize, budget: Option<usize>) -> Result<Self> {
+    /// CUDA device `ordinal`: the process's one handle of that GPU, opened on first use
+    /// with a budget of 90 % of its memory. With `limit`, a handle holding at most `limit`
+    /// bytes of it (a quota, see [`Device::with_memory_limit`]).
+    pub fn cuda(ordinal: usize, limit: Option<usize>) -> Result<Self> {
+        let mut gpus = opened_gpus();
+        let device = match gpus.get(&ordinal) {
+            Some(d) => d.clone(),
+            None => {
+                let d = Self::open_cuda(ordinal)?;
+                gpus.insert(ordinal, d.clone());
+                d
+            }
+        };
+        drop(gpus);
+        Ok(match limit {
+            Some(limit) => device.with_memory_limit(limit),
+            None => device,
+        })
+    }
+
+    fn open_cuda(ordinal: usize) -> Result<Self> {
         let (backend, properties) = CudaBackend::open(ordinal)?;
         let (major, minor) = properties.compute_capability;
         Ok(Self {
@@ -228,7 +263,7 @@ impl Device {
                 kind: DeviceKind::Cuda,
                 ordinal,
                 name: format!("{} (compute {major}.{minor})", properties.name),
-                budget: budget.unwrap_or(properties.total_memory / 10 * 9),
+                budget: properties.total_memory / 10 * 9,
                 multiprocessors: properties.multiprocessors,
                 seed: 0,
                 workers: 0,
@@ -241,7 +276,22 @@ impl Device {
                 quarantine: Mutex::new(None),
                 quarantined: std::sync::atomic::AtomicBool::new(false),
             }),
+            quota: None,
         })
+    }
+
+    /// A handle of this device through which at most `limit` bytes are allocated at once
+    /// (`fulmen.gpu.memory_limit`): a quota on the one device, not another device. The
+    /// device's own budget still bounds all its handles together; everything else —
+    /// memory pool, kernels, counters, quarantine — is the device's.
+    pub fn with_memory_limit(&self, limit: usize) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+            quota: Some(Arc::new(Quota {
+                limit,
+                usage: Mutex::new((0, 0)),
+            })),
+        }
     }
 
     /// Which backend runs this device.
@@ -264,13 +314,26 @@ impl Device {
         self.inner.multiprocessors
     }
 
-    /// The byte budget of the device's memory pool.
+    /// The bytes this handle may hold: the device's budget, or the handle's memory limit
+    /// where that is lower.
     pub fn memory_budget(&self) -> usize {
-        self.inner.budget
+        match &self.quota {
+            Some(q) => q.limit.min(self.inner.budget),
+            None => self.inner.budget,
+        }
     }
 
-    /// (bytes in use, peak bytes in use) of the device's memory pool.
+    /// (bytes in use, peak bytes in use): through this handle where it carries a memory
+    /// limit, else of the whole device.
     pub fn memory_usage(&self) -> (usize, usize) {
+        match &self.quota {
+            Some(q) => *q.lock(),
+            None => self.inner.pool.usage(),
+        }
+    }
+
+    /// (bytes in use, peak bytes in use) of the whole device, through every handle.
+    pub fn device_memory_usage(&self) -> (usize, usize) {
         self.inner.pool.usage()
     }
 
@@ -337,13 +400,7 @@ impl Device {
     /// Why the device is quarantined, if it is.
     pub fn quarantined(&self) -> Option<String> {
         if !self.inner.quarantined.load(Ordering::Acquire) {
-            // Another handle of the same GPU may have lost it: they share its context.
-            if self.inner.kind != DeviceKind::Cuda || !CUDA_QUARANTINED.load(Ordering::Acquire) {
-                return None;
-            }
-            let reason = cuda_quarantine().get(&self.inner.ordinal).cloned()?;
-            self.quarantine(&reason);
-            return Some(reason);
+            return None;
         }
         self.inner
             .quarantine
@@ -352,9 +409,9 @@ impl Device {
             .clone()
     }
 
-    /// Takes the device out of use for the rest of the process: every later call on it
-    /// fails at once with [`KernelError::Quarantined`], without touching the device. For a
-    /// GPU, every handle of it is quarantined (they share its context).
+    /// Takes the device out of use for the rest of the process: every later call on it,
+    /// through any handle, fails at once with [`KernelError::Quarantined`], without
+    /// touching the device.
     pub fn quarantine(&self, reason: &str) {
         let mut q = self
             .inner
@@ -364,13 +421,6 @@ impl Device {
         if q.is_none() {
             *q = Some(reason.to_string());
             self.inner.quarantined.store(true, Ordering::Release);
-        }
-        drop(q);
-        if self.inner.kind == DeviceKind::Cuda {
-            cuda_quarantine()
-                .entry(self.inner.ordinal)
-                .or_insert_with(|| reason.to_string());
-            CUDA_QUARANTINED.store(true, Ordering::Release);
         }
     }
 
@@ -399,6 +449,19 @@ impl Device {
         let number = self.inner.allocations.fetch_add(1, Ordering::Relaxed) + 1;
         self.injected("allocation", number)?;
         let class = size_class(len);
+        if let Some(q) = &self.quota {
+            let mut usage = q.lock();
+            if usage.0 + class > q.limit {
+                return Err(KernelError::OutOfDeviceMemory {
+                    device: self.to_string(),
+                    requested: class,
+                    in_use: usage.0,
+                    budget: q.limit,
+                });
+            }
+            usage.0 += class;
+            usage.1 = usage.1.max(usage.0);
+        }
         let addr = self
             .inner
             .pool
@@ -409,7 +472,10 @@ impl Device {
                 || self.backend_alloc(class),
                 |addr| self.backend_free(addr),
             )
-            .map_err(|e| self.lost(e))?;
+            .map_err(|e| {
+                self.unreserve(class);
+                self.lost(e)
+            })?;
         if let Backend::Emulated(memory) = &self.inner.backend
             && let Err(e) = memory.lend(addr, len)
         {
@@ -483,6 +549,15 @@ impl Device {
 
     pub(crate) fn release(&self, addr: u64, class: usize) {
         self.inner.pool.give_back(class, addr);
+        self.unreserve(class);
+    }
+
+    /// Gives `class` bytes back to the handle's quota.
+    fn unreserve(&self, class: usize) {
+        if let Some(q) = &self.quota {
+            let mut usage = q.lock();
+            usage.0 = usage.0.saturating_sub(class);
+        }
     }
 
     /// Copies all of `src` into the start of `dst` (both on this device).
@@ -562,9 +637,11 @@ impl Device {
 }
 
 /// Opens the devices a selection names: `none` gives no device, `emulated:N` (or
-/// `emulated:N/SET`) N new emulated devices, `cuda:0,1` those GPUs (an error if one is missing), and `auto` every GPU of the
-/// machine (none without a driver). `budget` limits the bytes Fulmen holds on each CUDA
-/// device (emulated devices take theirs from `emulator`).
+/// `emulated:N/SET`) N new emulated devices, `cuda:0,1` those GPUs (an error if one is
+/// missing), and `auto` every GPU of the machine (none without a driver). A GPU is opened
+/// once per process: every selection naming it gets the same device. `budget` limits the
+/// bytes held through the handles returned for CUDA devices (a quota on each GPU; emulated
+/// devices take their budget from `emulator`).
 pub fn open_devices(
     selection: &DeviceSelection,
     emulator: &EmulatorOptions,

@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! Device ─┬─ Emulated: kernels compiled by the host C++ compiler (emu/), fibers per thread
-//!         └─ Cuda:     the driver API, kernels compiled by NVRTC (cached cubins)
+//!         └─ Cuda:     the driver API, kernels built ahead (images.rs) or by NVRTC
 //! DeviceBuffer ── bytes in a device's memory pool (budgeted)
 //! DeviceColumn / DeviceBatch ── Arrow layout on the device
 //! ops::{scan, compact, gather, hash, hash_table} ── launches of cuda/*.cu kernels
@@ -19,9 +19,11 @@ pub mod device;
 #[doc(hidden)]
 pub mod emu;
 pub mod error;
+pub mod images;
 pub mod kernels;
 pub mod memory;
 pub mod nvrtc;
+mod nvrtc_flags;
 pub mod ops;
 pub mod selection;
 

@@ -8,11 +8,8 @@
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts, sys};
 
 use crate::kernels::{HEADER, SOURCES};
+use crate::nvrtc_flags::{NVRTC_FLAGS, inline_header};
 use crate::{KernelError, Result};
-
-/// Flags every kernel is compiled with (besides the architecture): 128-bit integers are
-/// how decimal128 values are computed (`cuda/expr.cu`).
-const NVRTC_FLAGS: &[&str] = &["--std=c++17", "--device-int128"];
 
 /// Whether the NVRTC library can be loaded (from `LD_LIBRARY_PATH` or the system).
 pub fn nvrtc_present() -> bool {
@@ -27,8 +24,7 @@ pub fn prepared_source(file: &str) -> Result<String> {
         .iter()
         .find(|(name, _)| *name == file)
         .ok_or_else(|| KernelError::Unsupported(format!("no kernel source named {file}")))?;
-    let include = format!("#include \"{}\"", HEADER.0);
-    Ok(source.replace(&include, HEADER.1))
+    Ok(inline_header(source, HEADER.1))
 }
 
 /// Compiles one kernel file to PTX for `arch` (e.g. `compute_90`).
@@ -137,21 +133,26 @@ pub fn kernel_image(file: &str, cc: (i32, i32)) -> Result<Vec<u8>> {
 
 /// The cubin of `file` for compute capability `cc`, cached in `dir` under a name made of the
 /// source's hash, the architecture and NVRTC's version; compiled and cached on a miss. A
-/// cache that cannot be written only costs a recompile next time.
+/// cache that cannot be written only costs a recompile next time. Without NVRTC, a cubin
+/// an earlier NVRTC cached for the same source and architecture is still used.
 pub fn kernel_image_in(
     dir: Option<&std::path::Path>,
     file: &str,
     cc: (i32, i32),
 ) -> Result<Vec<u8>> {
     let sm = format!("sm_{}{}", cc.0, cc.1);
-    let (major, minor) = nvrtc_version()?;
     let source = prepared_source(file)?;
     let key = crate::ops::hash::hash_bytes(format!("{source}{NVRTC_FLAGS:?}").as_bytes());
-    let name = format!(
-        "{}-{sm}-nvrtc{major}.{minor}-{key:016x}.cubin",
-        file.trim_end_matches(".cu")
-    );
-    let path = dir.map(|d| d.join(name));
+    let stem = file.trim_end_matches(".cu");
+    let (major, minor) = match nvrtc_version() {
+        Ok(version) => version,
+        Err(e) => {
+            return dir
+                .and_then(|d| cached_by_any_nvrtc(d, &format!("{stem}-{sm}-nvrtc"), key))
+                .ok_or(e);
+        }
+    };
+    let path = dir.map(|d| d.join(format!("{stem}-{sm}-nvrtc{major}.{minor}-{key:016x}.cubin")));
     if let Some(path) = &path
         && let Ok(bytes) = std::fs::read(path)
         && !bytes.is_empty()
@@ -168,4 +169,20 @@ pub fn kernel_image_in(
         }
     }
     Ok(cubin)
+}
+
+/// The cached cubin named `{prefix}{version}-{key}.cubin` of the newest NVRTC version
+/// cached, if any.
+fn cached_by_any_nvrtc(dir: &std::path::Path, prefix: &str, key: u64) -> Option<Vec<u8>> {
+    let suffix = format!("-{key:016x}.cubin");
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with(prefix) && n.ends_with(&suffix))
+        .collect();
+    names.sort();
+    names
+        .iter()
+        .rev()
+        .find_map(|n| std::fs::read(dir.join(n)).ok().filter(|b| !b.is_empty()))
 }

@@ -687,6 +687,44 @@ fn a_lost_device_is_quarantined_and_never_touched_again() {
     assert_eq!(d.counters(), before, "a quarantined device was touched");
 }
 
+/// Every selection of a GPU gets its one device, and a memory limit is a quota on it: the
+/// limited handle is refused past its limit while the device still has room.
+#[test]
+fn a_memory_limit_is_a_quota_on_the_one_device() {
+    let d = device();
+    if d.kind() == fulmen_kernels::DeviceKind::Cuda {
+        let auto = fulmen_kernels::open_devices(
+            &fulmen_kernels::DeviceSelection::Auto,
+            &EmulatorOptions::default(),
+            Some(64 << 20),
+        )
+        .unwrap();
+        assert_eq!(auto[0], d, "auto and cuda:0 are one device");
+        assert_eq!(auto[0].memory_budget(), 64 << 20);
+        assert_eq!(Device::cuda(0, Some(1 << 20)).unwrap(), d);
+    }
+    let limited = d.with_memory_limit(1 << 20);
+    assert_eq!(limited, d, "a limit does not make another device");
+    assert_eq!(limited.memory_budget(), 1 << 20);
+    let held = limited.alloc(1 << 20).unwrap();
+    let e = limited.alloc(256).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            KernelError::OutOfDeviceMemory {
+                budget: 1048576,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let beside = d.alloc(1 << 20).expect("the device itself still has room");
+    assert_eq!(limited.memory_usage().0, 1 << 20);
+    drop((held, beside));
+    assert_eq!(limited.memory_usage().0, 0);
+    limited.alloc(1 << 20).expect("freed quota is usable again");
+}
+
 // --- NVRTC -------------------------------------------------------------------------------
 
 #[test]
@@ -740,6 +778,55 @@ fn every_kernel_compiles_to_a_cached_cubin_for_exact_architectures() {
     let cached = std::fs::read_dir(&cache).unwrap().count();
     assert_eq!(cached, 2 * fulmen_kernels::kernels::SOURCES.len());
     let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// When NVRTC was there at build time (as it is wherever it is there at test time: the
+/// build looks where scripts/install-nvrtc.sh puts it), every kernel file is embedded as
+/// sm_80 and sm_90 cubins and compute_80 PTX, each holding every kernel of its file, and a
+/// GPU of an embedded architecture loads a cubin built ahead, never NVRTC's.
+#[test]
+fn every_kernel_is_built_ahead_for_ampere_and_hopper_with_ptx_for_newer_gpus() {
+    use fulmen_kernels::images::{self, ImageOrigin};
+    let Some(built_with) = images::embedded_with() else {
+        if std::env::var_os("FULMEN_SKIP_NVRTC").is_some() {
+            eprintln!("FULMEN_SKIP_NVRTC is set and this build embeds no kernels: NOT checked");
+            return;
+        }
+        panic!(
+            "this build embeds no kernels: NVRTC was not found when fulmen-kernels was built \
+             (run scripts/install-nvrtc.sh, then rebuild), or set FULMEN_SKIP_NVRTC=1"
+        )
+    };
+    let embedded: Vec<_> = images::embedded().collect();
+    for (file, _) in fulmen_kernels::kernels::SOURCES {
+        for arch in images::EMBEDDED_ARCHS {
+            assert!(
+                embedded.contains(&(*file, *arch)),
+                "{file} is not embedded for {arch}"
+            );
+        }
+        for (cc, origin) in [
+            ((9, 0), ImageOrigin::EmbeddedCubin("sm_90")),
+            ((8, 0), ImageOrigin::EmbeddedCubin("sm_80")),
+            ((8, 9), ImageOrigin::EmbeddedCubin("sm_80")),
+        ] {
+            let image = images::module_image(file, cc).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(image.origin, origin, "{file} on compute {cc:?}");
+            let bytes = image.bytes.as_ref();
+            assert_eq!(&bytes[..4], b"\x7fELF", "{file}: a cubin");
+            for kernel in Kernel::ALL.iter().filter(|k| k.source_file() == *file) {
+                let section = format!(".text.{}\0", kernel.name());
+                assert!(
+                    bytes
+                        .windows(section.len())
+                        .any(|w| w == section.as_bytes()),
+                    "{file}'s {origin} cubin has no kernel {}",
+                    kernel.name()
+                );
+            }
+        }
+    }
+    eprintln!("kernels embedded by {built_with}: {embedded:?}");
 }
 
 /// The host reference of a group table: groups in first-seen order, with each group's

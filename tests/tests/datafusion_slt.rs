@@ -289,8 +289,12 @@ fn main() -> ExitCode {
     // DataFusion's files use paths relative to their crate and write a scratch folder
     // there, so they run from a private copy.
     // One folder per process: two runs at once must not delete each other's.
-    let work = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("datafusion-sqllogictest-{}", std::process::id()));
+    // `FULMEN_DF_SLT_WORK` names another parent (where the build's folder does not exist,
+    // as on a machine the binary was carried to).
+    let parent = std::env::var_os("FULMEN_DF_SLT_WORK")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    let work = parent.join(format!("datafusion-sqllogictest-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
     for dir in ["test_files", "data"] {
         if root.join(dir).is_dir()

@@ -63,6 +63,29 @@ pub fn kernel_names(image: &[u8]) -> Result<Vec<String>, String> {
     }
 }
 
+/// The architecture an image was built for, as (major, minor): a cubin's `sm_XY` (the low
+/// byte of its ELF `e_flags` in the layout NVRTC 12 writes, ELF ABI version 7 and below) or
+/// a PTX text's `.target sm_XY`. `None` where the image does not say in a way this reads.
+pub fn target(image: &[u8]) -> Option<(u32, u32)> {
+    let sm = if image.starts_with(b"\x7fELF") {
+        if *image.get(8)? > 7 {
+            return None;
+        }
+        u32_at(image, 0x30).ok()? as u32 & 0xff
+    } else {
+        let text = std::str::from_utf8(image).ok()?;
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(".target"))?;
+        let arch = line.split_whitespace().nth(1)?.trim_end_matches(',');
+        arch.strip_prefix("sm_")?
+            .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+            .parse()
+            .ok()?
+    };
+    Some((sm / 10, sm % 10))
+}
+
 fn read<const N: usize>(bytes: &[u8], at: usize) -> Result<[u8; N], String> {
     bytes
         .get(at..at.saturating_add(N))
@@ -149,5 +172,18 @@ mod tests {
         );
         assert!(kernel_names(b"hello").is_err());
         assert!(kernel_names(b"\x7fELF\x02\x01").is_err());
+    }
+
+    #[test]
+    fn targets_are_read_from_ptx_and_cubins() {
+        assert_eq!(target(b".version 8.8\n.target sm_80\n"), Some((8, 0)));
+        assert_eq!(target(b".version 8.8\n.target sm_90a\n"), Some((9, 0)));
+        let mut elf = vec![0u8; 64];
+        elf[..4].copy_from_slice(b"\x7fELF");
+        elf[8] = 7;
+        elf[0x30..0x34].copy_from_slice(&0x005a_055au32.to_le_bytes());
+        assert_eq!(target(&elf), Some((9, 0)));
+        elf[8] = 8;
+        assert_eq!(target(&elf), None);
     }
 }

@@ -27,10 +27,11 @@
 //! |---|---|
 //! | `FULMEN_STANDIN_DEVICES` | devices it reports (default 2) |
 //! | `FULMEN_STANDIN_MEMORY` | bytes of memory per device (default 2 GiB) |
+//! | `FULMEN_STANDIN_COMPUTE=M.m` | the compute capability the devices report (default 9.0, an H100/H200's): a cubin loads only on its own major version at its minor or above, PTX on its target or above (else CUDA_ERROR_NO_BINARY_FOR_GPU / CUDA_ERROR_INVALID_PTX, as a driver answers) |
 //! | `FULMEN_STANDIN_FAIL_COPY=N` | the Nth copy fails (CUDA_ERROR_UNKNOWN, not sticky) |
 //! | `FULMEN_STANDIN_FAIL_LAUNCH=N` | the Nth launch fails (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, not sticky) |
 //! | `FULMEN_STANDIN_STICKY_LAUNCH=N` | the Nth launch poisons its context: it and every later call on the context fail with CUDA_ERROR_ILLEGAL_ADDRESS until the context is recreated (its primary context released by every holder, or reset) |
-//! | `FULMEN_STANDIN_COUNTS=FILE` | at exit, writes the calls it received (launches, syncs, copies and bytes, allocations) to FILE as JSON |
+//! | `FULMEN_STANDIN_COUNTS=FILE` | at exit, writes the calls it received (launches, syncs, copies and bytes, allocations, modules loaded and how many of them were PTX) to FILE as JSON |
 //!
 //! What it cannot prove: that the kernels' machine code is right (it runs the emulator's
 //! host build of the same sources), the GPU's memory model (the emulator's atomics are
@@ -62,6 +63,8 @@ const NOT_INITIALIZED: CUresult = 3;
 const NO_DEVICE: CUresult = 100;
 const INVALID_DEVICE: CUresult = 101;
 const INVALID_IMAGE: CUresult = 200;
+const NO_BINARY_FOR_GPU: CUresult = 209;
+const INVALID_PTX: CUresult = 218;
 const INVALID_CONTEXT: CUresult = 201;
 const INVALID_HANDLE: CUresult = 400;
 const NOT_FOUND: CUresult = 500;
@@ -112,6 +115,7 @@ struct Counts {
     allocations: AtomicU64,
     frees: AtomicU64,
     modules: AtomicU64,
+    ptx_modules: AtomicU64,
     sticky_errors: AtomicU64,
 }
 
@@ -130,6 +134,7 @@ impl Counts {
             ("allocations", &self.allocations),
             ("frees", &self.frees),
             ("modules", &self.modules),
+            ("ptx_modules", &self.ptx_modules),
             ("sticky_errors", &self.sticky_errors),
         ];
         let body: Vec<String> = fields
@@ -147,6 +152,7 @@ fn number(name: &str) -> Option<u64> {
 struct Config {
     devices: usize,
     memory: usize,
+    compute: (u32, u32),
     fail_copy: Option<u64>,
     fail_launch: Option<u64>,
     sticky_launch: Option<u64>,
@@ -158,6 +164,13 @@ impl Config {
         Self {
             devices: number("FULMEN_STANDIN_DEVICES").unwrap_or(2) as usize,
             memory: number("FULMEN_STANDIN_MEMORY").unwrap_or(2 << 30) as usize,
+            compute: std::env::var("FULMEN_STANDIN_COMPUTE")
+                .ok()
+                .and_then(|v| {
+                    let (major, minor) = v.trim().split_once('.')?;
+                    Some((major.parse().ok()?, minor.parse().ok()?))
+                })
+                .unwrap_or((9, 0)),
             fail_copy: number("FULMEN_STANDIN_FAIL_COPY"),
             fail_launch: number("FULMEN_STANDIN_FAIL_LAUNCH"),
             sticky_launch: number("FULMEN_STANDIN_STICKY_LAUNCH"),
@@ -393,8 +406,8 @@ pub extern "C" fn cuDeviceGetAttribute(
         ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN => OPTIN_SHARED as c_int,
         ATTR_WARP_SIZE => 32,
         ATTR_MULTIPROCESSOR_COUNT => MULTIPROCESSORS,
-        ATTR_COMPUTE_CAPABILITY_MAJOR => 9,
-        ATTR_COMPUTE_CAPABILITY_MINOR => 0,
+        ATTR_COMPUTE_CAPABILITY_MAJOR => driver().config.compute.0 as c_int,
+        ATTR_COMPUTE_CAPABILITY_MINOR => driver().config.compute.1 as c_int,
         ATTR_MEMORY_POOLS_SUPPORTED => 1,
         _ => return INVALID_VALUE,
     };
@@ -779,14 +792,42 @@ pub extern "C" fn cuModuleLoadData(module: *mut *mut c_void, image: *const c_voi
         return INVALID_VALUE;
     }
     // SAFETY: the driver API's contract: a whole cubin, fatbin or NUL-terminated PTX.
-    let kernels = match unsafe { image::image_bytes(image.cast()) }.and_then(image::kernel_names) {
+    let bytes = match unsafe { image::image_bytes(image.cast()) } {
+        Ok(b) => b,
+        Err(why) => {
+            eprintln!("fulmen stand-in CUDA driver: cuModuleLoadData: {why}");
+            return INVALID_IMAGE;
+        }
+    };
+    let kernels = match image::kernel_names(bytes) {
         Ok(k) => k,
         Err(why) => {
             eprintln!("fulmen stand-in CUDA driver: cuModuleLoadData: {why}");
             return INVALID_IMAGE;
         }
     };
+    let ptx = !bytes.starts_with(b"\x7fELF");
+    let device = driver().config.compute;
+    if let Some(built) = image::target(bytes) {
+        let runs = if ptx {
+            built <= device
+        } else {
+            built.0 == device.0 && built.1 <= device.1
+        };
+        if !runs {
+            let kind = if ptx { "PTX" } else { "cubin" };
+            eprintln!(
+                "fulmen stand-in CUDA driver: cuModuleLoadData: a {kind} for sm_{}{} does not \
+                 run on a compute {}.{} device",
+                built.0, built.1, device.0, device.1
+            );
+            return if ptx { INVALID_PTX } else { NO_BINARY_FOR_GPU };
+        }
+    }
     driver().counts.modules.fetch_add(1, Ordering::Relaxed);
+    if ptx {
+        driver().counts.ptx_modules.fetch_add(1, Ordering::Relaxed);
+    }
     let m = Module {
         context,
         kernels,
@@ -973,6 +1014,8 @@ fn name_of(error: CUresult) -> &'static str {
         NO_DEVICE => "CUDA_ERROR_NO_DEVICE",
         INVALID_DEVICE => "CUDA_ERROR_INVALID_DEVICE",
         INVALID_IMAGE => "CUDA_ERROR_INVALID_IMAGE",
+        NO_BINARY_FOR_GPU => "CUDA_ERROR_NO_BINARY_FOR_GPU",
+        INVALID_PTX => "CUDA_ERROR_INVALID_PTX",
         INVALID_CONTEXT => "CUDA_ERROR_INVALID_CONTEXT",
         INVALID_HANDLE => "CUDA_ERROR_INVALID_HANDLE",
         NOT_FOUND => "CUDA_ERROR_NOT_FOUND",
@@ -993,6 +1036,8 @@ fn text_of(error: CUresult) -> &'static CStr {
         NO_DEVICE => c"no CUDA-capable device is detected",
         INVALID_DEVICE => c"invalid device ordinal",
         INVALID_IMAGE => c"device kernel image is invalid",
+        NO_BINARY_FOR_GPU => c"no kernel image is available for execution on the device",
+        INVALID_PTX => c"a PTX JIT compilation failed",
         INVALID_CONTEXT => c"invalid device context",
         INVALID_HANDLE => c"invalid resource handle",
         NOT_FOUND => c"named symbol not found",
