@@ -70,20 +70,25 @@ for compute in 9.0:0 8.6:0 12.0:all; do
   got="$(FULMEN_STANDIN_COMPUTE=$cc FULMEN_KERNEL_CACHE="$standin/empty-cache-$cc" \
     FULMEN_STANDIN_COUNTS="$counts" LD_LIBRARY_PATH="$standin" "${fulmen[@]}" --devices cuda:0 \
     -c "SET fulmen.gpu.mode = 'force'" -c "SET fulmen.gpu.on_error = 'fail'" -c "$q1" \
-    2>"$standin/no-nvrtc.log")" || { cat "$standin/no-nvrtc.log"; exit 1; }
+    -c "SELECT launches FROM fulmen_devices()" 2>"$standin/no-nvrtc.log")" ||
+    { cat "$standin/no-nvrtc.log"; exit 1; }
+  # The last two lines are the device listing's: the launches Fulmen counted itself.
+  launches="$(tail -n 1 <<<"$got")"
+  got="$(head -n -2 <<<"$got")"
   if [ "$got" != "$want" ]; then
     printf 'compute %s without NVRTC: wrong answer\n--- want\n%s\n--- got\n%s\n' "$cc" "$want" "$got"
     exit 1
   fi
-  python3 - "$counts" "$ptx" <<'PY'
+  python3 - "$counts" "$ptx" "$launches" <<'PY'
 import json, sys
-counts, ptx = json.load(open(sys.argv[1])), sys.argv[2]
+counts, ptx, launches = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3])
 expected = counts["modules"] if ptx == "all" else 0
 assert counts["launches"] > 0 and counts["modules"] > 0, counts
 assert counts["ptx_modules"] == expected, f"expected {expected} PTX modules: {counts}"
+assert counts["launches"] == launches, f"Fulmen counted {launches} launches, the driver {counts}"
 PY
 done
-echo "without NVRTC: TPC-H Q1 right on compute 9.0 and 8.6 (cubins built ahead) and 12.0 (PTX)"
+echo "without NVRTC: TPC-H Q1 right on compute 9.0 and 8.6 (cubins built ahead) and 12.0 (PTX), and the launches Fulmen counted are the driver's"
 
 step "benchmark smoke runs: TPC-H and SSB at SF 0.01, every engine, answers checked against DataFusion"
 # DuckDB comes from PyPI into a private folder (the runner skips it, with a note, if absent).

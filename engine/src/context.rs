@@ -126,6 +126,10 @@ impl FulmenContext {
             .build();
         let ctx = SessionContext::new_with_state(state).enable_url_table();
         register_window_functions(&ctx);
+        ctx.register_udtf(
+            crate::gpu::listing::NAME,
+            Arc::new(crate::gpu::listing::DevicesFunction),
+        );
         Self {
             ctx,
             handlers: Arc::default(),

@@ -18,6 +18,10 @@ pub const META_COMMANDS: &[(&str, &str)] = &[
         "maxrows",
         "\\maxrows [N]   show or set how many rows the table format shows (0: all)",
     ),
+    (
+        "devices",
+        "\\devices       list the session's devices: state, memory, launches, errors",
+    ),
     ("i", "\\i FILE        run the statements in FILE"),
     ("?", "\\?             this help"),
     ("q", "\\q             quit (Ctrl-D works too)"),
@@ -42,6 +46,8 @@ pub enum MetaCommand {
     MaxRows(Option<usize>),
     /// `\i FILE`: run a file.
     Include(String),
+    /// `\devices`: list the session's devices (`fulmen_devices()`).
+    Devices,
 }
 
 impl MetaCommand {
@@ -60,6 +66,7 @@ impl MetaCommand {
             "q" | "quit" => no_arg(Self::Quit),
             "?" | "h" | "help" => no_arg(Self::Help),
             "dt" => no_arg(Self::ListTables),
+            "devices" => no_arg(Self::Devices),
             "d" => Ok(arg.map_or(Self::ListTables, |a| Self::Describe(a.to_string()))),
             "format" => Ok(Self::Format(arg.map(str::parse).transpose()?)),
             "timing" => match arg.map(|a| a.to_ascii_lowercase()) {
@@ -112,6 +119,7 @@ mod tests {
     fn parses_each_command() {
         assert_eq!(MetaCommand::parse("q"), Ok(MetaCommand::Quit));
         assert_eq!(MetaCommand::parse("d"), Ok(MetaCommand::ListTables));
+        assert_eq!(MetaCommand::parse("devices"), Ok(MetaCommand::Devices));
         assert_eq!(MetaCommand::parse("dt"), Ok(MetaCommand::ListTables));
         assert_eq!(
             MetaCommand::parse("d  lineitem "),

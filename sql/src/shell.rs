@@ -224,6 +224,9 @@ impl Shell {
                            WHERE table_schema <> 'information_schema' ORDER BY table_name";
                 self.run_quiet(sql)?;
             }
+            MetaCommand::Devices => {
+                self.run_quiet("SELECT * FROM fulmen_devices()")?;
+            }
             MetaCommand::Describe(name) => {
                 // As in SQL: a quoted name is exact, an unquoted one is folded to lower case.
                 let bare = if name.starts_with('"') && name.ends_with('"') && name.len() > 1 {

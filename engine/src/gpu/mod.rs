@@ -3,6 +3,7 @@
 
 pub mod compile;
 pub mod devices;
+pub mod listing;
 pub mod overrides;
 
 pub use overrides::{GpuOverrides, SupportLevel, placement_report};

@@ -5,7 +5,9 @@
 //! path never offers it as the machine's driver).
 //!
 //! ```text
-//! cuModuleLoadData(cubin from NVRTC) ─▶ the kernels the image really holds (ELF sections)
+//! cuModuleLoadData(cubin or PTX)    ─▶ the kernels the image really holds (ELF sections,
+//!                                       .entry lines), if it runs on the reported compute
+//!                                       capability
 //! cuModuleGetFunction(name)          ─▶ that kernel, which must be in the image and in
 //!                                       the emulator
 //! cuLaunchKernel(f, grid, block, shared, stream, params)

@@ -262,6 +262,33 @@ async fn a_device_lost_mid_query_is_quarantined_and_the_answer_stays_right() {
                 k,
                 "Q{q}: launched on a lost device"
             );
+            // The device listing says so too, with the reason and the launches made.
+            let listed = gpu
+                .session_context()
+                .sql("SELECT device, state, reason, launches, device_errors FROM fulmen_devices()")
+                .await
+                .unwrap()
+                .collect()
+                .await
+                .unwrap();
+            let cells: Vec<String> = (0..5)
+                .map(|c| {
+                    datafusion::arrow::util::display::array_value_to_string(listed[0].column(c), 0)
+                        .unwrap()
+                })
+                .collect();
+            assert_eq!(listed[0].num_rows(), 1, "Q{q}: one device listed");
+            assert_eq!(
+                cells,
+                [
+                    "emulated:0".to_string(),
+                    "quarantined".to_string(),
+                    format!("injected sticky fault at launch {}", before + k),
+                    device.counters().1.to_string(),
+                    device.errors().to_string(),
+                ],
+                "Q{q}: the device listing"
+            );
         }
     }
 }

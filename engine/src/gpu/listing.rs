@@ -1,0 +1,100 @@
+//! `fulmen_devices()`: a table function listing the devices of the session's selection
+//! (`fulmen.devices`), one row each, with what the device has done and whether it is in
+//! service. The shell's `\devices` prints it.
+//!
+//! ```sql
+//! SELECT device, state, launches FROM fulmen_devices();
+//! ```
+
+use std::sync::Arc;
+
+use datafusion::arrow::array::{ArrayRef, RecordBatch, StringArray, UInt64Array};
+use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use datafusion::catalog::{TableFunctionArgs, TableFunctionImpl, TableProvider};
+use datafusion::datasource::MemTable;
+use datafusion::error::{DataFusionError, Result};
+
+use super::devices::devices_with_limit;
+use crate::config::FulmenConfig;
+
+/// The name SQL calls it by.
+pub const NAME: &str = "fulmen_devices";
+
+/// The table function (registered by `FulmenContext`).
+#[derive(Debug, Default)]
+pub struct DevicesFunction;
+
+/// The listing's columns.
+pub fn schema() -> SchemaRef {
+    let text = |name: &str, nullable| Field::new(name, DataType::Utf8, nullable);
+    let count = |name: &str| Field::new(name, DataType::UInt64, false);
+    Arc::new(Schema::new(vec![
+        text("device", false),
+        text("name", false),
+        text("state", false),
+        text("reason", true),
+        count("memory_budget"),
+        count("memory_in_use"),
+        count("memory_peak"),
+        count("allocations"),
+        count("launches"),
+        count("device_errors"),
+    ]))
+}
+
+/// The listing of the devices `config` selects: `state` is `in service` or `quarantined`
+/// (with the `reason`); memory figures are the session's (its `fulmen.gpu.memory_limit`
+/// quota where it has one, else the whole device's); `allocations` and `launches` count
+/// what Fulmen asked of the device since the process opened it (pool allocations, not
+/// driver calls), and `device_errors` the device errors operators met.
+pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
+    let devices = devices_with_limit(&config.devices, config.gpu_memory_limit)
+        .map_err(|e| DataFusionError::Execution(format!("fulmen.devices: {e}")))?;
+    let quarantine: Vec<Option<String>> = devices.iter().map(|d| d.quarantined()).collect();
+    let counts = |f: &dyn Fn(&fulmen_kernels::Device) -> u64| -> ArrayRef {
+        Arc::new(UInt64Array::from_iter_values(devices.iter().map(f)))
+    };
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(StringArray::from_iter_values(
+            devices.iter().map(|d| d.to_string()),
+        )),
+        Arc::new(StringArray::from_iter_values(
+            devices.iter().map(|d| d.name().to_string()),
+        )),
+        Arc::new(StringArray::from_iter_values(quarantine.iter().map(|q| {
+            if q.is_some() {
+                "quarantined"
+            } else {
+                "in service"
+            }
+        }))),
+        Arc::new(StringArray::from(quarantine)),
+        counts(&|d| d.memory_budget() as u64),
+        counts(&|d| d.memory_usage().0 as u64),
+        counts(&|d| d.memory_usage().1 as u64),
+        counts(&|d| d.counters().0),
+        counts(&|d| d.counters().1),
+        counts(&|d| d.errors()),
+    ];
+    Ok(RecordBatch::try_new(schema(), columns)?)
+}
+
+impl TableFunctionImpl for DevicesFunction {
+    fn call_with_args(&self, args: TableFunctionArgs) -> Result<Arc<dyn TableProvider>> {
+        if !args.exprs().is_empty() {
+            return Err(DataFusionError::Plan(format!(
+                "{NAME}() takes no arguments"
+            )));
+        }
+        let config = args
+            .session()
+            .config()
+            .options()
+            .extensions
+            .get::<FulmenConfig>()
+            .cloned()
+            .unwrap_or_default();
+        let batch = listing(&config)?;
+        Ok(Arc::new(MemTable::try_new(schema(), vec![vec![batch]])?))
+    }
+}
