@@ -24,8 +24,7 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
 use crate::kernels::Kernel;
 use crate::{KernelError, Result};
 
-/// Bytes of pinned host memory used to stage each copy (larger copies go in pieces).
-const STAGING_BYTES: usize = 16 << 20;
+use crate::device::STAGING_BYTES;
 
 /// Whether CUDA leaves the context unusable after `error` (every later call fails).
 fn sticky(error: &DriverError) -> bool {

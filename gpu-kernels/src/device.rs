@@ -104,6 +104,9 @@ impl LaunchConfig {
 pub enum Arg {
     /// A device address (0 for a null pointer).
     Ptr(u64),
+    /// The address of a buffer of this many bytes (what the accounting counts as the
+    /// device bytes a launch may touch).
+    Buf(u64, usize),
     /// A 64-bit integer.
     U64(u64),
     /// A 32-bit integer.
@@ -113,17 +116,17 @@ pub enum Arg {
 impl Arg {
     /// The address of a buffer.
     pub fn buf(buffer: &DeviceBuffer) -> Self {
-        Self::Ptr(buffer.addr())
+        Self::Buf(buffer.addr(), buffer.len())
     }
 
     /// The address of a buffer, or a null pointer.
     pub fn opt(buffer: Option<&DeviceBuffer>) -> Self {
-        Self::Ptr(buffer.map_or(0, DeviceBuffer::addr))
+        buffer.map_or(Self::Ptr(0), Self::buf)
     }
 
     fn bits(self) -> u64 {
         match self {
-            Self::Ptr(p) | Self::U64(p) => p,
+            Self::Ptr(p) | Self::Buf(p, _) | Self::U64(p) => p,
             Self::U32(v) => v as u64,
         }
     }
@@ -144,8 +147,8 @@ struct Inner {
     workers: u32,
     pool: Pool,
     backend: Backend,
-    allocations: AtomicU64,
-    launches: AtomicU64,
+    /// What the device was asked to do (see [`DeviceCounts`]).
+    counts: Counts,
     /// Device errors that made an operator redo its work on the CPU.
     errors: AtomicU64,
     /// Absolute allocation / launch numbers that fail, and the launch that loses the device.
@@ -154,6 +157,134 @@ struct Inner {
     quarantine: Mutex<Option<String>>,
     quarantined: std::sync::atomic::AtomicBool,
 }
+
+/// The device's counters of its work, one per field of [`DeviceCounts`].
+#[derive(Default)]
+struct Counts {
+    allocations: AtomicU64,
+    driver_allocations: AtomicU64,
+    driver_frees: AtomicU64,
+    launches: AtomicU64,
+    syncs: AtomicU64,
+    h2d_copies: AtomicU64,
+    h2d_bytes: AtomicU64,
+    d2h_copies: AtomicU64,
+    d2h_bytes: AtomicU64,
+    d2d_copies: AtomicU64,
+    d2d_bytes: AtomicU64,
+    device_bytes: AtomicU64,
+}
+
+/// Applies `$do` to each (field of `Counts`, field of `DeviceCounts`) pair.
+macro_rules! each_count {
+    ($do:ident) => {
+        $do!(allocations);
+        $do!(driver_allocations);
+        $do!(driver_frees);
+        $do!(launches);
+        $do!(syncs);
+        $do!(h2d_copies);
+        $do!(h2d_bytes);
+        $do!(d2h_copies);
+        $do!(d2h_bytes);
+        $do!(d2d_copies);
+        $do!(d2d_bytes);
+        $do!(device_bytes);
+    };
+}
+
+thread_local! {
+    /// The innermost [`metered`] scope of this thread, if any.
+    static METER: std::cell::RefCell<Option<DeviceCounts>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `work` and returns what it asked of any device on this thread, besides its result.
+/// Scopes nest and are exclusive: work inside an inner scope counts for the inner one only
+/// (so an operator polling a child operator's stream counts its own work, not the child's).
+pub fn metered<T>(work: impl FnOnce() -> T) -> (T, DeviceCounts) {
+    struct Restore(Option<Option<DeviceCounts>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some(outer) = self.0.take() {
+                METER.with(|m| *m.borrow_mut() = outer);
+            }
+        }
+    }
+    let mut restore = Restore(Some(
+        METER.with(|m| m.replace(Some(DeviceCounts::default()))),
+    ));
+    let out = work();
+    let mine = METER.with(|m| m.borrow_mut().take()).unwrap_or_default();
+    if let Some(outer) = restore.0.take() {
+        METER.with(|m| *m.borrow_mut() = outer);
+    }
+    (out, mine)
+}
+
+/// What a device was asked to do since it was opened, counted the same on every backend:
+/// each figure is the driver calls the CUDA backend makes for the work (so a stand-in or
+/// real driver counts the same), whether the device is a GPU or the emulator.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceCounts {
+    /// Buffers taken from the memory pool.
+    pub allocations: u64,
+    /// Of those, the ones the pool had to get from the driver (`cuMemAllocAsync`).
+    pub driver_allocations: u64,
+    /// Blocks the pool gave back to the driver.
+    pub driver_frees: u64,
+    /// Kernel launches.
+    pub launches: u64,
+    /// Times the host waited for the device (`cuStreamSynchronize`).
+    pub syncs: u64,
+    /// Host-to-device copies (one per staging piece of at most [`STAGING_BYTES`]).
+    pub h2d_copies: u64,
+    /// Bytes copied host to device.
+    pub h2d_bytes: u64,
+    /// Device-to-host copies (one per staging piece).
+    pub d2h_copies: u64,
+    /// Bytes copied device to host.
+    pub d2h_bytes: u64,
+    /// Copies between two buffers of the device.
+    pub d2d_copies: u64,
+    /// Bytes copied between buffers of the device.
+    pub d2d_bytes: u64,
+    /// The sizes of the buffers launches were given, summed over launches: the device
+    /// memory kernels may read and write (an upper bound of what they touch).
+    pub device_bytes: u64,
+}
+
+impl DeviceCounts {
+    /// What was counted after `earlier` (an earlier snapshot of the same counters).
+    pub fn since(&self, earlier: &DeviceCounts) -> DeviceCounts {
+        let mut d = DeviceCounts::default();
+        macro_rules! sub {
+            ($f:ident) => {
+                d.$f = self.$f.saturating_sub(earlier.$f);
+            };
+        }
+        each_count!(sub);
+        d
+    }
+
+    fn add(&mut self, other: &DeviceCounts) {
+        macro_rules! add {
+            ($f:ident) => {
+                self.$f += other.$f;
+            };
+        }
+        each_count!(add);
+    }
+}
+
+impl std::ops::AddAssign<&DeviceCounts> for DeviceCounts {
+    fn add_assign(&mut self, other: &DeviceCounts) {
+        self.add(other);
+    }
+}
+
+/// Bytes of pinned host memory each copy is staged through; a larger copy goes in pieces,
+/// each a driver copy and a wait.
+pub const STAGING_BYTES: usize = 16 << 20;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Faults {
@@ -224,8 +355,7 @@ impl Device {
                 workers: options.workers,
                 pool: Pool::default(),
                 backend: Backend::Emulated(EmuMemory::default()),
-                allocations: AtomicU64::new(0),
-                launches: AtomicU64::new(0),
+                counts: Counts::default(),
                 errors: AtomicU64::new(0),
                 faults: Mutex::new(Faults::default()),
                 quarantine: Mutex::new(None),
@@ -269,8 +399,7 @@ impl Device {
                 workers: 0,
                 pool: Pool::default(),
                 backend: Backend::Cuda(backend),
-                allocations: AtomicU64::new(0),
-                launches: AtomicU64::new(0),
+                counts: Counts::default(),
                 errors: AtomicU64::new(0),
                 faults: Mutex::new(Faults::default()),
                 quarantine: Mutex::new(None),
@@ -340,9 +469,45 @@ impl Device {
     /// Allocations and launches made so far.
     pub fn counters(&self) -> (u64, u64) {
         (
-            self.inner.allocations.load(Ordering::Relaxed),
-            self.inner.launches.load(Ordering::Relaxed),
+            self.inner.counts.allocations.load(Ordering::Relaxed),
+            self.inner.counts.launches.load(Ordering::Relaxed),
         )
+    }
+
+    /// Everything the device was asked to do so far.
+    pub fn counts(&self) -> DeviceCounts {
+        let c = &self.inner.counts;
+        let mut d = DeviceCounts::default();
+        macro_rules! load {
+            ($f:ident) => {
+                d.$f = c.$f.load(Ordering::Relaxed);
+            };
+        }
+        each_count!(load);
+        d
+    }
+
+    /// Adds `delta` to the device's counters and to this thread's [`metered`] scope.
+    fn record(&self, delta: DeviceCounts) {
+        let c = &self.inner.counts;
+        macro_rules! add {
+            ($f:ident) => {
+                if delta.$f != 0 {
+                    c.$f.fetch_add(delta.$f, Ordering::Relaxed);
+                }
+            };
+        }
+        each_count!(add);
+        METER.with(|m| {
+            if let Some(scope) = m.borrow_mut().as_mut() {
+                scope.add(&delta);
+            }
+        });
+    }
+
+    /// A copy of `len` bytes through the staging buffer: a driver copy and a wait per piece.
+    fn staged(len: usize) -> (u64, u64) {
+        (len.div_ceil(STAGING_BYTES) as u64, len as u64)
     }
 
     /// Counts a device error an operator met.
@@ -446,7 +611,17 @@ impl Device {
     /// Allocates `len` bytes of device memory (contents undefined).
     pub fn alloc(&self, len: usize) -> Result<DeviceBuffer> {
         self.usable()?;
-        let number = self.inner.allocations.fetch_add(1, Ordering::Relaxed) + 1;
+        let number = self
+            .inner
+            .counts
+            .allocations
+            .fetch_add(1, Ordering::Relaxed)
+            + 1;
+        METER.with(|m| {
+            if let Some(scope) = m.borrow_mut().as_mut() {
+                scope.allocations += 1;
+            }
+        });
         self.injected("allocation", number)?;
         let class = size_class(len);
         if let Some(q) = &self.quota {
@@ -491,6 +666,10 @@ impl Device {
     }
 
     fn backend_alloc(&self, len: usize) -> Result<u64> {
+        self.record(DeviceCounts {
+            driver_allocations: 1,
+            ..DeviceCounts::default()
+        });
         match &self.inner.backend {
             Backend::Emulated(memory) => memory.alloc(len),
             Backend::Cuda(cuda) => cuda.alloc(len),
@@ -498,6 +677,10 @@ impl Device {
     }
 
     fn backend_free(&self, addr: u64) {
+        self.inner
+            .counts
+            .driver_frees
+            .fetch_add(1, Ordering::Relaxed);
         match &self.inner.backend {
             Backend::Emulated(memory) => {
                 let _ = memory.free(addr);
@@ -524,6 +707,13 @@ impl Device {
             )));
         }
         self.usable()?;
+        let (pieces, len) = Self::staged(bytes.len());
+        self.record(DeviceCounts {
+            h2d_copies: pieces,
+            h2d_bytes: len,
+            syncs: pieces,
+            ..DeviceCounts::default()
+        });
         match &self.inner.backend {
             Backend::Emulated(memory) => memory.write(buffer.addr, offset, bytes),
             Backend::Cuda(cuda) => cuda.write(buffer.addr, offset, bytes),
@@ -540,6 +730,13 @@ impl Device {
             )));
         }
         self.usable()?;
+        let (pieces, len) = Self::staged(out.len());
+        self.record(DeviceCounts {
+            d2h_copies: pieces,
+            d2h_bytes: len,
+            syncs: pieces,
+            ..DeviceCounts::default()
+        });
         match &self.inner.backend {
             Backend::Emulated(memory) => memory.read(buffer.addr, offset, out),
             Backend::Cuda(cuda) => cuda.read(buffer.addr, offset, out),
@@ -569,6 +766,12 @@ impl Device {
             )));
         }
         self.usable()?;
+        self.record(DeviceCounts {
+            d2d_copies: 1,
+            d2d_bytes: src.len as u64,
+            syncs: 1,
+            ..DeviceCounts::default()
+        });
         match &self.inner.backend {
             Backend::Emulated(memory) => {
                 let mut bytes = vec![0u8; src.len];
@@ -593,8 +796,25 @@ impl Device {
     /// reads and writes at those arguments. Only the typed wrappers in `ops` call this.
     pub unsafe fn launch(&self, kernel: Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         self.usable()?;
-        let number = self.inner.launches.fetch_add(1, Ordering::Relaxed) + 1;
+        let number = self.inner.counts.launches.fetch_add(1, Ordering::Relaxed) + 1;
+        METER.with(|m| {
+            if let Some(scope) = m.borrow_mut().as_mut() {
+                scope.launches += 1;
+            }
+        });
         self.injected("launch", number)?;
+        let touched: usize = args
+            .iter()
+            .map(|a| match a {
+                Arg::Buf(_, len) => *len,
+                _ => 0,
+            })
+            .sum();
+        self.record(DeviceCounts {
+            syncs: 1,
+            device_bytes: touched as u64,
+            ..DeviceCounts::default()
+        });
         let mut slots: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()

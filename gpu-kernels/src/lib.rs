@@ -28,7 +28,9 @@ pub mod ops;
 pub mod selection;
 
 pub use column::{DeviceBatch, DeviceColumn};
-pub use device::{Device, DeviceKind, EmulatorOptions, FaultPlan, LaunchConfig, open_devices};
+pub use device::{
+    Device, DeviceCounts, DeviceKind, EmulatorOptions, FaultPlan, LaunchConfig, open_devices,
+};
 pub use error::{KernelError, Result};
 pub use kernels::Kernel;
 pub use memory::DeviceBuffer;

@@ -687,6 +687,54 @@ fn a_lost_device_is_quarantined_and_never_touched_again() {
     assert_eq!(d.counters(), before, "a quarantined device was touched");
 }
 
+/// A device counts its work as the CUDA backend's driver calls: a copy and a wait per
+/// 16 MiB staging piece each way, a copy and a wait per device-to-device copy, a wait per
+/// launch, and the sizes of the buffers each launch was given. (That the driver receives
+/// exactly these calls is checked against the stand-in driver's own counts by
+/// scripts/test.sh.)
+#[test]
+fn device_work_is_counted_as_the_driver_calls_it_makes() {
+    use fulmen_kernels::device::STAGING_BYTES;
+    let d = emulated();
+    let start = d.counts();
+    let bytes = vec![7u8; STAGING_BYTES + 1];
+    let a = d.upload(&bytes).unwrap();
+    let b = d.alloc(bytes.len()).unwrap();
+    d.copy(&b, &a).unwrap();
+    assert_eq!(b.to_host().unwrap(), bytes);
+    let c = d.counts();
+    assert_eq!(c.h2d_copies - start.h2d_copies, 2, "{c:?}");
+    assert_eq!(c.h2d_bytes - start.h2d_bytes, bytes.len() as u64);
+    assert_eq!(c.d2h_copies - start.d2h_copies, 2);
+    assert_eq!(c.d2h_bytes - start.d2h_bytes, bytes.len() as u64);
+    assert_eq!(
+        (
+            c.d2d_copies - start.d2d_copies,
+            c.d2d_bytes - start.d2d_bytes
+        ),
+        (1, bytes.len() as u64)
+    );
+    assert_eq!(c.syncs - start.syncs, 5, "2 up, 1 across, 2 down");
+    assert_eq!(c.allocations - start.allocations, 2);
+    assert_eq!(c.driver_allocations - start.driver_allocations, 2);
+    assert_eq!(c.launches, start.launches);
+    // A launch: one more wait, and the bytes of the buffers it was given.
+    let predicate = BooleanArray::from(vec![true, false, true]);
+    let p = DeviceColumn::upload(&d, &predicate).unwrap();
+    let before = d.counts();
+    compact::selection_indices(&d, p.values(), p.validity(), 3).unwrap();
+    let after = d.counts();
+    let launches = after.launches - before.launches;
+    assert!(launches >= 1);
+    assert!(after.syncs - before.syncs >= launches, "{after:?}");
+    assert!(after.device_bytes - before.device_bytes >= p.values().len() as u64);
+    // Freed buffers go back to the pool, and are reused without the driver.
+    drop((a, b));
+    let reused = d.counts();
+    let _again = d.alloc(bytes.len()).unwrap();
+    assert_eq!(d.counts().driver_allocations, reused.driver_allocations);
+}
+
 /// Every selection of a GPU gets its one device, and a memory limit is a quota on it: the
 /// limited handle is refused past its limit while the device still has room.
 #[test]

@@ -37,22 +37,37 @@ pub fn schema() -> SchemaRef {
         count("memory_in_use"),
         count("memory_peak"),
         count("allocations"),
+        count("driver_allocations"),
         count("launches"),
+        count("syncs"),
+        count("h2d_copies"),
+        count("h2d_bytes"),
+        count("d2h_copies"),
+        count("d2h_bytes"),
+        count("d2d_copies"),
+        count("d2d_bytes"),
+        count("device_bytes"),
         count("device_errors"),
     ]))
 }
 
 /// The listing of the devices `config` selects: `state` is `in service` or `quarantined`
 /// (with the `reason`); memory figures are the session's (its `fulmen.gpu.memory_limit`
-/// quota where it has one, else the whole device's); `allocations` and `launches` count
-/// what Fulmen asked of the device since the process opened it (pool allocations, not
-/// driver calls), and `device_errors` the device errors operators met.
+/// quota where it has one, else the whole device's); the counts are what Fulmen asked of the
+/// device since the process opened it ([`fulmen_kernels::DeviceCounts`]: `allocations` from
+/// the pool, `driver_allocations` of those from the driver, and launches, host syncs and
+/// copies as the driver calls the CUDA backend makes for them, on every backend alike), and
+/// `device_errors` the device errors operators met.
 pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
     let devices = devices_with_limit(&config.devices, config.gpu_memory_limit)
         .map_err(|e| DataFusionError::Execution(format!("fulmen.devices: {e}")))?;
     let quarantine: Vec<Option<String>> = devices.iter().map(|d| d.quarantined()).collect();
+    let all: Vec<fulmen_kernels::DeviceCounts> = devices.iter().map(|d| d.counts()).collect();
     let counts = |f: &dyn Fn(&fulmen_kernels::Device) -> u64| -> ArrayRef {
         Arc::new(UInt64Array::from_iter_values(devices.iter().map(f)))
+    };
+    let of = |f: &dyn Fn(&fulmen_kernels::DeviceCounts) -> u64| -> ArrayRef {
+        Arc::new(UInt64Array::from_iter_values(all.iter().map(f)))
     };
     let columns: Vec<ArrayRef> = vec![
         Arc::new(StringArray::from_iter_values(
@@ -72,8 +87,17 @@ pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
         counts(&|d| d.memory_budget() as u64),
         counts(&|d| d.memory_usage().0 as u64),
         counts(&|d| d.memory_usage().1 as u64),
-        counts(&|d| d.counters().0),
-        counts(&|d| d.counters().1),
+        of(&|c| c.allocations),
+        of(&|c| c.driver_allocations),
+        of(&|c| c.launches),
+        of(&|c| c.syncs),
+        of(&|c| c.h2d_copies),
+        of(&|c| c.h2d_bytes),
+        of(&|c| c.d2h_copies),
+        of(&|c| c.d2h_bytes),
+        of(&|c| c.d2d_copies),
+        of(&|c| c.d2d_bytes),
+        of(&|c| c.device_bytes),
         counts(&|d| d.errors()),
     ];
     Ok(RecordBatch::try_new(schema(), columns)?)

@@ -145,15 +145,6 @@ impl Tables {
     fn groups(&self) -> usize {
         self.groups.groups()
     }
-
-    fn result_bytes(&self) -> usize {
-        self.groups.result_bytes()
-            + self
-                .distinct
-                .iter()
-                .map(GroupTable::result_bytes)
-                .sum::<usize>()
-    }
 }
 
 /// The device side of one aggregation.
@@ -724,7 +715,6 @@ impl AggregateWork {
             .collect::<Result<_, _>>()
             .map_err(kernel_err)?;
         metrics.d2h_time.add_duration(start.elapsed());
-        metrics.d2h_bytes.add(tables.result_bytes());
         let lists = pairs
             .into_iter()
             .map(|pairs| group_pairs(&keys, table.groups(), pairs))
@@ -1109,6 +1099,7 @@ impl ExecutionPlan for GpuAggregateExec {
             &self.devices,
         )?;
         let metrics = GpuMetrics::new(&self.metrics, partition, &device, &context);
+        let work = metrics.work();
         let extra = ExtraMetrics::new(&self.metrics, partition, &device);
         count_operator(&self.executed, OperatorKind::Aggregate);
         super::gpu_stream::count_partition();
@@ -1124,10 +1115,7 @@ impl ExecutionPlan for GpuAggregateExec {
             extra,
         };
         let stream = futures::stream::once(run.execute(input)).try_flatten();
-        Ok(Box::pin(RecordBatchStreamAdapter::new(
-            self.schema(),
-            stream,
-        )))
+        Ok(work.batches(self.schema(), stream))
     }
 
     fn metrics(&self) -> Option<MetricsSet> {

@@ -81,7 +81,7 @@ impl<W: BatchWork> GpuBatchExec<W> {
         let input = input_chunks(&child, partition, Arc::clone(&context), &self.devices)?;
         let metrics = GpuMetrics::new(&self.metrics, partition, &device, &context);
         count_operator(&self.executed, W::KIND);
-        Ok(Box::pin(GpuStream::new(
+        Ok(metrics.work().chunks(Box::pin(GpuStream::new(
             self.schema(),
             input,
             Arc::clone(&self.work),
@@ -91,7 +91,7 @@ impl<W: BatchWork> GpuBatchExec<W> {
             self.fetch,
             resident,
             metrics,
-        )))
+        ))))
     }
 }
 

@@ -44,7 +44,6 @@ use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::metrics::{
     Count, ExecutionPlanMetricsSet, Label, MetricBuilder, MetricsSet,
 };
-use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties,
 };
@@ -728,13 +727,14 @@ impl ExecutionPlan for GpuHashJoinExec {
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
         let (run, right) = self.run(partition, &context)?;
+        let work = run.metrics.work();
         let probe = right.execute(partition, context)?;
         let schema = self.schema();
         let stream = futures::stream::once(run.start(probe)).flat_map(|r| match r {
             Ok(s) => s,
             Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
         });
-        Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+        Ok(work.batches(schema, stream))
     }
 
     fn metrics(&self) -> Option<MetricsSet> {
@@ -795,13 +795,14 @@ impl DeviceResident for GpuHashJoinExec {
             return Ok(Box::pin(batches.map(|b| b.map(Chunk::Host))));
         }
         let (run, right) = self.run(partition, &context)?;
+        let work = run.metrics.work();
         // The probe side straight from a GPU child on the same devices, when it is one.
         let probe = input_chunks(&right, partition, context, &self.devices)?;
         let stream = futures::stream::once(run.start_device(probe)).flat_map(|r| match r {
             Ok(s) => s,
             Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
         });
-        Ok(Box::pin(stream))
+        Ok(work.chunks(Box::pin(stream)))
     }
 
     fn resident_devices(&self) -> &Arc<Vec<Device>> {
@@ -1040,7 +1041,6 @@ impl JoinRun {
         let matches = self
             .metrics
             .kernel(|| table.probe(&refs, valid.as_ref(), probe.num_rows()))?;
-        self.metrics.d2h_bytes.add(matches.build.len() * 8);
         Ok(matches)
     }
 }

@@ -41,11 +41,11 @@ pub struct GpuMetrics {
     pub baseline: BaselineMetrics,
     /// Time in kernels (launch to completion).
     pub kernel_time: Time,
-    /// Bytes copied host → device.
+    /// Bytes copied host → device (columns, programs, descriptor tables: every copy).
     pub h2d_bytes: Count,
-    /// Time copying host → device.
+    /// Time copying columns host → device.
     pub h2d_time: Time,
-    /// Bytes copied device → host.
+    /// Bytes copied device → host (every copy: columns, counts, flags).
     pub d2h_bytes: Count,
     /// Time copying device → host.
     pub d2h_time: Time,
@@ -60,6 +60,13 @@ pub struct GpuMetrics {
     /// Device errors (not exhausted memory, not injected faults) after which work was
     /// redone on the CPU.
     pub device_errors: Count,
+    /// Kernel launches.
+    pub launches: Count,
+    /// Times the host waited for the device.
+    pub syncs: Count,
+    /// The sizes of the buffers launches were given, summed: the device memory the
+    /// operator's kernels may read and write.
+    pub device_bytes: Count,
     device: Device,
     on_error: OnError,
 }
@@ -93,6 +100,9 @@ impl GpuMetrics {
             cpu_batches: builder().counter("cpu_batches", partition),
             cpu_rule_batches: builder().counter("cpu_rule_batches", partition),
             device_errors: builder().counter("device_errors", partition),
+            launches: builder().counter("launches", partition),
+            syncs: builder().counter("syncs", partition),
+            device_bytes: builder().counter("device_bytes", partition),
             device: device.clone(),
             on_error,
         }
@@ -137,7 +147,6 @@ impl GpuMetrics {
         let start = Instant::now();
         let column = DeviceColumn::upload(device, array)?;
         self.h2d_time.add_duration(start.elapsed());
-        self.h2d_bytes.add(column.device_bytes());
         Ok(column)
     }
 
@@ -151,7 +160,6 @@ impl GpuMetrics {
         let start = Instant::now();
         let array = column.to_arrow()?;
         self.d2h_time.add_duration(start.elapsed());
-        self.d2h_bytes.add(column.device_bytes());
         if array.data_type() == data_type {
             Ok(array)
         } else {
@@ -176,6 +184,17 @@ impl GpuMetrics {
     pub fn record_batch(&self, batch: &RecordBatch) {
         use datafusion::physical_plan::metrics::RecordOutput;
         let _ = batch.record_output(&self.baseline);
+    }
+
+    /// The counters a [`Metered`] stream adds the operator's device work to.
+    pub fn work(&self) -> DeviceWork {
+        DeviceWork {
+            launches: self.launches.clone(),
+            syncs: self.syncs.clone(),
+            h2d_bytes: self.h2d_bytes.clone(),
+            d2h_bytes: self.d2h_bytes.clone(),
+            device_bytes: self.device_bytes.clone(),
+        }
     }
 
     /// Runs device work, counting its time as kernel time.
@@ -759,6 +778,70 @@ impl<W: BatchWork> Stream for GpuStream<W> {
                 }
             }
         }
+    }
+}
+
+/// The metrics one operator partition's device work goes to (see [`GpuMetrics::work`]).
+#[derive(Debug, Clone)]
+pub struct DeviceWork {
+    launches: Count,
+    syncs: Count,
+    h2d_bytes: Count,
+    d2h_bytes: Count,
+    device_bytes: Count,
+}
+
+impl DeviceWork {
+    fn add(&self, c: &fulmen_kernels::DeviceCounts) {
+        self.launches.add(c.launches as usize);
+        self.syncs.add(c.syncs as usize);
+        self.h2d_bytes.add(c.h2d_bytes as usize);
+        self.d2h_bytes.add(c.d2h_bytes as usize);
+        self.device_bytes.add(c.device_bytes as usize);
+    }
+
+    /// `stream`, with every device call made while it is polled counted for this operator
+    /// partition (a child operator's work counts for the child: its stream is metered too).
+    pub fn chunks(self, stream: ChunkStream) -> ChunkStream {
+        Box::pin(Metered {
+            inner: stream,
+            work: self,
+        })
+    }
+
+    /// As [`DeviceWork::chunks`], for a stream of host batches.
+    pub fn batches(
+        self,
+        schema: SchemaRef,
+        stream: impl Stream<Item = Result<RecordBatch>> + Send + 'static,
+    ) -> datafusion::execution::SendableRecordBatchStream {
+        Box::pin(
+            datafusion::physical_plan::stream::RecordBatchStreamAdapter::new(
+                schema,
+                Metered {
+                    inner: Box::pin(stream),
+                    work: self,
+                },
+            ),
+        )
+    }
+}
+
+/// A stream whose polls count their device calls ([`fulmen_kernels::device::metered`]):
+/// all of an operator's device work happens while its stream is polled.
+struct Metered<S> {
+    inner: S,
+    work: DeviceWork,
+}
+
+impl<S: Stream + Unpin> Stream for Metered<S> {
+    type Item = S::Item;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        let (item, counts) = fulmen_kernels::device::metered(|| this.inner.poll_next_unpin(cx));
+        this.work.add(&counts);
+        item
     }
 }
 
