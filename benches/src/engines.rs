@@ -63,6 +63,9 @@ pub enum Outcome {
         times_ms: Vec<f64>,
         /// The answer, cells as text (NULL for nulls).
         rows: Vec<Vec<String>>,
+        /// The device work of the first (untimed) run, summed over the devices: counted
+        /// for `fulmen-gpu`, `None` for engines without devices.
+        device: Option<fulmen_kernels::DeviceCounts>,
     },
     /// It failed with this error.
     Failed(String),
@@ -126,12 +129,30 @@ pub async fn run_datafusion(
         }
         sessions.push(ctx);
     }
+    // The devices fulmen-gpu runs on, whose counts are read around each query's first run.
+    let devices = FulmenConfig::from_env()
+        .ok()
+        .and_then(|c| fulmen_engine::gpu::devices::devices(&c.devices).ok())
+        .map(|d| d.to_vec())
+        .unwrap_or_default();
+    let total = |devices: &[fulmen_kernels::Device]| {
+        let mut all = fulmen_kernels::DeviceCounts::default();
+        for d in devices {
+            all += &d.counts();
+        }
+        all
+    };
     let mut outcomes: Vec<Vec<Outcome>> = vec![Vec::with_capacity(queries.len()); engines.len()];
     for (_, sql) in queries {
         let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(iterations); engines.len()];
         let mut answers: Vec<Result<Vec<Vec<String>>, String>> = Vec::with_capacity(engines.len());
-        for ctx in &sessions {
+        let mut device_work = vec![None; engines.len()];
+        for (e, ctx) in sessions.iter().enumerate() {
+            let before = total(&devices);
             let answer = async { ctx.sql(sql).await?.collect().await }.await;
+            if engines[e] == Engine::FulmenGpu && !devices.is_empty() {
+                device_work[e] = Some(total(&devices).since(&before));
+            }
             answers.push(match answer {
                 Ok(batches) => rows_as_text(&batches).map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
@@ -157,6 +178,7 @@ pub async fn run_datafusion(
                 Ok(rows) => Outcome::Ran {
                     times_ms: std::mem::take(&mut times[e]),
                     rows,
+                    device: device_work[e],
                 },
                 Err(error) => Outcome::Failed(error),
             });
@@ -167,14 +189,15 @@ pub async fn run_datafusion(
         .zip(outcomes)
         .map(|(&engine, outcomes)| EngineRun {
             engine,
-            note: (engine == Engine::FulmenGpu).then(fulmen_gpu_note),
+            note: (engine == Engine::FulmenGpu).then(|| fulmen_gpu_note(gpu)),
             outcomes,
         })
         .collect())
 }
 
 /// Where `fulmen-gpu` ran: the devices it found, and what of the plans runs on them.
-fn fulmen_gpu_note() -> String {
+fn fulmen_gpu_note(mode: GpuMode) -> String {
+    let mode = format!("{mode:?}").to_lowercase();
     let selection = FulmenConfig::from_env()
         .map(|c| c.devices)
         .unwrap_or_default();
@@ -183,7 +206,8 @@ fn fulmen_gpu_note() -> String {
             format!("no device (fulmen.devices = {selection}): fulmen-gpu ran on the CPU")
         }
         Ok(devices) => format!(
-            "filters and projections on {} in auto mode (aggregation and joins on the CPU){}",
+            "supported filters, projections, aggregations and joins on {} (fulmen.gpu.mode = \
+             {mode}){}",
             fulmen_engine::gpu::devices::describe(&devices),
             if devices
                 .iter()
@@ -271,7 +295,11 @@ pub fn run_duckdb(
                     .collect()
             })
             .collect();
-        outcomes.push(Outcome::Ran { times_ms, rows });
+        outcomes.push(Outcome::Ran {
+            times_ms,
+            rows,
+            device: None,
+        });
     }
     if outcomes.len() != queries.len() {
         bail!(

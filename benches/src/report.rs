@@ -8,6 +8,9 @@ use plotters::prelude::*;
 
 use crate::engines::{Engine, EngineRun, Outcome};
 
+/// The cost model device work is priced with (see `fulmen_kernels::cost`).
+const COST: fulmen_kernels::cost::CostModel = fulmen_kernels::cost::H200;
+
 /// Everything a run measured.
 #[derive(Debug, Clone)]
 pub struct Report {
@@ -123,8 +126,21 @@ impl Report {
                     .iter()
                     .zip(&r.outcomes)
                     .map(|(q, o)| match o {
-                        Outcome::Ran { times_ms, .. } => {
-                            serde_json::json!({"query": q, "times_ms": times_ms, "median_ms": median(times_ms), "best_ms": best(times_ms)})
+                        Outcome::Ran {
+                            times_ms, device, ..
+                        } => {
+                            let mut entry = serde_json::json!({"query": q, "times_ms": times_ms, "median_ms": median(times_ms), "best_ms": best(times_ms)});
+                            if let Some(c) = device {
+                                entry["device"] = serde_json::json!({
+                                    "launches": c.launches, "syncs": c.syncs,
+                                    "h2d_bytes": c.h2d_bytes, "d2h_bytes": c.d2h_bytes,
+                                    "device_bytes": c.device_bytes,
+                                    "modelled_ms": COST.seconds(c) * 1e3,
+                                    "modelled_resident_ms": COST.resident_seconds(c) * 1e3,
+                                    "model": COST.name,
+                                });
+                            }
+                            entry
                         }
                         Outcome::Failed(e) => serde_json::json!({"query": q, "error": e}),
                     })
@@ -221,6 +237,59 @@ impl Report {
                 );
             }
         }
+        out += &self.device_work_markdown();
+        out
+    }
+
+    /// The device work of each query that counted some, with the cost model's time beside
+    /// DataFusion's measured median: a markdown section, empty when no engine used a device.
+    pub fn device_work_markdown(&self) -> String {
+        let reference = self.reference().map(|r| self.medians(r));
+        let mut out = String::new();
+        for run in &self.runs {
+            let rows: Vec<(usize, &fulmen_kernels::DeviceCounts)> = run
+                .outcomes
+                .iter()
+                .enumerate()
+                .filter_map(|(q, o)| match o {
+                    Outcome::Ran {
+                        device: Some(c), ..
+                    } => Some((q, c)),
+                    _ => None,
+                })
+                .collect();
+            if rows.is_empty() {
+                continue;
+            }
+            out += &format!(
+                "\n### Device work of {} per query (counted), and the {} cost model's time \
+                 (a MODEL, not a measurement)\n\n",
+                run.engine, COST.name
+            );
+            out += &format!(
+                "| query | launches | syncs | h2d MB | d2h MB | device MB | modelled {} ms, from host | modelled ms, resident | datafusion measured ms |\n",
+                COST.name
+            );
+            out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+            let mb = |b: u64| b as f64 / 1e6;
+            for (q, c) in rows {
+                let measured = reference
+                    .as_ref()
+                    .and_then(|m| m[q])
+                    .map_or("—".to_string(), |t| format!("{t:.1}"));
+                out += &format!(
+                    "| {} | {} | {} | {:.2} | {:.3} | {:.1} | {:.3} | {:.3} | {measured} |\n",
+                    self.queries[q],
+                    c.launches,
+                    c.syncs,
+                    mb(c.h2d_bytes),
+                    mb(c.d2h_bytes),
+                    mb(c.device_bytes),
+                    COST.seconds(c) * 1e3,
+                    COST.resident_seconds(c) * 1e3,
+                );
+            }
+        }
         out
     }
 
@@ -310,6 +379,7 @@ mod tests {
                 .map(|t| Outcome::Ran {
                     times_ms: t.to_vec(),
                     rows: vec![],
+                    device: None,
                 })
                 .collect(),
         }

@@ -13,6 +13,7 @@
 //! ```
 
 pub mod column;
+pub mod cost;
 pub mod cuda;
 mod cuda_backend;
 pub mod device;
