@@ -14,6 +14,7 @@
 
 pub mod column;
 pub mod cost;
+mod counts;
 pub mod cuda;
 mod cuda_backend;
 pub mod device;

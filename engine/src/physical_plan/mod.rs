@@ -112,6 +112,7 @@ pub mod gpu_aggregate;
 pub mod gpu_batch_exec;
 pub mod gpu_filter;
 pub mod gpu_hash_join;
+pub mod gpu_metrics;
 pub mod gpu_projection;
 pub mod gpu_stream;
 pub mod once;
