@@ -30,9 +30,9 @@ pack() {
   local target="${CARGO_TARGET_DIR:-target}"
   # NVRTC where the build finds it, so that the kernels are embedded (gpu-kernels/build.rs).
   ./scripts/install-nvrtc.sh >/dev/null
-  # Every build names the whole workspace, so that features resolve once and nothing is
-  # built twice.
-  cargo build --release --locked --workspace --bins
+  # Every build names the whole workspace, and the binaries are built with the examples
+  # (which, like tests, see dev-dependencies), so that features resolve once for tests and
+  # binaries alike and DataFusion is built once.
   local tests
   tests=$(cargo test --release --locked --workspace --lib --test kernels --test datafusion_slt \
     --no-run --message-format=json | python3 -c 'import json, sys
@@ -41,6 +41,7 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:
         print(want[m["target"]["name"]], m["executable"])')
+  cargo build --release --locked --workspace --bins --examples
   rm -rf "$bundle" && mkdir -p "$bundle/standin"
   local name path
   while read -r name path; do
