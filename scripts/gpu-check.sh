@@ -41,7 +41,7 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:
         print(want[m["target"]["name"]], m["executable"])')
-  cargo build --release --locked --workspace --bins --examples
+  cargo build --release --locked --workspace --lib --bins --examples
   rm -rf "$bundle" && mkdir -p "$bundle/standin"
   local name path
   while read -r name path; do
@@ -56,9 +56,37 @@ for line in sys.stdin:
   suite=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/datafusion-sqllogictest-55.2.0 | head -n 1)
   tar czf "$bundle/datafusion-slt-files.tar.gz" -C "$suite" test_files data
   local binaries=(kernel-tests engine-tests datafusion-slt fulmen-kernel-bench fulmen-bench standin/libcuda.so)
-  (cd "$bundle" && strip "${binaries[@]}" && gzip -9 "${binaries[@]}")
+  # LEAVE_OUT="datafusion-slt …" leaves binaries out (run reports their steps as not in the
+  # bundle): a device run carries at most 64 MiB.
+  local kept=() name
+  for name in "${binaries[@]}"; do
+    if [[ " ${LEAVE_OUT:-} " == *" $name "* ]]; then rm -f "$bundle/$name"; else kept+=("$name"); fi
+  done
+  # xz halves what gzip leaves of these binaries; run unpacks either.
+  (cd "$bundle" && strip "${kept[@]}" && if command -v xz >/dev/null; then xz -9 -T0 "${kept[@]}"; else gzip -9 "${kept[@]}"; fi)
   ls -l "$bundle" "$bundle/standin"
-  du -sh "$bundle"
+  local kib
+  kib=$(du -sk --exclude=standin "$bundle" | cut -f1)
+  echo "bundle: $((kib / 1024)) MiB without the stand-in (a device run carries at most 64 MiB)"
+  if [ "$kib" -gt $((64 * 1024)) ]; then
+    echo "gpu-check pack: WARNING: over 64 MiB; leave something out, e.g. LEAVE_OUT=datafusion-slt" >&2
+  fi
+}
+
+# unpack NAME DEST: the bundle's NAME (.xz or .gz) decompressed to DEST; false if absent.
+unpack() {
+  if [ -f "$bundle/$1.xz" ]; then
+    if command -v xz >/dev/null; then
+      xz -dc "$bundle/$1.xz" >"$2"
+    else
+      python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$bundle/$1.xz" "$2"
+    fi
+  elif [ -f "$bundle/$1.gz" ]; then
+    gzip -dc "$bundle/$1.gz" >"$2"
+  else
+    return 1
+  fi
+  chmod +x "$2"
 }
 
 results=()
@@ -70,6 +98,16 @@ step() {
   cap=$((cap * ${CAP_SCALE:-1}))
   echo
   echo "== $name (cap ${cap}s)"
+  # The program: the first word that is not `env` or a VAR=value.
+  local program="" word
+  for word in "$@"; do
+    if [ "$word" != env ] && [[ "$word" != *=* ]]; then program="$word" && break; fi
+  done
+  if [ ! -x "$program" ]; then
+    echo "== $name: not in the bundle"
+    results+=("| $name | not in the bundle | — |")
+    return 0
+  fi
   local started=$SECONDS rc=0
   # Through the stand-in, each step's driver calls are written beside its log.
   if [ -n "${STANDIN:-}" ]; then export FULMEN_STANDIN_COUNTS="${log%.log}-counts.json"; fi
@@ -97,14 +135,14 @@ run() {
   local work
   work=$(mktemp -d)
   for f in kernel-tests engine-tests datafusion-slt fulmen-kernel-bench fulmen-bench; do
-    gzip -dc "$bundle/$f.gz" >"$work/$f" && chmod +x "$work/$f"
+    unpack "$f" "$work/$f" || echo "gpu-check: $f is not in the bundle"
   done
   mkdir -p "$work/suite" && tar xzf "$bundle/datafusion-slt-files.tar.gz" -C "$work/suite"
   if [ "$mode" = standin ]; then
     # The stand-in driver plays the GPUs; small sizes, since its kernels run on the CPU.
     rows="${ROWS:-1000000}" sf_forced="${SF_FORCED:-0.01}" sf="${SF:-0.01}" df_limit="${DF_SLT_LIMIT:-25}"
     CAP_SCALE="${CAP_SCALE:-4}"
-    mkdir -p "$work/driver" && gzip -dc "$bundle/standin/libcuda.so.gz" >"$work/driver/libcuda.so"
+    mkdir -p "$work/driver" && unpack standin/libcuda.so "$work/driver/libcuda.so"
     export LD_LIBRARY_PATH="$work/driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     STANDIN=1
     echo "gpu-check: through the stand-in CUDA driver ($work/driver/libcuda.so)"
@@ -121,7 +159,7 @@ run() {
 
   step "kernel tests (cuda:0)" 45 "$work/kernels.log" \
     "$work/kernel-tests" --test-threads=4
-  step "engine GPU tests (cuda:0, cuda:0,1)" 90 "$work/engine.log" \
+  step "engine GPU tests (cuda:0, and cuda:0,1 where there are two)" 90 "$work/engine.log" \
     "$work/engine-tests" gpu::tests
   step "TPC-H SF $sf_forced, GPU forced on cuda:0, answers = DataFusion's" 75 "$work/forced.log" \
     env FULMEN_DEVICES=cuda:0 "$work/fulmen-bench" tpch --sf "$sf_forced" \
