@@ -160,6 +160,35 @@ struct Inner {
     quarantined: std::sync::atomic::AtomicBool,
 }
 
+impl Inner {
+    /// A device with nothing done yet (seed and workers are the emulator's; 0 elsewhere).
+    fn new(
+        kind: DeviceKind,
+        ordinal: usize,
+        name: String,
+        budget: usize,
+        multiprocessors: u32,
+        backend: Backend,
+    ) -> Self {
+        Self {
+            kind,
+            ordinal,
+            name,
+            budget,
+            multiprocessors,
+            seed: 0,
+            workers: 0,
+            pool: Pool::default(),
+            backend,
+            counts: Counts::default(),
+            errors: AtomicU64::new(0),
+            faults: Mutex::new(Faults::default()),
+            quarantine: Mutex::new(None),
+            quarantined: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, Default)]
 struct Faults {
     allocation: Option<u64>,
@@ -220,20 +249,16 @@ impl Device {
     pub fn emulated(ordinal: usize, options: &EmulatorOptions) -> Self {
         Self {
             inner: Arc::new(Inner {
-                kind: DeviceKind::Emulated,
-                ordinal,
-                name: format!("Fulmen emulated device {ordinal}"),
-                budget: options.memory_budget,
-                multiprocessors: options.multiprocessors.max(1),
                 seed: options.seed ^ (ordinal as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
                 workers: options.workers,
-                pool: Pool::default(),
-                backend: Backend::Emulated(EmuMemory::default()),
-                counts: Counts::default(),
-                errors: AtomicU64::new(0),
-                faults: Mutex::new(Faults::default()),
-                quarantine: Mutex::new(None),
-                quarantined: std::sync::atomic::AtomicBool::new(false),
+                ..Inner::new(
+                    DeviceKind::Emulated,
+                    ordinal,
+                    format!("Fulmen emulated device {ordinal}"),
+                    options.memory_budget,
+                    options.multiprocessors.max(1),
+                    Backend::Emulated(EmuMemory::default()),
+                )
             }),
             quota: None,
         }
@@ -263,22 +288,14 @@ impl Device {
         let (backend, properties) = CudaBackend::open(ordinal)?;
         let (major, minor) = properties.compute_capability;
         Ok(Self {
-            inner: Arc::new(Inner {
-                kind: DeviceKind::Cuda,
+            inner: Arc::new(Inner::new(
+                DeviceKind::Cuda,
                 ordinal,
-                name: format!("{} (compute {major}.{minor})", properties.name),
-                budget: properties.total_memory / 10 * 9,
-                multiprocessors: properties.multiprocessors,
-                seed: 0,
-                workers: 0,
-                pool: Pool::default(),
-                backend: Backend::Cuda(backend),
-                counts: Counts::default(),
-                errors: AtomicU64::new(0),
-                faults: Mutex::new(Faults::default()),
-                quarantine: Mutex::new(None),
-                quarantined: std::sync::atomic::AtomicBool::new(false),
-            }),
+                format!("{} (compute {major}.{minor})", properties.name),
+                properties.total_memory / 10 * 9,
+                properties.multiprocessors,
+                Backend::Cuda(backend),
+            )),
             quota: None,
         })
     }
