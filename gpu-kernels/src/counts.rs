@@ -41,7 +41,16 @@ macro_rules! each_count {
 
 thread_local! {
     /// The innermost [`metered`] scope of this thread, if any.
-    pub(crate) static METER: std::cell::RefCell<Option<DeviceCounts>> = const { std::cell::RefCell::new(None) };
+    static METER: std::cell::RefCell<Option<DeviceCounts>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Adds `delta` to this thread's innermost [`metered`] scope, if there is one.
+pub(crate) fn meter(delta: &DeviceCounts) {
+    METER.with(|m| {
+        if let Some(scope) = m.borrow_mut().as_mut() {
+            scope.add(delta);
+        }
+    });
 }
 
 /// Runs `work` and returns what it asked of any device on this thread, besides its result.

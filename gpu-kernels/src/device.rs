@@ -10,7 +10,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::counts::{Counts, METER, each_count};
+use crate::counts::{Counts, each_count, meter};
 pub use crate::counts::{DeviceCounts, STAGING_BYTES, metered};
 use crate::cuda_backend::CudaBackend;
 use crate::emu::{self, EmuLaunchConfig, EmuMemory};
@@ -389,11 +389,7 @@ impl Device {
             };
         }
         each_count!(add);
-        METER.with(|m| {
-            if let Some(scope) = m.borrow_mut().as_mut() {
-                scope.add(&delta);
-            }
-        });
+        meter(&delta);
     }
 
     /// A copy of `len` bytes through the staging buffer: a driver copy and a wait per piece.
@@ -508,10 +504,9 @@ impl Device {
             .allocations
             .fetch_add(1, Ordering::Relaxed)
             + 1;
-        METER.with(|m| {
-            if let Some(scope) = m.borrow_mut().as_mut() {
-                scope.allocations += 1;
-            }
+        meter(&DeviceCounts {
+            allocations: 1,
+            ..DeviceCounts::default()
         });
         self.injected("allocation", number)?;
         let class = size_class(len);
@@ -688,10 +683,9 @@ impl Device {
     pub unsafe fn launch(&self, kernel: Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         self.usable()?;
         let number = self.inner.counts.launches.fetch_add(1, Ordering::Relaxed) + 1;
-        METER.with(|m| {
-            if let Some(scope) = m.borrow_mut().as_mut() {
-                scope.launches += 1;
-            }
+        meter(&DeviceCounts {
+            launches: 1,
+            ..DeviceCounts::default()
         });
         self.injected("launch", number)?;
         let touched: usize = args

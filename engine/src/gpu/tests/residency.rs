@@ -51,6 +51,11 @@ async fn each_operator_counts_its_own_device_work_and_nothing_is_left_out() {
         let (got, plan) = tpch_run(&gpu, q).await;
         let (_, want) = run(&cpu, crate::tpch::QUERIES[q - 1]).await;
         assert_eq!(got, want, "Q{q}");
+        let work = Work::of(&plan);
+        assert!(
+            work.gpu_batches > 0 && work.nothing_fell_back(),
+            "Q{q}: {work:?}"
+        );
         let mut spent = fulmen_kernels::DeviceCounts::default();
         for (d, b) in devices.iter().zip(&before) {
             spent += &d.counts().since(b);
