@@ -36,6 +36,20 @@
 //       every row. shared_groups != 0: each block first accumulates into per-block tables in
 //       dynamic shared memory (the host checks the size) and merges them into global memory
 //       once, so that a few groups do not serialise every row on a handful of addresses.
+//   agg_exact_normalize (state, groups)        carries every group's exact float sum (below)
+//   agg_exact_finish    (state, groups, out)   out[g] = group g's exact float sum, rounded
+//                                               once to the nearest double (ties to even)
+//
+// Float sums are exact. Each group holds the sum as a fixed-point integer in units of
+// 2^-1074 (the smallest subnormal), wide enough for every finite double: AGG_LIMBS signed
+// 64-bit limbs of AGG_LIMB_BITS bits each (limb k weighs 2^(31k)), plus a word of flags for
+// NaN, +inf and -inf. A row adds its value's 53-bit significand, shifted to its exponent,
+// as three pieces below 2^31 to three limbs with integer atomics, so no carry is propagated
+// while rows arrive and the result does not depend on the order in which threads, blocks
+// or batches add (integer addition is associative; float addition is not). A limb takes
+// fewer than 2^32 pieces before the host normalizes (carries) the sums, so it cannot
+// overflow. The rounding to a double happens once, at the end: the answer is the correctly
+// rounded sum of the inputs, the same on every GPU, in the emulator and run after run.
 #include "fulmen.cuh"
 
 typedef __int128 i128;
@@ -165,9 +179,10 @@ enum AggOp { AO_COUNT = 0, AO_SUM_I, AO_SUM_F, AO_SUM_D, AO_MIN_I, AO_MAX_I, AO_
 enum AggIn { AI_I8 = 0, AI_I16, AI_I32, AI_I64, AI_U8, AI_U16, AI_U32, AI_F32, AI_F64, AI_DEC, AI_NONE };
 
 // One accumulator, eight words. Its state per group: counts[g] (rows that contributed) and,
-// except for COUNT, values[g]: an int64 (SUM_I, MIN/MAX_I), a double (SUM_F), an order-
-// preserving uint64 image of a double (MIN/MAX_F), or two words lo, hi of an int128 (SUM_D,
-// MIN/MAX_D). MIN/MAX_D serialise each group's update on locks[g].
+// except for COUNT, values[g]: an int64 (SUM_I, MIN/MAX_I), an exact sum of AGG_EXACT_WORDS
+// words (SUM_F, see above), an order-preserving uint64 image of a double (MIN/MAX_F), or two
+// words lo, hi of an int128 (SUM_D, MIN/MAX_D). MIN/MAX_D serialise each group's update on
+// locks[g].
 struct AggAcc {
     uint64_t op;
     uint64_t in_kind;
@@ -214,6 +229,101 @@ __device__ __forceinline__ bool agg_takes(const AggAcc& a, uint64_t i) {
     return a.values == nullptr || bit_is_set(a.validity, i);
 }
 
+// ---- exact float sums ----
+
+#define AGG_LIMB_BITS 31
+#define AGG_LIMB_MASK 0x7FFFFFFFull
+#define AGG_LIMBS 68                    // 68 × 31 bits cover 2^-1074 .. 2^1034
+#define AGG_FLAGS AGG_LIMBS             // the word after the limbs
+#define AGG_EXACT_WORDS (AGG_LIMBS + 1)
+#define AGG_FLAG_NAN 1ull
+#define AGG_FLAG_POS_INF 2ull
+#define AGG_FLAG_NEG_INF 4ull
+#define AGG_TOP_LIMIT (1ll << 40)       // the top limb saturates here: far past 2^1024
+
+// Adds the double with bits `bits` to the exact sum at `acc`.
+__device__ __forceinline__ void agg_exact_add(unsigned long long* acc, uint64_t bits) {
+    uint64_t e = (bits >> 52) & 0x7FF;
+    uint64_t m = bits & 0xFFFFFFFFFFFFFull;
+    bool negative = (bits >> 63) != 0;
+    if (e == 0x7FF) {
+        atomicOr(&acc[AGG_FLAGS], m ? AGG_FLAG_NAN : negative ? AGG_FLAG_NEG_INF : AGG_FLAG_POS_INF);
+        return;
+    }
+    if (e == 0) {
+        if (m == 0) return;  // ±0 adds nothing
+        e = 1;               // subnormal: m × 2^-1074
+    } else {
+        m |= 1ull << 52;     // normal: m × 2^(e - 1075) = m × 2^(e - 1) units
+    }
+    uint64_t shift = e - 1;  // 0 ..= 2045
+    uint32_t k = (uint32_t)(shift / AGG_LIMB_BITS);
+    unsigned __int128 v = (unsigned __int128)m << (shift % AGG_LIMB_BITS);  // < 2^84
+    for (uint32_t j = 0; j < 3; ++j) {
+        uint64_t piece = (uint64_t)(v >> (AGG_LIMB_BITS * j)) & AGG_LIMB_MASK;
+        if (piece) atomicAdd(&acc[k + j], (unsigned long long)(negative ? 0 - piece : piece));
+    }
+}
+
+// Carries limbs[0 .. AGG_LIMBS) so that every limb but the top one is in [0, 2^31); the
+// top one holds the signed rest, saturated at ±AGG_TOP_LIMIT (which is ±inf either way).
+__device__ __forceinline__ void agg_exact_carry(long long* limbs) {
+    long long carry = 0;
+    for (uint32_t k = 0; k + 1 < AGG_LIMBS; ++k) {
+        long long t = limbs[k] + carry;
+        limbs[k] = t & (long long)AGG_LIMB_MASK;
+        carry = t >> AGG_LIMB_BITS;  // arithmetic shift: floor
+    }
+    long long top = limbs[AGG_LIMBS - 1] + carry;
+    limbs[AGG_LIMBS - 1] = top > AGG_TOP_LIMIT ? AGG_TOP_LIMIT : top < -AGG_TOP_LIMIT ? -AGG_TOP_LIMIT : top;
+}
+
+// The exact sum at `acc` rounded to the nearest double, ties to even (as bits).
+__device__ __forceinline__ uint64_t agg_exact_round(const unsigned long long* acc) {
+    uint64_t flags = acc[AGG_FLAGS];
+    if ((flags & AGG_FLAG_NAN) || (flags & (AGG_FLAG_POS_INF | AGG_FLAG_NEG_INF)) == (AGG_FLAG_POS_INF | AGG_FLAG_NEG_INF))
+        return 0x7FF8000000000000ull;
+    if (flags & AGG_FLAG_POS_INF) return 0x7FF0000000000000ull;
+    if (flags & AGG_FLAG_NEG_INF) return 0xFFF0000000000000ull;
+    long long limbs[AGG_LIMBS + 2];
+    for (uint32_t k = 0; k < AGG_LIMBS; ++k) limbs[k] = (long long)acc[k];
+    agg_exact_carry(limbs);
+    uint64_t sign = 0;
+    if (limbs[AGG_LIMBS - 1] < 0) {  // negative: carry the negation instead
+        for (uint32_t k = 0; k < AGG_LIMBS; ++k) limbs[k] = -limbs[k];
+        agg_exact_carry(limbs);
+        sign = 1ull << 63;
+    }
+    long long top = limbs[AGG_LIMBS - 1];  // >= 0: split it into limbs too
+    limbs[AGG_LIMBS - 1] = top & (long long)AGG_LIMB_MASK;
+    limbs[AGG_LIMBS] = (top >> AGG_LIMB_BITS) & (long long)AGG_LIMB_MASK;
+    limbs[AGG_LIMBS + 1] = top >> (2 * AGG_LIMB_BITS);
+    int t = AGG_LIMBS + 1;
+    while (t >= 0 && limbs[t] == 0) --t;
+    if (t < 0) return 0;  // +0.0, as a sum of zeros is
+    uint64_t p = (uint64_t)t * AGG_LIMB_BITS + (uint64_t)(31 - __clz((int)limbs[t]));  // the top bit
+    if (p <= 52) {
+        // Below 2^53 units every value is a double as it stands (subnormal or the lowest
+        // binade), and its bits are the integer itself.
+        uint64_t m = (uint64_t)limbs[0] | ((uint64_t)limbs[1] << AGG_LIMB_BITS);
+        return sign | m;
+    }
+    if (p >= 2098) return sign | 0x7FF0000000000000ull;  // at or past 2^1024
+    // The 54 bits from p down (significand and guard bit) lie in limbs t, t-1 and t-2.
+    int low = t >= 2 ? t - 2 : 0;
+    unsigned __int128 w = 0;
+    for (int j = t; j >= low; --j) w = (w << AGG_LIMB_BITS) | (unsigned __int128)limbs[j];
+    uint32_t s = (uint32_t)(p - (uint64_t)low * AGG_LIMB_BITS - 53);  // bits below the guard
+    uint64_t top54 = (uint64_t)(w >> s);
+    bool sticky = (w & ((((unsigned __int128)1) << s) - 1)) != 0;
+    for (int j = 0; j < low && !sticky; ++j) sticky = limbs[j] != 0;
+    uint64_t m = top54 >> 1;
+    if ((top54 & 1) && (sticky || (m & 1))) ++m;  // round half to even
+    uint64_t bits = ((p - 52) << 52) + m;  // a carry out of m moves into the exponent
+    if (bits >= 0x7FF0000000000000ull) bits = 0x7FF0000000000000ull;
+    return sign | bits;
+}
+
 __device__ __forceinline__ void agg_add128(unsigned long long* at, uint64_t lo, uint64_t hi) {
     unsigned long long old = atomicAdd(&at[0], (unsigned long long)lo);
     uint64_t carry = (uint64_t)old + lo < (uint64_t)old ? 1 : 0;
@@ -228,12 +338,7 @@ __device__ __forceinline__ void agg_apply(uint64_t op, unsigned long long* state
     switch (op) {
         case AO_COUNT: break;
         case AO_SUM_I: atomicAdd(state, (unsigned long long)lo); break;
-        case AO_SUM_F: {
-            AggBits b;
-            b.u = lo;
-            atomicAdd((double*)state, b.f);
-            break;
-        }
+        case AO_SUM_F: agg_exact_add(state, lo); break;
         case AO_SUM_D: agg_add128(state, lo, hi); break;
         case AO_MIN_I: atomicMin((long long*)state, (long long)lo); break;
         case AO_MAX_I: atomicMax((long long*)state, (long long)lo); break;
@@ -291,6 +396,7 @@ __device__ __forceinline__ void agg_value(const AggAcc& a, uint64_t i, uint64_t*
 }
 
 __device__ __forceinline__ uint64_t agg_state_words(uint64_t op) {
+    if (op == AO_SUM_F) return AGG_EXACT_WORDS;
     return op == AO_COUNT ? 0 : (op == AO_SUM_D || op == AO_MIN_D || op == AO_MAX_D) ? 2 : 1;
 }
 
@@ -352,6 +458,15 @@ FULMEN_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids
             for (uint64_t g = threadIdx.x; g < groups; g += blockDim.x) {
                 uint64_t count = tables[base + g];
                 if (count == 0) continue;
+                if (a.op == AO_SUM_F) {  // limb by limb: still exact, still in any order
+                    const unsigned long long* from = &tables[base + groups + g * words];
+                    unsigned long long* to = &a.state[g * words];
+                    atomicAdd(&a.counts[g], (unsigned long long)count);
+                    for (uint32_t w = 0; w < AGG_LIMBS; ++w)
+                        if (from[w]) atomicAdd(&to[w], from[w]);
+                    if (from[AGG_FLAGS]) atomicOr(&to[AGG_FLAGS], from[AGG_FLAGS]);
+                    continue;
+                }
                 uint64_t lo = words ? tables[base + groups + g * words] : 0;
                 uint64_t hi = words == 2 ? tables[base + groups + g * words + 1] : 0;
                 agg_apply(a.op, &a.state[g * words], &a.counts[g], nullptr, lo, hi, count);
@@ -373,7 +488,23 @@ FULMEN_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids
     }
 }
 
+FULMEN_KERNEL agg_exact_normalize(unsigned long long* state, uint64_t groups) {
+    for (uint64_t g = GRID_START; g < groups; g += GRID_STRIDE) {
+        long long limbs[AGG_LIMBS];
+        unsigned long long* acc = &state[g * AGG_EXACT_WORDS];
+        for (uint32_t k = 0; k < AGG_LIMBS; ++k) limbs[k] = (long long)acc[k];
+        agg_exact_carry(limbs);
+        for (uint32_t k = 0; k < AGG_LIMBS; ++k) acc[k] = (unsigned long long)limbs[k];
+    }
+}
+
+FULMEN_KERNEL agg_exact_finish(const unsigned long long* state, uint64_t groups, uint64_t* out) {
+    for (uint64_t g = GRID_START; g < groups; g += GRID_STRIDE) out[g] = agg_exact_round(&state[g * AGG_EXACT_WORDS]);
+}
+
 #if defined(FULMEN_EMULATOR)
+FULMEN_EMU_EXPORT(agg_exact_normalize)
+FULMEN_EMU_EXPORT(agg_exact_finish)
 FULMEN_EMU_EXPORT(agg_find_or_insert)
 FULMEN_EMU_EXPORT(agg_first_rows)
 FULMEN_EMU_EXPORT(agg_leader_flags)

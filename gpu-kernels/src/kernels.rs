@@ -81,6 +81,8 @@ kernels! {
     agg_fill_u64 => fulmen_emu_launch_agg_fill_u64 in "agg.cu",
     agg_init_state => fulmen_emu_launch_agg_init_state in "agg.cu",
     agg_update => fulmen_emu_launch_agg_update in "agg.cu",
+    agg_exact_normalize => fulmen_emu_launch_agg_exact_normalize in "agg.cu",
+    agg_exact_finish => fulmen_emu_launch_agg_exact_finish in "agg.cu",
     select_word_counts => fulmen_emu_launch_select_word_counts in "compact.cu",
     select_scatter => fulmen_emu_launch_select_scatter in "compact.cu",
     expr_eval => fulmen_emu_launch_expr_eval in "expr.cu",

@@ -27,6 +27,14 @@ pub const SHARED_BYTES: usize = 48 * 1024;
 
 const EMPTY_SLOT: u64 = u64::MAX;
 
+/// Words of one group's exact float sum (`AGG_EXACT_WORDS` in agg.cu): 68 limbs of 31 bits
+/// in units of 2^-1074, and a word of NaN / infinity flags.
+const EXACT_WORDS: usize = 69;
+
+/// Pieces a limb of an exact sum may take before it must be carried: each piece is below
+/// 2^31 and a limb is a signed 64-bit integer, so fewer than 2^32 of them always fit.
+const EXACT_PIECES: u64 = u32::MAX as u64 - 1;
+
 /// What an accumulator does with the values of its group (`AggOp` in agg.cu).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AccOp {
@@ -34,7 +42,9 @@ pub enum AccOp {
     Count,
     /// Wrapping 64-bit integer sum.
     SumInt,
-    /// Float sum (in an unspecified order).
+    /// Float sum, exact: kept as a fixed-point integer wide enough for every double and
+    /// rounded once, to the nearest double, when read. The result is the correctly rounded
+    /// sum, whatever the order of the rows, threads, blocks and batches.
     SumFloat,
     /// Wrapping 128-bit decimal sum.
     SumDecimal,
@@ -57,11 +67,21 @@ impl AccOp {
         self as u64
     }
 
+    /// Device words of one group's state.
     fn words(self) -> usize {
         match self {
             Self::Count => 0,
+            Self::SumFloat => EXACT_WORDS,
             Self::SumDecimal | Self::MinDecimal | Self::MaxDecimal => 2,
             _ => 1,
+        }
+    }
+
+    /// Words of one group's state as it comes to the host (an exact sum comes rounded).
+    fn host_words(self) -> usize {
+        match self {
+            Self::SumFloat => 1,
+            other => other.words(),
         }
     }
 
@@ -195,6 +215,10 @@ pub struct GroupTable {
     pub shared_updates: u64,
     /// See `shared_updates`.
     pub global_updates: u64,
+    /// Rows added to the exact float sums since their limbs were last carried.
+    uncarried_rows: u64,
+    /// Rows after which they are carried (EXACT_PIECES; less in tests of the carrying).
+    carry_interval: u64,
 }
 
 impl GroupTable {
@@ -226,6 +250,8 @@ impl GroupTable {
             locks: None,
             shared_updates: 0,
             global_updates: 0,
+            uncarried_rows: 0,
+            carry_interval: EXACT_PIECES,
         };
         let grown = table.grown(if keyed { 1024 } else { 1 })?;
         table.install(grown);
@@ -246,7 +272,7 @@ impl GroupTable {
             .flatten()
             .map(DeviceColumn::device_bytes)
             .sum();
-        let states: usize = self.accs.iter().map(|a| (1 + a.op.words()) * 8).sum();
+        let states: usize = self.accs.iter().map(|a| (1 + a.op.host_words()) * 8).sum();
         keys + states * self.groups
     }
 
@@ -421,6 +447,7 @@ impl GroupTable {
         if n == 0 {
             return Ok(());
         }
+        self.carry_exact_sums(n)?;
         if !self.keyed {
             let accs = self.accumulator_descriptors(&self.accs, inputs)?;
             let shared = self.launch_update(&accs, None, n, 1, self.locks.as_ref())?;
@@ -721,6 +748,39 @@ impl GroupTable {
         Ok(use_shared)
     }
 
+    /// Carries the limbs of the exact float sums when `n` more rows could overflow one.
+    /// Carrying changes no sum, so a table stays as it was should the update then fail.
+    fn carry_exact_sums(&mut self, n: usize) -> Result<()> {
+        if !self.accs.iter().any(|a| a.op == AccOp::SumFloat) {
+            return Ok(());
+        }
+        if self.uncarried_rows + n as u64 > self.carry_interval {
+            for acc in self.accs.iter().filter(|a| a.op == AccOp::SumFloat) {
+                let state = acc.state.as_ref().ok_or_else(|| {
+                    KernelError::InvalidData("an exact sum without a state".into())
+                })?;
+                // SAFETY: `state` holds EXACT_WORDS words for each of `group_capacity` groups.
+                unsafe {
+                    self.device.launch(
+                        Kernel::agg_exact_normalize,
+                        LaunchConfig::for_items(&self.device, self.group_capacity as u64, BLOCK),
+                        &[Arg::buf(state), Arg::U64(self.group_capacity as u64)],
+                    )?;
+                }
+            }
+            self.uncarried_rows = 0;
+        }
+        self.uncarried_rows += n as u64;
+        Ok(())
+    }
+
+    /// Carries the exact sums' limbs before any update that would take them past `rows`
+    /// uncarried rows (for tests: the real interval is 2^32 rows).
+    #[doc(hidden)]
+    pub fn carry_exact_sums_every(&mut self, rows: u64) {
+        self.carry_interval = rows.min(EXACT_PIECES);
+    }
+
     fn count_update(&mut self, shared: bool) {
         if shared {
             self.shared_updates += 1;
@@ -759,15 +819,27 @@ impl GroupTable {
         let counts = words_of(&acc.counts.prefix_to_host(g * 8)?, g);
         let values = match (&acc.state, acc.op) {
             (None, _) => AccValues::None,
+            (Some(state), AccOp::SumFloat) => {
+                let rounded = self.device.alloc(g.max(1) * 8)?;
+                // SAFETY: `state` holds EXACT_WORDS words for each of at least `g` groups,
+                // `rounded` a u64 for each.
+                unsafe {
+                    self.device.launch(
+                        Kernel::agg_exact_finish,
+                        LaunchConfig::for_items(&self.device, g as u64, BLOCK),
+                        &[Arg::buf(state), Arg::U64(g as u64), Arg::buf(&rounded)],
+                    )?;
+                }
+                let words = words_of(&rounded.prefix_to_host(g * 8)?, g);
+                AccValues::Float(words.into_iter().map(f64::from_bits).collect())
+            }
             (Some(state), op) => {
                 let words = words_of(&state.prefix_to_host(g * op.words() * 8)?, g * op.words());
                 match op {
-                    AccOp::Count => AccValues::None,
+                    // An exact sum is rounded on the device and read above.
+                    AccOp::Count | AccOp::SumFloat => AccValues::None,
                     AccOp::SumInt | AccOp::MinInt | AccOp::MaxInt => {
                         AccValues::Int(words.iter().map(|&w| w as i64).collect())
-                    }
-                    AccOp::SumFloat => {
-                        AccValues::Float(words.iter().map(|&w| f64::from_bits(w)).collect())
                     }
                     AccOp::MinFloat | AccOp::MaxFloat => AccValues::Float(
                         words

@@ -1,0 +1,473 @@
+//! Hash aggregation (`GroupTable`): groups, accumulators, failed updates, and exact float
+//! sums checked against an independent exact summation.
+
+use super::*;
+use fulmen_kernels::ops::aggregate::{AccInput, AccOp, AccValues, GroupTable};
+
+/// The host reference of a group table: groups in first-seen order, with each group's
+/// (count(*), count(v), sum(v), min(v), max(v)) over the rows whose filter is true, and
+/// the decimal sum, min and max over `d`.
+#[derive(Debug, Default, Clone, PartialEq)]
+struct RefGroup {
+    rows: u64,
+    count: u64,
+    sum: i64,
+    min: Option<i64>,
+    max: Option<i64>,
+    fsum_count: u64,
+    fsum: f64,
+    fmin: Option<f64>,
+    fmax: Option<f64>,
+    dsum: i128,
+    dmin: Option<i128>,
+    dmax: Option<i128>,
+}
+
+fn check_group_table(d: &Device, batches: usize, n: usize, distinct: u64, seed: u64, locked: bool) {
+    let ops = [
+        AccOp::Count,
+        AccOp::Count,
+        AccOp::SumInt,
+        AccOp::MinInt,
+        AccOp::MaxInt,
+        AccOp::SumFloat,
+        AccOp::MinFloat,
+        AccOp::MaxFloat,
+        AccOp::SumDecimal,
+        // Decimal minimum and maximum take per-group locks, and with them the update
+        // leaves the shared-memory strategy: without them, few groups use it.
+        if locked {
+            AccOp::MinDecimal
+        } else {
+            AccOp::Count
+        },
+        if locked {
+            AccOp::MaxDecimal
+        } else {
+            AccOp::Count
+        },
+    ];
+    let mut table = GroupTable::new(d, &[DataType::Int32, DataType::Utf8], &ops).unwrap();
+    let mut order: Vec<(Option<i32>, Option<String>)> = Vec::new();
+    let mut groups: std::collections::HashMap<(Option<i32>, Option<String>), RefGroup> =
+        Default::default();
+    let mut r = Lcg(seed);
+    for _ in 0..batches {
+        let k1: Int32Array = (0..n)
+            .map(|_| (!r.chance(5)).then(|| (r.next() % distinct) as i32))
+            .collect();
+        let k2: StringArray = (0..n)
+            .map(|_| (!r.chance(5)).then(|| format!("k{}", r.next() % 3)))
+            .collect();
+        let v: Int32Array = (0..n)
+            .map(|_| (!r.chance(10)).then(|| (r.next() % 2001) as i32 - 1000))
+            .collect();
+        let f: Float64Array = (0..n)
+            .map(|_| (!r.chance(10)).then(|| ((r.next() % 64) as f64 - 32.0) / 4.0))
+            .collect();
+        let dec: Decimal128Array = (0..n)
+            .map(|_| (!r.chance(10)).then(|| (r.next() as i128 - (1 << 46)) << 70))
+            .collect::<Decimal128Array>()
+            .with_precision_and_scale(38, 2)
+            .unwrap();
+        let keep: BooleanArray = (0..n)
+            .map(|_| (!r.chance(5)).then(|| r.chance(80)))
+            .collect();
+        for i in 0..n {
+            let key = (
+                k1.is_valid(i).then(|| k1.value(i)),
+                k2.is_valid(i).then(|| k2.value(i).to_string()),
+            );
+            let g = groups.entry(key.clone()).or_insert_with(|| {
+                order.push(key);
+                RefGroup::default()
+            });
+            if !(keep.is_valid(i) && keep.value(i)) {
+                continue;
+            }
+            g.rows += 1;
+            if v.is_valid(i) {
+                let x = v.value(i) as i64;
+                g.count += 1;
+                g.sum += x;
+                g.min = Some(g.min.map_or(x, |m| m.min(x)));
+                g.max = Some(g.max.map_or(x, |m| m.max(x)));
+            }
+            if f.is_valid(i) {
+                let x = f.value(i);
+                g.fsum_count += 1;
+                g.fsum += x; // quarters of small integers: every partial sum is exact
+                g.fmin = Some(g.fmin.map_or(x, |m| m.min(x)));
+                g.fmax = Some(g.fmax.map_or(x, |m| m.max(x)));
+            }
+            if dec.is_valid(i) {
+                let x = dec.value(i);
+                g.dsum = g.dsum.wrapping_add(x);
+                g.dmin = Some(g.dmin.map_or(x, |m| m.min(x)));
+                g.dmax = Some(g.dmax.map_or(x, |m| m.max(x)));
+            }
+        }
+        let up = |a: &dyn Array| DeviceColumn::upload(d, a).unwrap();
+        let (k1d, k2d, vd, fd, decd, keepd) =
+            (up(&k1), up(&k2), up(&v), up(&f), up(&dec), up(&keep));
+        fn with<'a>(values: Option<&'a DeviceColumn>, keep: &'a DeviceColumn) -> AccInput<'a> {
+            AccInput {
+                values,
+                filter: Some(keep),
+            }
+        }
+        let inputs = [
+            with(None, &keepd),
+            with(Some(&vd), &keepd),
+            with(Some(&vd), &keepd),
+            with(Some(&vd), &keepd),
+            with(Some(&vd), &keepd),
+            with(Some(&fd), &keepd),
+            with(Some(&fd), &keepd),
+            with(Some(&fd), &keepd),
+            with(Some(&decd), &keepd),
+            with(Some(&decd), &keepd),
+            with(Some(&decd), &keepd),
+        ];
+        table.update(&[&k1d, &k2d], &inputs, n).unwrap();
+    }
+    assert_eq!(table.groups(), order.len());
+    let keys = table.keys().unwrap();
+    let k1 = keys[0].as_primitive::<Int32Type>();
+    let k2 = keys[1].as_string::<i32>();
+    for (g, key) in order.iter().enumerate() {
+        let got = (
+            k1.is_valid(g).then(|| k1.value(g)),
+            k2.is_valid(g).then(|| k2.value(g).to_string()),
+        );
+        assert_eq!(&got, key, "group {g} is in first-seen order");
+    }
+    let states: Vec<_> = (0..ops.len()).map(|k| table.state(k).unwrap()).collect();
+    let int = |k: usize| match &states[k].values {
+        AccValues::Int(v) => v.clone(),
+        other => panic!("{other:?}"),
+    };
+    let float = |k: usize| match &states[k].values {
+        AccValues::Float(v) => v.clone(),
+        other => panic!("{other:?}"),
+    };
+    let dec = |k: usize| match &states[k].values {
+        AccValues::Decimal(v) => v.clone(),
+        other => panic!("{other:?}"),
+    };
+    for (g, key) in order.iter().enumerate() {
+        let want = &groups[key];
+        fn seen<T>(counts: &[u64], g: usize, v: T) -> Option<T> {
+            (counts[g] > 0).then_some(v)
+        }
+        assert_eq!(states[0].counts[g], want.rows, "count(*) of {key:?}");
+        assert_eq!(states[1].counts[g], want.count, "count(v) of {key:?}");
+        assert_eq!(int(2)[g], want.sum, "sum of {key:?}");
+        assert_eq!(seen(&states[3].counts, g, int(3)[g]), want.min);
+        assert_eq!(seen(&states[4].counts, g, int(4)[g]), want.max);
+        assert_eq!(states[5].counts[g], want.fsum_count);
+        assert_eq!(
+            float(5)[g].to_bits(),
+            want.fsum.to_bits(),
+            "float sum of {key:?}"
+        );
+        assert_eq!(seen(&states[6].counts, g, float(6)[g]), want.fmin);
+        assert_eq!(seen(&states[7].counts, g, float(7)[g]), want.fmax);
+        assert_eq!(dec(8)[g], want.dsum, "decimal sum of {key:?}");
+        if locked {
+            assert_eq!(seen(&states[9].counts, g, dec(9)[g]), want.dmin);
+            assert_eq!(seen(&states[10].counts, g, dec(10)[g]), want.dmax);
+        } else {
+            assert_eq!(states[9].counts[g], states[8].counts[g]);
+        }
+    }
+    eprintln!(
+        "{} groups: {} shared-memory and {} global updates",
+        table.groups(),
+        table.shared_updates,
+        table.global_updates
+    );
+}
+
+#[test]
+fn group_table_aggregates_like_the_host_reference() {
+    let d = device();
+    // Few groups (shared-memory tables), many groups (one global table that grows past
+    // its first size within a batch and across batches), and empty and tiny batches.
+    for locked in [false, true] {
+        check_group_table(&d, 3, 5000, 4, 1, locked);
+        check_group_table(&d, 4, 3000, 1_000_000, 2, locked);
+        check_group_table(&d, 2, 1, 10, 3, locked);
+        check_group_table(&d, 2, 0, 10, 4, locked);
+    }
+}
+
+#[test]
+fn a_failed_group_table_update_leaves_the_table_as_it_was() {
+    let d = emulated();
+    let keys: Int64Array = (0..4000).map(|i| Some(i % 1500)).collect();
+    let keys = DeviceColumn::upload(&d, &keys).unwrap();
+    let mut clean = GroupTable::new(&d, &[DataType::Int64], &[AccOp::Count]).unwrap();
+    let input = [AccInput {
+        values: None,
+        filter: None,
+    }];
+    clean.update(&[&keys], &input, 4000).unwrap();
+    clean.update(&[&keys], &input, 4000).unwrap();
+    let want = clean.state(0).unwrap();
+    // Fail each allocation and each launch of the second update in turn: the update
+    // either fails and changes nothing (so that retrying it gives the clean answer) or
+    // succeeds.
+    for kind in ["allocation", "launch"] {
+        for k in 1.. {
+            let mut table = GroupTable::new(&d, &[DataType::Int64], &[AccOp::Count]).unwrap();
+            table.update(&[&keys], &input, 4000).unwrap();
+            let plan = if kind == "allocation" {
+                FaultPlan {
+                    fail_allocation: Some(k),
+                    ..FaultPlan::default()
+                }
+            } else {
+                FaultPlan {
+                    fail_launch: Some(k),
+                    ..FaultPlan::default()
+                }
+            };
+            d.inject_faults(plan).unwrap();
+            let failed = table.update(&[&keys], &input, 4000).is_err();
+            d.inject_faults(FaultPlan::default()).unwrap();
+            if failed {
+                table.update(&[&keys], &input, 4000).unwrap();
+            }
+            assert_eq!(table.groups(), 1500, "{kind} {k}");
+            assert_eq!(table.state(0).unwrap(), want, "{kind} {k}");
+            if !failed {
+                break;
+            }
+        }
+    }
+}
+
+/// The correctly rounded sum of `xs`, by Shewchuk's method (non-overlapping partials kept
+/// exactly with two-sums, then rounded once with the half-way correction), an algorithm
+/// independent of the device's fixed-point one. Valid while no partial overflows.
+fn exact_sum(xs: &[f64]) -> f64 {
+    let mut partials: Vec<f64> = Vec::new();
+    for &value in xs {
+        let mut x = value;
+        let mut kept = 0;
+        for j in 0..partials.len() {
+            let mut y = partials[j];
+            if x.abs() < y.abs() {
+                std::mem::swap(&mut x, &mut y);
+            }
+            let hi = x + y;
+            let lo = y - (hi - x);
+            if lo != 0.0 {
+                partials[kept] = lo;
+                kept += 1;
+            }
+            x = hi;
+        }
+        partials.truncate(kept);
+        partials.push(x);
+    }
+    let Some(mut hi) = partials.pop() else {
+        return 0.0;
+    };
+    let mut lo = 0.0;
+    while let Some(y) = partials.pop() {
+        let x = hi;
+        hi = x + y;
+        lo = y - (hi - x);
+        if lo != 0.0 {
+            break;
+        }
+    }
+    // The rest is below half an ulp of hi; when lo is exactly half an ulp, the rest's sign
+    // decides the tie.
+    if let Some(&next) = partials.last()
+        && ((lo < 0.0 && next < 0.0) || (lo > 0.0 && next > 0.0))
+    {
+        let y = lo * 2.0;
+        let x = hi + y;
+        if x - hi == y {
+            hi = x;
+        }
+    }
+    hi + 0.0 // a sum of zeros is +0.0, as arrow's (which starts from 0.0)
+}
+
+/// Sums `batches` with one float-sum accumulator over `keys` (None: no GROUP BY) and
+/// returns each group's sum, in first-seen group order.
+fn device_sums(d: &Device, batches: &[(Vec<i64>, Vec<f64>)], keyed: bool, carry: u64) -> Vec<f64> {
+    let key_types = if keyed { vec![DataType::Int64] } else { vec![] };
+    let mut table = GroupTable::new(d, &key_types, &[AccOp::SumFloat]).unwrap();
+    table.carry_exact_sums_every(carry);
+    for (keys, values) in batches {
+        let k = DeviceColumn::upload(d, &Int64Array::from(keys.clone())).unwrap();
+        let v = DeviceColumn::upload(d, &Float64Array::from(values.clone())).unwrap();
+        let input = [AccInput {
+            values: Some(&v),
+            filter: None,
+        }];
+        let key_columns: Vec<&DeviceColumn> = if keyed { vec![&k] } else { vec![] };
+        table.update(&key_columns, &input, values.len()).unwrap();
+    }
+    match table.state(0).unwrap().values {
+        AccValues::Float(v) => v,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn sum_of(d: &Device, xs: &[f64]) -> f64 {
+    device_sums(d, &[(vec![0; xs.len()], xs.to_vec())], false, u64::MAX)[0]
+}
+
+#[test]
+fn float_sums_are_correctly_rounded_at_the_edges() {
+    let d = device();
+    let tiny = f64::from_bits(1); // the smallest subnormal
+    let cases: &[(&[f64], f64)] = &[
+        (&[], 0.0),
+        (&[-0.0], 0.0),
+        (&[0.1; 10], 1.0), // in order, 0.9999999999999999
+        (&[-128.2, 32768.3, 27.3], 32667.4),
+        (&[1e308, 1e308, -1e308, -1e308, 1.0], 1.0), // passes 2^1024 on the way
+        (&[1.0, 1e-300, -1.0], 1e-300),
+        (&[f64::MAX, f64::MAX], f64::INFINITY),
+        (&[f64::MAX, f64::MAX, -f64::MAX], f64::MAX),
+        (&[-f64::MAX, -f64::MAX], f64::NEG_INFINITY),
+        (&[tiny, tiny, tiny], f64::from_bits(3)),
+        (
+            &[f64::MIN_POSITIVE, -tiny],
+            f64::from_bits(f64::MIN_POSITIVE.to_bits() - 1),
+        ),
+        // Ties go to the even neighbour; anything below the tie breaks it.
+        (&[1.0, 1.0 / (1u64 << 53) as f64], 1.0),
+        (&[1.0, 1.0 / (1u64 << 53) as f64, 1e-30], 1.0 + f64::EPSILON),
+        (&[9007199254740994.0, 1.0], 9007199254740996.0),
+        (&[-9007199254740994.0, -1.0], -9007199254740996.0),
+        (&[9007199254740992.0, 1.0], 9007199254740992.0),
+        (&[1e16, 1.0, -1e16], 1.0),
+        (&[f64::INFINITY, 1.0], f64::INFINITY),
+        (&[f64::NEG_INFINITY, f64::MAX], f64::NEG_INFINITY),
+    ];
+    for (xs, want) in cases {
+        let got = sum_of(&d, xs);
+        assert_eq!(
+            got.to_bits(),
+            want.to_bits(),
+            "sum of {xs:?}: {got:e}, want {want:e}"
+        );
+        // The reference holds where no partial sum overflows.
+        if xs.iter().map(|x| x.abs()).sum::<f64>().is_finite() {
+            assert_eq!(
+                exact_sum(xs).to_bits(),
+                want.to_bits(),
+                "the reference on {xs:?}"
+            );
+        }
+    }
+    assert!(sum_of(&d, &[f64::INFINITY, f64::NEG_INFINITY]).is_nan());
+    assert!(sum_of(&d, &[1.0, f64::NAN]).is_nan());
+}
+
+/// Doubles of every magnitude and sign, subnormals included, most of them cancelled by
+/// their negation elsewhere in the sequence: what is left is the sum of the small ones, so
+/// a sum that drops a bit anywhere is wrong, and a naive sum depends on the order.
+fn awkward_doubles(r: &mut Lcg, n: usize) -> Vec<f64> {
+    let one = |r: &mut Lcg| {
+        let exponent = match r.next() % 4 {
+            0 => 0x3F0 + r.next() % 0x20, // around 1
+            1 => 0x3BF + r.next() % 0xA0, // 2^-64 .. 2^96
+            2 => r.next() % 0x40,         // subnormal and tiny
+            _ => 0x784 + r.next() % 0x64, // 2^900 .. 2^1000
+        };
+        let significand = (r.next() ^ (r.next() << 20)) & ((1 << 52) - 1);
+        f64::from_bits((r.next() & 1) << 63 | exponent << 52 | significand)
+    };
+    let mut xs: Vec<f64> = (0..n / 2).map(|_| one(r)).collect();
+    for i in 0..n - n / 2 {
+        let x = if i < n / 2 && r.chance(90) {
+            -xs[i]
+        } else {
+            one(r)
+        };
+        xs.push(x);
+    }
+    for i in (1..xs.len()).rev() {
+        xs.swap(i, r.next() as usize % (i + 1));
+    }
+    xs
+}
+
+#[test]
+fn float_sums_do_not_depend_on_order_threads_batches_or_carrying() {
+    let d = device();
+    let mut r = Lcg(77);
+    for (n, groups) in [(5000usize, 1u64), (20_000, 7), (30_000, 3000)] {
+        let values = awkward_doubles(&mut r, n);
+        let keys: Vec<i64> = (0..n).map(|_| (r.next() % groups) as i64).collect();
+        // The reference, per group in first-seen order.
+        let mut order: Vec<i64> = Vec::new();
+        let mut members: std::collections::HashMap<i64, Vec<f64>> = Default::default();
+        for (&k, &v) in keys.iter().zip(&values) {
+            members
+                .entry(k)
+                .or_insert_with(|| {
+                    order.push(k);
+                    Vec::new()
+                })
+                .push(v);
+        }
+        let want: Vec<u64> = order
+            .iter()
+            .map(|k| exact_sum(&members[k]).to_bits())
+            .collect();
+        let naive: Vec<u64> = order
+            .iter()
+            .map(|k| members[k].iter().sum::<f64>().to_bits())
+            .collect();
+        assert_ne!(want, naive, "the data must make order matter");
+        let keyed = groups > 1;
+        let bits = |v: Vec<f64>| v.into_iter().map(f64::to_bits).collect::<Vec<_>>();
+        let one_batch = [(keys.clone(), values.clone())];
+        assert_eq!(
+            bits(device_sums(&d, &one_batch, keyed, u64::MAX)),
+            want,
+            "{n} rows, {groups} groups"
+        );
+        // Other batch boundaries, the limbs carried before every batch.
+        let mut batches = Vec::new();
+        let mut at = 0;
+        while at < n {
+            let len = (1 + r.next() as usize % 4000).min(n - at);
+            batches.push((keys[at..at + len].to_vec(), values[at..at + len].to_vec()));
+            at += len;
+        }
+        assert_eq!(
+            bits(device_sums(&d, &batches, keyed, 1)),
+            want,
+            "batches, carried each time"
+        );
+        // Emulated devices with other thread orders and grid shapes.
+        for seed in [1, 0xDEAD_BEEF] {
+            for multiprocessors in [1, 5] {
+                let other = Device::emulated(
+                    0,
+                    &EmulatorOptions {
+                        seed,
+                        multiprocessors,
+                        ..Default::default()
+                    },
+                );
+                assert_eq!(
+                    bits(device_sums(&other, &batches, keyed, 3000)),
+                    want,
+                    "seed {seed}, {multiprocessors} SMs"
+                );
+            }
+        }
+    }
+}
