@@ -10,6 +10,7 @@
 pub mod avro;
 pub mod format;
 pub mod live;
+pub mod metrics;
 pub mod options;
 pub mod producer;
 pub mod sink;

@@ -186,6 +186,8 @@ struct State {
     rows_held: usize,
     partitions: BTreeMap<i32, PartitionState>,
     watermark: Option<i64>,
+    /// When the watermark last moved (for the sinks' window-close-to-write latency).
+    watermark_moved: Option<Instant>,
     counters: Counters,
     /// (when, rows ingested by then), one a second, for the ingest rate.
     samples: VecDeque<(Instant, u64)>,
@@ -366,6 +368,7 @@ impl LiveTable {
                 })
                 .collect(),
             watermark: None,
+            watermark_moved: None,
             counters: Counters::default(),
             samples: VecDeque::new(),
         };
@@ -381,6 +384,13 @@ impl LiveTable {
             state: Mutex::new(state),
             stop: AtomicBool::new(false),
         });
+        log::info!(
+            "live table '{}' reads topic '{}' ({} partitions) on {}",
+            shared.name,
+            shared.options.topic,
+            partitions.len(),
+            shared.options.bootstrap_servers
+        );
         let worker = Arc::clone(&shared);
         std::thread::Builder::new()
             .name(format!("fulmen-ingest-{}", shared.name))
@@ -528,6 +538,12 @@ impl Shared {
     /// The event-time watermark, in nanoseconds since the epoch.
     pub fn watermark(&self) -> Option<i64> {
         self.lock().watermark
+    }
+
+    /// The watermark and when it reached that value.
+    pub fn watermark_and_when(&self) -> Option<(i64, Instant)> {
+        let state = self.lock();
+        Some((state.watermark?, state.watermark_moved?))
     }
 
     /// Per partition, the offset from which rows are still needed when every window ending
@@ -697,6 +713,10 @@ impl Shared {
     fn note_error(&self, error: String) {
         let mut state = self.lock();
         state.counters.errors += 1;
+        // Logged when it changes, not at every poll that repeats it.
+        if state.counters.last_error.as_deref() != Some(&error) {
+            log::warn!("live table '{}': {error}", self.name);
+        }
         state.counters.last_error = Some(error);
     }
 
@@ -952,6 +972,7 @@ impl Shared {
             let next = candidate.saturating_sub(lateness);
             if state.watermark.is_none_or(|w| next > w) {
                 state.watermark = Some(next);
+                state.watermark_moved = Some(Instant::now());
             }
         }
     }

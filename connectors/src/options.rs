@@ -12,6 +12,7 @@ use std::time::Duration;
 use datafusion::arrow::compute::kernels::cast_utils::parse_interval_month_day_nano;
 use datafusion::error::{DataFusionError, Result};
 use fulmen_engine::error::did_you_mean;
+use rdkafka::config::RDKafkaLogLevel;
 
 use crate::avro::{AvroSpec, Framing};
 
@@ -270,6 +271,14 @@ impl KafkaOptions {
     /// The options librdkafka gets: the servers, then every `kafka.*` option.
     pub fn client_config(&self) -> rdkafka::ClientConfig {
         let mut config = rdkafka::ClientConfig::new();
+        // librdkafka's own messages reach the `log` crate (rdkafka's default client context
+        // forwards them); asking for no more than the process logs saves formatting them.
+        config.set_log_level(match log::max_level() {
+            log::LevelFilter::Off | log::LevelFilter::Error => RDKafkaLogLevel::Error,
+            log::LevelFilter::Warn => RDKafkaLogLevel::Warning,
+            log::LevelFilter::Info => RDKafkaLogLevel::Info,
+            log::LevelFilter::Debug | log::LevelFilter::Trace => RDKafkaLogLevel::Debug,
+        });
         config.set("bootstrap.servers", &self.bootstrap_servers);
         for (key, value) in &self.client {
             config.set(key, value);

@@ -77,6 +77,40 @@ pub struct SinkStatus {
     pub failures: u64,
     /// The last failure.
     pub last_error: Option<String>,
+    /// When the sink's current run of failed ticks began (`None` while its ticks succeed).
+    pub failing_since: Option<Instant>,
+    /// Windowed sinks: from the watermark moving past windows' end to their output being
+    /// written and committed, per tick that emitted.
+    pub latency: Latency,
+}
+
+/// A histogram of seconds with fixed buckets ([`Latency::BOUNDS`]).
+#[derive(Debug, Clone, Default)]
+pub struct Latency {
+    /// Observations per bucket (the last one: above every bound).
+    pub buckets: [u64; Latency::BOUNDS.len() + 1],
+    /// Their sum, in seconds.
+    pub sum: f64,
+    /// How many.
+    pub count: u64,
+}
+
+impl Latency {
+    /// Upper bounds of the buckets, in seconds.
+    pub const BOUNDS: [f64; 11] = [
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ];
+
+    /// Adds one observation.
+    pub fn observe(&mut self, seconds: f64) {
+        let i = Self::BOUNDS
+            .iter()
+            .position(|b| seconds <= *b)
+            .unwrap_or(Self::BOUNDS.len());
+        self.buckets[i] += 1;
+        self.sum += seconds;
+        self.count += 1;
+    }
 }
 
 struct Plan {
@@ -225,6 +259,14 @@ impl Sink {
             emitted_up_to,
             from: BTreeMap::new(),
         };
+        log::info!(
+            "sink '{name}' started into '{target}' ({}, {})",
+            if windowed { "windowed" } else { "append" },
+            match delivery {
+                Delivery::AtLeastOnce => "at least once",
+                Delivery::ExactlyOnce => "exactly once",
+            }
+        );
         let thread = std::thread::Builder::new()
             .name(format!("fulmen-sink-{name}"))
             .spawn(move || runner.run())
@@ -247,12 +289,20 @@ impl Sink {
             .clone()
     }
 
-    /// Stops the sink and waits for its current tick to end.
+    /// Stops the sink and waits for its current tick to end: what that tick wrote is
+    /// flushed and its offsets committed (a tick does both before it ends).
     pub fn stop(mut self) {
         self.stop.store(true, Ordering::Release);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+        let status = self.status();
+        log::info!(
+            "sink '{}' stopped: {} messages written in {} ticks",
+            self.name,
+            status.rows_written,
+            status.runs
+        );
     }
 }
 
@@ -292,7 +342,7 @@ impl Runner {
         while !self.stop.load(Ordering::Acquire) {
             let started = Instant::now();
             match self.tick(&runtime) {
-                Ok(()) => {}
+                Ok(()) => self.succeeded(),
                 Err(e) => self.failed(&e),
             }
             if let Some(rest) = TICK.checked_sub(started.elapsed()) {
@@ -304,21 +354,40 @@ impl Runner {
     fn failed(&self, e: &DataFusionError) {
         let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
         status.failures += 1;
-        status.last_error = Some(e.to_string());
+        let message = e.to_string();
+        // One warning per change of error, not one per tick (ten a second).
+        if status.failing_since.is_none() || status.last_error.as_deref() != Some(&message) {
+            log::warn!("sink '{}': tick failed (retrying): {message}", self.name);
+        }
+        status.failing_since.get_or_insert_with(Instant::now);
+        status.last_error = Some(message);
+    }
+
+    fn succeeded(&self) {
+        let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(since) = status.failing_since.take() {
+            log::info!(
+                "sink '{}': recovered after failing for {:.1} s",
+                self.name,
+                since.elapsed().as_secs_f64()
+            );
+        }
     }
 
     fn tick(&mut self, runtime: &tokio::runtime::Runtime) -> Result<()> {
         let plan = &self.plan;
+        let mut closed_at = None;
         let (streams, ranges, watermark) = if plan.windowed {
-            let watermark = plan
+            let watermarks = plan
                 .sources
                 .iter()
-                .map(|s| s.watermark())
-                .collect::<Option<Vec<_>>>()
-                .and_then(|w| w.into_iter().min());
-            let Some(watermark) = watermark else {
+                .map(|s| s.watermark_and_when())
+                .collect::<Option<Vec<_>>>();
+            // The smallest watermark, and when it got there: windows up to it closed then.
+            let Some((watermark, when)) = watermarks.and_then(|w| w.into_iter().min()) else {
                 return Ok(());
             };
+            closed_at = Some(when);
             if self.emitted_up_to.is_some_and(|e| watermark <= e) {
                 return Ok(());
             }
@@ -443,7 +512,13 @@ impl Runner {
                 self.from.insert(*p, *to);
             }
         }
+        if written > 0 {
+            log::debug!("sink '{}': wrote {written} messages", self.name);
+        }
         let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(when) = closed_at.filter(|_| written > 0) {
+            status.latency.observe(when.elapsed().as_secs_f64());
+        }
         status.runs += 1;
         status.rows_written += written;
         status.emitted_up_to = self.emitted_up_to;

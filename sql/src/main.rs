@@ -1,11 +1,15 @@
-//! `fulmen`: the interactive SQL shell and script runner.
+//! `fulmen`: the interactive SQL shell and script runner, and `fulmen run`, which runs
+//! streaming pipelines as a service.
 
-use std::io::{IsTerminal, Read};
+use std::io::IsTerminal;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
+use fulmen_connectors::streams::Streams;
 use fulmen_engine::{FulmenConfig, FulmenContext};
 use fulmen_sql::{Control, Failure, OutputFormat, Shell, ShellOptions};
 
@@ -16,6 +20,9 @@ use fulmen_sql::{Control, Failure, OutputFormat, Shell, ShellOptions};
 #[derive(Parser, Debug)]
 #[command(name = "fulmen", version, about, long_about = None)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
+
     /// Run this SQL (one or more statements) and exit; may be given several times.
     #[arg(short = 'c', long = "command", value_name = "SQL")]
     commands: Vec<String>,
@@ -29,7 +36,7 @@ struct Args {
     demo: Option<f64>,
 
     /// Output format: table, csv, tsv, json, ndjson or markdown.
-    #[arg(long, default_value = "table")]
+    #[arg(long, default_value = "table", global = true)]
     format: OutputFormat,
 
     /// Rows the table format shows before cutting (0: all).
@@ -37,12 +44,62 @@ struct Args {
     maxrows: usize,
 
     /// Do not print the row count and elapsed time after each statement.
-    #[arg(short, long)]
+    #[arg(short, long, global = true)]
     quiet: bool,
 
     /// Devices to use: auto, none, cuda:0,1 or emulated:N (default: $FULMEN_DEVICES, else auto).
-    #[arg(long, value_name = "DEVICES")]
+    #[arg(long, value_name = "DEVICES", global = true)]
     devices: Option<String>,
+
+    /// Logs on stderr at this level and above: error, warn, info, debug, trace or off
+    /// (default: $RUST_LOG, which also takes per-module filters, else warn; info for
+    /// `fulmen run`). librdkafka's messages are among them.
+    #[arg(long, value_name = "LEVEL", global = true)]
+    log_level: Option<log::LevelFilter>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run pipeline scripts as a service: run their statements, then keep the live tables
+    /// and sinks running until SIGINT or SIGTERM, which stop each sink after its current
+    /// tick (written, flushed, committed) and exit 0. A sink that keeps failing ends the
+    /// process with status 2 and its error, for a supervisor to restart it.
+    Run(RunArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// The scripts, run in order (the first failing statement ends the process: status 1).
+    #[arg(required = true, value_name = "FILE")]
+    files: Vec<PathBuf>,
+
+    /// Serve Prometheus metrics on http://ADDR/metrics and a health check on /health
+    /// (e.g. 127.0.0.1:9464; port 0 picks a free port, logged at info level).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
+
+    /// A sink whose ticks have failed for this long, with no success, ends the process.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
+    sink_failure_timeout: f64,
+}
+
+/// Leveled logs on stderr: `--log-level`, else `RUST_LOG`, else `default`.
+fn init_logging(level: Option<log::LevelFilter>, default: log::LevelFilter) {
+    let mut builder = env_logger::Builder::new();
+    builder.filter_level(default);
+    match (level, std::env::var("RUST_LOG")) {
+        (Some(level), _) => {
+            builder.filter_level(level);
+        }
+        (None, Ok(filters)) => {
+            builder.parse_filters(&filters);
+        }
+        (None, Err(_)) => {}
+    }
+    builder
+        .target(env_logger::Target::Stderr)
+        .format_timestamp_millis()
+        .init();
 }
 
 fn main() -> ExitCode {
@@ -52,6 +109,12 @@ fn main() -> ExitCode {
         eprintln!("fulmen: internal error: {info}");
     }));
     let args = Args::parse();
+    let default_level = if args.command.is_some() {
+        log::LevelFilter::Info
+    } else {
+        log::LevelFilter::Warn
+    };
+    init_logging(args.log_level, default_level);
     match run(args) {
         Ok(code) => code,
         Err(e) => {
@@ -73,9 +136,11 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
     );
     let ctx = FulmenContext::with_config(config);
     // Kafka live tables and sinks: `STORED AS KAFKA`, `SHOW STREAMS`, `CREATE SINK` …
-    let _streams = fulmen_connectors::install(&ctx);
-    let interactive =
-        args.commands.is_empty() && args.files.is_empty() && std::io::stdin().is_terminal();
+    let streams = fulmen_connectors::install(&ctx);
+    let interactive = args.command.is_none()
+        && args.commands.is_empty()
+        && args.files.is_empty()
+        && std::io::stdin().is_terminal();
     if let Some(sf) = args.demo {
         let start = std::time::Instant::now();
         ctx.register_tpch(sf)?;
@@ -96,7 +161,10 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
         timing: !args.quiet,
         max_rows: args.maxrows,
     };
-    let mut shell = Shell::new(ctx, runtime, options);
+    let mut shell = Shell::new(ctx.clone(), Arc::clone(&runtime), options);
+    if let Some(Command::Run(run_args)) = args.command {
+        return service(&mut shell, &streams, &ctx, &runtime, run_args);
+    }
 
     if interactive {
         if !args.quiet {
@@ -130,9 +198,14 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
         scripts.push((file.display().to_string(), text));
     }
     if args.commands.is_empty() && args.files.is_empty() {
-        let mut text = String::new();
-        std::io::stdin().read_to_string(&mut text)?;
-        scripts.push(("stdin".to_string(), text));
+        // Piped input runs statement by statement as it arrives.
+        return Ok(match shell.run_stream(std::io::stdin().lock()) {
+            Ok(_) | Err(Failure::OutputClosed) => ExitCode::SUCCESS,
+            Err(failure) => {
+                eprintln!("{failure}");
+                ExitCode::FAILURE
+            }
+        });
     }
     for (_, text) in scripts {
         match shell.run_script(&text) {
@@ -145,4 +218,98 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `fulmen run`: the scripts, then the sinks until a signal or a sink failing for good.
+fn service(
+    shell: &mut Shell,
+    streams: &Arc<Streams>,
+    ctx: &FulmenContext,
+    runtime: &tokio::runtime::Runtime,
+    args: RunArgs,
+) -> anyhow::Result<ExitCode> {
+    if !(args.sink_failure_timeout.is_finite() && args.sink_failure_timeout > 0.0) {
+        anyhow::bail!("--sink-failure-timeout must be a positive number of seconds");
+    }
+    let timeout = Duration::from_secs_f64(args.sink_failure_timeout);
+    for file in &args.files {
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| anyhow::anyhow!("cannot read '{}': {e}", file.display()))?;
+        match shell.run_script(&text) {
+            Ok(Control::Continue) => {}
+            Ok(Control::Quit) | Err(Failure::OutputClosed) => break,
+            Err(failure) => {
+                eprintln!("{}: {failure}", file.display());
+                streams.shutdown();
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+    }
+    let server = match args.metrics {
+        Some(addr) => {
+            let (local, task) = runtime
+                .block_on(fulmen_connectors::metrics::serve(
+                    addr,
+                    Arc::clone(streams),
+                    ctx.clone(),
+                ))
+                .map_err(|e| anyhow::anyhow!("--metrics {addr}: {e}"))?;
+            log::info!("metrics on http://{local}/metrics, health on http://{local}/health");
+            Some(task)
+        }
+        None => None,
+    };
+    let sinks = streams.sinks().list().len();
+    if sinks == 0 {
+        log::warn!("no sink runs: the pipeline only ingests until it is stopped");
+    }
+    log::info!(
+        "{} live tables and {sinks} sinks running; SIGINT or SIGTERM stops them",
+        streams.tables().len()
+    );
+    let outcome: anyhow::Result<Option<String>> = runtime.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut check = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {
+                    log::info!("SIGINT: stopping");
+                    return Ok(None);
+                }
+                _ = term.recv() => {
+                    log::info!("SIGTERM: stopping");
+                    return Ok(None);
+                }
+                _ = check.tick() => {
+                    let failing = streams.sinks().list().into_iter().find_map(|(name, _, _, s)| {
+                        let since = s.failing_since?;
+                        (since.elapsed() >= timeout).then(|| format!(
+                            "sink '{name}' failed every tick for {:.0} s: {}",
+                            since.elapsed().as_secs_f64(),
+                            s.last_error.unwrap_or_default()
+                        ))
+                    });
+                    if failing.is_some() {
+                        return Ok(failing);
+                    }
+                }
+            }
+        }
+    });
+    // Each sink stops after its current tick, whose output is flushed and whose offsets
+    // are committed before it ends; then ingestion stops.
+    streams.shutdown();
+    if let Some(task) = server {
+        task.abort();
+    }
+    match outcome? {
+        None => {
+            log::info!("stopped");
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(failure) => {
+            eprintln!("Error: {failure}");
+            Ok(ExitCode::from(2))
+        }
+    }
 }

@@ -158,6 +158,32 @@ impl Shell {
         Ok(Control::Continue)
     }
 
+    /// Runs statements from `input` as they arrive (a pipe: `cat pipeline.sql - | fulmen`):
+    /// each complete statement runs as soon as the line that ends it is read, as psql does;
+    /// text left when the input ends runs as a final statement. Stops at the first failure.
+    pub fn run_stream(&mut self, mut input: impl std::io::BufRead) -> Result<Control, Failure> {
+        let mut pending = String::new();
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = input
+                .read_line(&mut line)
+                .map_err(|e| Failure::Error(format!("cannot read the input: {e}")))?;
+            if n == 0 {
+                break;
+            }
+            pending.push_str(&line);
+            let parts = split(&pending);
+            for piece in &parts.pieces {
+                if self.run_piece(piece)? == Control::Quit {
+                    return Ok(Control::Quit);
+                }
+            }
+            pending.drain(..parts.consumed);
+        }
+        self.run_script(&pending)
+    }
+
     /// Runs one statement or meta-command.
     pub fn run_piece(&mut self, piece: &Piece) -> Result<Control, Failure> {
         match piece {

@@ -21,6 +21,9 @@ pub struct Split {
     pub pieces: Vec<Piece>,
     /// Text after the last complete piece, trimmed; empty when there is none.
     pub rest: String,
+    /// Bytes of the text the complete pieces took (the rest starts there), so that text
+    /// arriving line by line can be split again from there as it grows.
+    pub consumed: usize,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -41,6 +44,7 @@ pub fn split(text: &str) -> Split {
     let mut dollar_tag = String::new();
     let chars: Vec<char> = text.chars().collect();
     let mut i = 0;
+    let mut consumed = 0; // in chars
     while i < chars.len() {
         let c = chars[i];
         let next = chars.get(i + 1).copied();
@@ -58,6 +62,7 @@ pub fn split(text: &str) -> Split {
                     ));
                     current.clear();
                     i = end + 1;
+                    consumed = i.min(chars.len());
                     continue;
                 }
                 match c {
@@ -68,6 +73,7 @@ pub fn split(text: &str) -> Split {
                         }
                         current.clear();
                         i += 1;
+                        consumed = i;
                         continue;
                     }
                     '\'' => state = State::SingleQuote,
@@ -150,6 +156,10 @@ pub fn split(text: &str) -> Split {
     if !is_blank_sql(rest) {
         out.rest = rest.to_string();
     }
+    out.consumed = text
+        .char_indices()
+        .nth(consumed)
+        .map_or(text.len(), |(byte, _)| byte);
     out
 }
 
@@ -193,6 +203,23 @@ mod tests {
             ]
         );
         assert_eq!(s.rest, "");
+    }
+
+    #[test]
+    fn text_split_as_it_arrives_gives_the_same_pieces() {
+        let text = "SELECT 'a;\n  b' AS x;\n\\d t\nSELECT 2\n  , 3; SELECT 'é;";
+        let mut pending = String::new();
+        let mut pieces = Vec::new();
+        for line in text.split_inclusive('\n') {
+            pending.push_str(line);
+            let s = split(&pending);
+            pieces.extend(s.pieces);
+            pending.drain(..s.consumed);
+        }
+        let whole = split(text);
+        assert_eq!(pieces, whole.pieces);
+        assert_eq!(split(&pending).rest, whole.rest);
+        assert_eq!(&text[whole.consumed..], " SELECT 'é;");
     }
 
     #[test]

@@ -4,6 +4,8 @@
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
+mod service;
+
 fn fulmen() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_fulmen"));
     cmd.env_remove("FULMEN_DEVICES")
