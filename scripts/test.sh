@@ -116,8 +116,9 @@ for benchmark in tpch ssb; do
     "$benchmark" --sf 0.01 --iterations 1 --output "$target/bench-smoke"
 done
 
-step "benchmark smoke run: Kafka ingest and window-close-to-alert latency (mock cluster)"
-"$bin/fulmen-bench" stream --events 20000 --latency-seconds 3 --output "$target/bench-smoke"
+step "benchmark smoke run: Kafka ingest, window-close-to-alert latency, the fraud pipeline end to end (mock cluster)"
+"$bin/fulmen-bench" stream --events 20000 --latency-seconds 3 --fraud-cards 300 --fraud-minutes 90 \
+  --output "$target/bench-smoke"
 
 step "kernel micro-benchmarks compile (cargo bench --no-run)"
 cargo bench --locked --no-run -p fulmen-kernels

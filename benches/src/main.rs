@@ -50,6 +50,13 @@ struct StreamOptions {
     /// Where the report goes.
     #[arg(long, default_value = "bench-results")]
     output: PathBuf,
+    /// Cards of the fraud pipeline's traffic (about 1.3 transactions per card and 10
+    /// minutes of event time); 0 leaves the fraud pipeline out.
+    #[arg(long, default_value_t = 20_000)]
+    fraud_cards: usize,
+    /// Minutes of event time of the fraud pipeline's traffic.
+    #[arg(long, default_value_t = 120)]
+    fraud_minutes: i64,
 }
 
 async fn run_stream(options: StreamOptions) -> Result<bool> {
@@ -61,11 +68,23 @@ async fn run_stream(options: StreamOptions) -> Result<bool> {
         stem.with_extension("json"),
         serde_json::to_string_pretty(&report.json())?,
     )?;
-    let markdown = report.markdown();
+    let mut markdown = report.markdown();
+    let mut ok = report.windows > 0;
+    if options.fraud_cards > 0 {
+        let fraud =
+            fulmen_benches::stream::fraud(options.fraud_cards, options.fraud_minutes).await?;
+        std::fs::write(
+            options.output.join("stream-fraud.json"),
+            serde_json::to_string_pretty(&fraud.json())?,
+        )?;
+        markdown.push('\n');
+        markdown.push_str(&fraud.markdown());
+        ok &= fraud.alerts == fraud.planted;
+    }
     std::fs::write(stem.with_extension("md"), &markdown)?;
     println!("{markdown}");
     eprintln!("wrote {}.{{json,md}}", stem.display());
-    Ok(report.windows > 0)
+    Ok(ok)
 }
 
 #[derive(clap::Args, Debug)]

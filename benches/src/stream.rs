@@ -78,6 +78,18 @@ fn send(producer: &BaseProducer, topic: &str, partition: i32, value: &[u8]) {
     }
 }
 
+/// A consumer reading partition 0 of `topic` from its beginning.
+fn reader(servers: &str, topic: &str) -> Result<BaseConsumer> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", servers)
+        .set("group.id", "bench-reader")
+        .create()?;
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, Offset::Beginning)?;
+    consumer.assign(&tpl)?;
+    Ok(consumer)
+}
+
 /// utime + stime, in seconds, from a `/proc/…/stat` file's text.
 fn stat_cpu_seconds(stat: &str) -> f64 {
     let ticks_per_second = 100.0; // USER_HZ on Linux
@@ -148,7 +160,7 @@ async fn ingest(
     ctx: &FulmenContext,
     streams: &fulmen_connectors::Streams,
     servers: &str,
-    topic: &str,
+    (topic, columns): (&str, &str),
     options: &str,
     events: usize,
 ) -> Result<Ingest> {
@@ -156,7 +168,7 @@ async fn ingest(
     let process_before = process_cpu_seconds();
     let started = Instant::now();
     ctx.sql(&format!(
-        "CREATE EXTERNAL TABLE {topic} ({COLUMNS}) STORED AS KAFKA LOCATION '{topic}' \
+        "CREATE EXTERNAL TABLE {topic} ({columns}) STORED AS KAFKA LOCATION '{topic}' \
          OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest'{options})"
     ))
     .await?;
@@ -259,14 +271,14 @@ pub async fn run(events: usize, latency_seconds: u64) -> Result<StreamReport> {
         event(0, "2026-01-01T00:00:00.000Z").as_bytes(),
     );
     producer.flush(Duration::from_secs(10))?;
-    let warmup = ingest(&ctx, &streams, &servers, "warmup", "", 1).await?;
+    let warmup = ingest(&ctx, &streams, &servers, ("warmup", COLUMNS), "", 1).await?;
     eprintln!("warm-up table: {:.2} s", warmup.seconds);
-    let json = ingest(&ctx, &streams, &servers, "ingest", "", events).await?;
+    let json = ingest(&ctx, &streams, &servers, ("ingest", COLUMNS), "", events).await?;
     let avro = ingest(
         &ctx,
         &streams,
         &servers,
-        "ingest_avro",
+        ("ingest_avro", COLUMNS),
         ", 'format' 'avro', 'avro.schema_id' '1'",
         events,
     )
@@ -314,13 +326,7 @@ pub async fn run(events: usize, latency_seconds: u64) -> Result<StreamReport> {
     tokio::time::sleep(Duration::from_secs(2)).await;
     streams.shutdown();
 
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", &servers)
-        .set("group.id", "bench-reader")
-        .create()?;
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset("counts", 0, Offset::Beginning)?;
-    consumer.assign(&tpl)?;
+    let consumer = reader(&servers, "counts")?;
     let mut latencies = Vec::new();
     let mut quiet = Instant::now();
     while quiet.elapsed() < Duration::from_secs(1) {
@@ -421,6 +427,213 @@ impl StreamReport {
             self.close_to_alert_p50_ms,
             self.windows,
             self.close_to_alert_p99_ms,
+        )
+    }
+}
+
+/// The fraud pipeline's end-to-end run (examples/fraud: three windowed rules, one joined
+/// with a CSV table of profiles) over a backlog, beside the ingest alone of the same events.
+#[derive(Debug)]
+pub struct FraudReport {
+    /// Transactions (and the three heartbeats that close the last windows).
+    pub events: usize,
+    /// Cards in the generated traffic.
+    pub cards: usize,
+    /// Minutes of event time.
+    pub minutes: i64,
+    /// A live table alone reading the same events.
+    pub ingest: Ingest,
+    /// Seconds from the pipeline's first statement until every sink emitted its last window.
+    pub pipeline_seconds: f64,
+    /// CPU seconds of the whole process meanwhile.
+    pub pipeline_process_cpu_seconds: f64,
+    /// Sink ticks that ran a query (the windowed re-reads).
+    pub ticks: u64,
+    /// Alerts written, and the alerts the generator planted (they must be equal).
+    pub alerts: usize,
+    /// See `alerts`.
+    pub planted: usize,
+}
+
+/// Runs the fraud pipeline over `cards` cards and `minutes` of event time (about 1.3
+/// transactions per card and 10 minutes), all produced before the pipeline starts.
+pub async fn fraud(cards: usize, minutes: i64) -> Result<FraudReport> {
+    let options = fulmen_fraud::Options {
+        cards,
+        minutes,
+        ..fulmen_fraud::Options::default()
+    };
+    let generated = fulmen_fraud::generate(options);
+    let end_ms = fulmen_fraud::START_MS + minutes * 60_000;
+    let heartbeat = fulmen_fraud::Transaction {
+        card: "heartbeat".into(),
+        customer: "none".into(),
+        amount: 0.0,
+        country: "--".into(),
+        ts_ms: end_ms + 86_400_000,
+    };
+    let cluster = MockCluster::new(1)?;
+    let servers = cluster.bootstrap_servers();
+    // At most 5 MB per partition on the mock cluster (about 130 bytes an event).
+    let partitions = (generated.transactions.len() * 130 / (4 << 20) + 1).max(3) as i32;
+    for topic in ["transactions", "fraud_ingest"] {
+        cluster.create_topic(topic, partitions, 1)?;
+    }
+    cluster.create_topic("alerts", 1, 1)?;
+    cluster.create_topic("transactions-dead-letters", 1, 1)?;
+    let producer = new_producer(&servers)?;
+    for t in &generated.transactions {
+        let partition = t.card.bytes().map(i32::from).sum::<i32>() % partitions;
+        let value = t.to_json();
+        send(&producer, "transactions", partition, value.as_bytes());
+        send(&producer, "fraud_ingest", partition, value.as_bytes());
+    }
+    for p in 0..partitions {
+        for topic in ["transactions", "fraud_ingest"] {
+            send(&producer, topic, p, heartbeat.to_json().as_bytes());
+        }
+    }
+    producer.flush(Duration::from_secs(300))?;
+    let events = generated.transactions.len() + partitions as usize;
+    eprintln!("fraud: produced {events} transactions of {cards} cards over {minutes} minutes");
+
+    let ctx = FulmenContext::new()?;
+    let streams = fulmen_connectors::install(&ctx);
+    // Run after `run` in the same process, whose warm-up table took the mock cluster's
+    // first-fetch wait out of the measures.
+    let ingest_only = ingest(
+        &ctx,
+        &streams,
+        &servers,
+        (
+            "fraud_ingest",
+            "card VARCHAR, customer VARCHAR, amount DOUBLE, country VARCHAR, ts TIMESTAMP",
+        ),
+        "",
+        events,
+    )
+    .await?;
+    eprintln!("fraud: ingest alone {:.2} s", ingest_only.seconds);
+
+    let dir = std::env::temp_dir().join(format!("fulmen-bench-fraud-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let profiles = dir.join("fraud-profiles.csv");
+    std::fs::write(&profiles, fulmen_fraud::profiles_csv(&generated.profiles))?;
+    let process_before = process_cpu_seconds();
+    let started = Instant::now();
+    for statement in fulmen_fraud::pipeline_statements(&servers, &profiles.to_string_lossy()) {
+        ctx.sql(&statement).await?.collect().await?;
+    }
+    // Every window closes once the heartbeats' watermark passes the last hour's end.
+    let last = (end_ms + 3_600_000) * 1_000_000;
+    let mut reported = Instant::now();
+    loop {
+        let sinks = streams.sinks().list();
+        if sinks.len() == 3
+            && sinks
+                .iter()
+                .all(|(_, _, _, s)| s.emitted_up_to.is_some_and(|e| e >= last))
+        {
+            break;
+        }
+        if let Some((name, _, _, s)) = sinks.iter().find(|(_, _, _, s)| s.failing_since.is_some()) {
+            bail!("sink {name} fails: {:?}", s.last_error);
+        }
+        if started.elapsed() > Duration::from_secs(1800) {
+            bail!("the pipeline did not finish in 30 minutes");
+        }
+        if reported.elapsed() > Duration::from_secs(30) {
+            reported = Instant::now();
+            eprintln!(
+                "fraud: {:.0} s, emitted up to {:?}",
+                started.elapsed().as_secs_f64(),
+                sinks
+                    .iter()
+                    .map(|(n, _, _, s)| (
+                        n.clone(),
+                        s.emitted_up_to
+                            .map(|e| (e / 1_000_000 - fulmen_fraud::START_MS) / 60_000)
+                    ))
+                    .collect::<Vec<_>>()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pipeline_seconds = started.elapsed().as_secs_f64();
+    let pipeline_process_cpu_seconds = process_cpu_seconds() - process_before;
+    let ticks = streams
+        .sinks()
+        .list()
+        .iter()
+        .map(|(_, _, _, s)| s.runs)
+        .sum();
+    streams.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let consumer = reader(&servers, "alerts")?;
+    let (mut alerts, mut quiet) = (0, Instant::now());
+    while quiet.elapsed() < Duration::from_secs(1) {
+        if let Some(message) = consumer.poll(Duration::from_millis(100)) {
+            message?;
+            alerts += 1;
+            quiet = Instant::now();
+        }
+    }
+    Ok(FraudReport {
+        events,
+        cards,
+        minutes,
+        ingest: ingest_only,
+        pipeline_seconds,
+        pipeline_process_cpu_seconds,
+        ticks,
+        alerts,
+        planted: generated.planted.len(),
+    })
+}
+
+impl FraudReport {
+    /// The report as JSON.
+    pub fn json(&self) -> serde_json::Value {
+        let n = self.events as f64;
+        serde_json::json!({
+            "events": self.events,
+            "cards": self.cards,
+            "minutes": self.minutes,
+            "ingest_only": self.ingest.json(self.events),
+            "pipeline_seconds": self.pipeline_seconds,
+            "pipeline_events_per_second": n / self.pipeline_seconds,
+            "pipeline_process_cpu_seconds": self.pipeline_process_cpu_seconds,
+            "pipeline_events_per_process_cpu_second": n / self.pipeline_process_cpu_seconds.max(0.01),
+            "pipeline_over_ingest": self.pipeline_seconds / self.ingest.seconds,
+            "sink_ticks": self.ticks,
+            "alerts": self.alerts,
+            "planted": self.planted,
+        })
+    }
+
+    /// The report as a markdown table.
+    pub fn markdown(&self) -> String {
+        let n = self.events as f64;
+        format!(
+            "| fraud pipeline ({} events, {} cards, {} minutes of event time) | value |\n|---|---|\n\
+             | ingest alone | {:.2} s, {:.0} events/s |\n\
+             | the three rules, end to end (backlog) | {:.2} s, {:.0} events/s ({:.1}× the ingest time) |\n\
+             | end to end per CPU second of the process | {:.0} events/s |\n\
+             | sink ticks | {} |\n\
+             | alerts written / planted | {} / {} |\n",
+            self.events,
+            self.cards,
+            self.minutes,
+            self.ingest.seconds,
+            n / self.ingest.seconds,
+            self.pipeline_seconds,
+            n / self.pipeline_seconds,
+            self.pipeline_seconds / self.ingest.seconds,
+            n / self.pipeline_process_cpu_seconds.max(0.01),
+            self.ticks,
+            self.alerts,
+            self.planted,
         )
     }
 }

@@ -77,57 +77,41 @@ fn gauge(v: i64) -> ConstGauge<i64> {
 impl Collector for PipelineCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let tables: Vec<_> = self.streams.tables().iter().map(|t| t.status()).collect();
-        let by_table = |f: &dyn Fn(&crate::live::StreamStatus) -> u64| {
-            tables
-                .iter()
-                .map(|t| ([("table", t.name.clone())], counter(f(t))))
-                .collect::<Vec<_>>()
-        };
         let e = &mut encoder;
-        let c = MetricType::Counter;
-        let g = MetricType::Gauge;
-        family(
-            e,
-            "fulmen_stream_messages",
-            "Kafka messages read",
-            c,
-            by_table(&|t| t.messages),
-        )?;
-        family(
-            e,
-            "fulmen_stream_rows",
-            "Rows added to the live table",
-            c,
-            by_table(&|t| t.rows),
-        )?;
-        family(
-            e,
-            "fulmen_stream_malformed",
-            "Messages that could not be decoded",
-            c,
-            by_table(&|t| t.malformed),
-        )?;
-        family(
-            e,
-            "fulmen_stream_late",
-            "Rows older than the watermark",
-            c,
-            by_table(&|t| t.late),
-        )?;
-        family(
-            e,
-            "fulmen_stream_dead_lettered",
-            "Messages written to the dead-letter topic",
-            c,
-            by_table(&|t| t.dead_lettered),
-        )?;
-        family(
-            e,
-            "fulmen_stream_errors",
-            "Errors from the brokers or the dead-letter topic",
-            c,
-            by_table(&|t| t.errors),
-        )?;
+        let (c, g) = (MetricType::Counter, MetricType::Gauge);
+        type TableCount = fn(&crate::live::StreamStatus) -> u64;
+        let table_counts: [(&str, &str, TableCount); 6] = [
+            ("fulmen_stream_messages", "Kafka messages read", |t| {
+                t.messages
+            }),
+            ("fulmen_stream_rows", "Rows added to the live table", |t| {
+                t.rows
+            }),
+            (
+                "fulmen_stream_malformed",
+                "Messages that could not be decoded",
+                |t| t.malformed,
+            ),
+            ("fulmen_stream_late", "Rows older than the watermark", |t| {
+                t.late
+            }),
+            (
+                "fulmen_stream_dead_lettered",
+                "Messages written to the dead-letter topic",
+                |t| t.dead_lettered,
+            ),
+            (
+                "fulmen_stream_errors",
+                "Errors from the brokers or the dead-letter topic",
+                |t| t.errors,
+            ),
+        ];
+        for (name, help, value) in table_counts {
+            let rows = tables
+                .iter()
+                .map(|t| ([("table", t.name.clone())], counter(value(t))));
+            family(e, name, help, c, rows)?;
+        }
         family(
             e,
             "fulmen_stream_rows_held",
@@ -158,33 +142,26 @@ impl Collector for PipelineCollector {
         )?;
 
         let sinks = self.streams.sinks().list();
-        let by_sink = |f: &dyn Fn(&crate::sink::SinkStatus) -> u64| {
-            sinks
+        type SinkCount = fn(&crate::sink::SinkStatus) -> u64;
+        let sink_counts: [(&str, &str, SinkCount); 3] = [
+            ("fulmen_sink_ticks", "Ticks that completed", |s| s.runs),
+            (
+                "fulmen_sink_rows_written",
+                "Messages written to the sink's topic",
+                |s| s.rows_written,
+            ),
+            (
+                "fulmen_sink_failures",
+                "Ticks that failed (and were retried)",
+                |s| s.failures,
+            ),
+        ];
+        for (name, help, value) in sink_counts {
+            let rows = sinks
                 .iter()
-                .map(|(name, _, _, s)| ([("sink", name.clone())], counter(f(s))))
-                .collect::<Vec<_>>()
-        };
-        family(
-            e,
-            "fulmen_sink_ticks",
-            "Ticks that completed",
-            c,
-            by_sink(&|s| s.runs),
-        )?;
-        family(
-            e,
-            "fulmen_sink_rows_written",
-            "Messages written to the sink's topic",
-            c,
-            by_sink(&|s| s.rows_written),
-        )?;
-        family(
-            e,
-            "fulmen_sink_failures",
-            "Ticks that failed (and were retried)",
-            c,
-            by_sink(&|s| s.failures),
-        )?;
+                .map(|(n, _, _, s)| ([("sink", n.clone())], counter(value(s))));
+            family(e, name, help, c, rows)?;
+        }
         family(
             e,
             "fulmen_sink_failing",

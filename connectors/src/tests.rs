@@ -672,10 +672,6 @@ async fn the_fraud_pipeline_raises_exactly_the_planted_alerts() {
     let dir = tempfile::tempdir().unwrap();
     let profiles = dir.path().join("fraud-profiles.csv");
     std::fs::write(&profiles, fulmen_fraud::profiles_csv(&generated.profiles)).unwrap();
-    let pipeline = include_str!("../../examples/fraud/pipeline.sql")
-        .replace("localhost:9092", &servers)
-        .replace("fraud-profiles.csv", profiles.to_str().unwrap());
-
     let mut messages: Vec<_> = generated
         .transactions
         .iter()
@@ -694,11 +690,8 @@ async fn the_fraud_pipeline_raises_exactly_the_planted_alerts() {
     };
     messages.extend((0..3).map(|p| (p, None, heartbeat.to_json().into_bytes())));
     let (ctx, streams) = session();
-    for statement in pipeline.split(";\n").filter(|s| {
-        s.lines()
-            .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with("--"))
-    }) {
-        query(&ctx, statement).await;
+    for statement in fulmen_fraud::pipeline_statements(&servers, profiles.to_str().unwrap()) {
+        query(&ctx, &statement).await;
     }
     produce(&servers, "transactions", &messages);
     wait_for_sinks(&streams, end_ms + 3_600_000).await;

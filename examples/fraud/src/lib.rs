@@ -271,6 +271,21 @@ pub fn profiles_csv(profiles: &[Profile]) -> String {
     out
 }
 
+/// The statements of `pipeline.sql`, pointed at the brokers `servers` and the profiles CSV
+/// at `profiles` (comment-only pieces left out).
+pub fn pipeline_statements(servers: &str, profiles: &str) -> Vec<String> {
+    include_str!("../pipeline.sql")
+        .replace("localhost:9092", servers)
+        .replace("fraud-profiles.csv", profiles)
+        .split(";\n")
+        .filter(|s| {
+            s.lines()
+                .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with("--"))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
 /// `ms` milliseconds after the epoch as RFC 3339 (UTC).
 pub fn rfc3339(ms: i64) -> String {
     let days = ms.div_euclid(86_400_000);
