@@ -474,8 +474,9 @@ pub async fn fraud(cards: usize, minutes: i64) -> Result<FraudReport> {
     };
     let cluster = MockCluster::new(1)?;
     let servers = cluster.bootstrap_servers();
-    // At most 5 MB per partition on the mock cluster (about 130 bytes an event).
-    let partitions = (generated.transactions.len() * 130 / (4 << 20) + 1).max(3) as i32;
+    // The mock cluster keeps at most 5 MB per partition and drops older messages: a
+    // partition per 2 MB of events (about 130 bytes each, and as much again of overhead).
+    let partitions = (generated.transactions.len() * 260 / (4 << 20) + 1).max(3) as i32;
     for topic in ["transactions", "fraud_ingest"] {
         cluster.create_topic(topic, partitions, 1)?;
     }
@@ -483,7 +484,13 @@ pub async fn fraud(cards: usize, minutes: i64) -> Result<FraudReport> {
     cluster.create_topic("transactions-dead-letters", 1, 1)?;
     let producer = new_producer(&servers)?;
     for t in &generated.transactions {
-        let partition = t.card.bytes().map(i32::from).sum::<i32>() % partitions;
+        // By card (as a keyed producer would), spread evenly: the mock cluster drops what
+        // overflows a partition.
+        let hash = t
+            .card
+            .bytes()
+            .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
+        let partition = (hash % partitions as u32) as i32;
         let value = t.to_json();
         send(&producer, "transactions", partition, value.as_bytes());
         send(&producer, "fraud_ingest", partition, value.as_bytes());
