@@ -465,13 +465,7 @@ pub async fn fraud(cards: usize, minutes: i64) -> Result<FraudReport> {
     };
     let generated = fulmen_fraud::generate(options);
     let end_ms = fulmen_fraud::START_MS + minutes * 60_000;
-    let heartbeat = fulmen_fraud::Transaction {
-        card: "heartbeat".into(),
-        customer: "none".into(),
-        amount: 0.0,
-        country: "--".into(),
-        ts_ms: end_ms + 86_400_000,
-    };
+    let heartbeat = fulmen_fraud::heartbeat(minutes);
     let cluster = MockCluster::new(1)?;
     let servers = cluster.bootstrap_servers();
     // The mock cluster keeps at most 5 MB per partition and drops older messages: a

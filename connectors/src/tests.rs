@@ -681,13 +681,7 @@ async fn the_fraud_pipeline_raises_exactly_the_planted_alerts() {
         })
         .collect();
     let end_ms = fulmen_fraud::START_MS + options.minutes * 60_000;
-    let heartbeat = fulmen_fraud::Transaction {
-        card: "heartbeat".into(),
-        customer: "none".into(),
-        amount: 0.0,
-        country: "--".into(),
-        ts_ms: end_ms + 86_400_000,
-    };
+    let heartbeat = fulmen_fraud::heartbeat(options.minutes);
     messages.extend((0..3).map(|p| (p, None, heartbeat.to_json().into_bytes())));
     let (ctx, streams) = session();
     for statement in fulmen_fraud::pipeline_statements(&servers, profiles.to_str().unwrap()) {

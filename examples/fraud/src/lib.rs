@@ -271,6 +271,18 @@ pub fn profiles_csv(profiles: &[Profile]) -> String {
     out
 }
 
+/// A transaction a day after `minutes` of generated traffic end: sent to every partition,
+/// it moves the watermark past every window of the traffic, so that all of them close.
+pub fn heartbeat(minutes: i64) -> Transaction {
+    Transaction {
+        card: "heartbeat".into(),
+        customer: "none".into(),
+        amount: 0.0,
+        country: "--".into(),
+        ts_ms: START_MS + minutes * MINUTE + 86_400_000,
+    }
+}
+
 /// The statements of `pipeline.sql`, pointed at the brokers `servers` and the profiles CSV
 /// at `profiles` (comment-only pieces left out).
 pub fn pipeline_statements(servers: &str, profiles: &str) -> Vec<String> {
