@@ -252,15 +252,13 @@ pub fn render(streams: &Arc<Streams>, ctx: &FulmenContext) -> String {
 pub fn unhealthy(streams: &Streams) -> Vec<String> {
     streams
         .sinks()
-        .list()
+        .failing()
         .into_iter()
-        .filter_map(|(name, _, _, s)| {
-            let since = s.failing_since?;
-            Some(format!(
-                "sink '{name}' failing for {:.0} s: {}",
-                since.elapsed().as_secs_f64(),
-                s.last_error.unwrap_or_default()
-            ))
+        .map(|(name, failing, error)| {
+            format!(
+                "sink '{name}' failing for {:.0} s: {error}",
+                failing.as_secs_f64()
+            )
         })
         .collect()
 }

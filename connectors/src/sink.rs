@@ -603,6 +603,20 @@ impl Sinks {
             .collect()
     }
 
+    /// The sinks whose ticks fail now: (name, for how long, the last error).
+    pub fn failing(&self) -> Vec<(String, Duration, String)> {
+        self.list()
+            .into_iter()
+            .filter_map(|(name, _, _, s)| {
+                Some((
+                    name,
+                    s.failing_since?.elapsed(),
+                    s.last_error.unwrap_or_default(),
+                ))
+            })
+            .collect()
+    }
+
     /// Stops every sink.
     pub fn stop_all(&self) {
         let sinks = std::mem::take(&mut *self.sinks.lock().unwrap_or_else(|p| p.into_inner()));

@@ -281,16 +281,12 @@ fn service(
                     return Ok(None);
                 }
                 _ = check.tick() => {
-                    let failing = streams.sinks().list().into_iter().find_map(|(name, _, _, s)| {
-                        let since = s.failing_since?;
-                        (since.elapsed() >= timeout).then(|| format!(
-                            "sink '{name}' failed every tick for {:.0} s: {}",
-                            since.elapsed().as_secs_f64(),
-                            s.last_error.unwrap_or_default()
-                        ))
-                    });
-                    if failing.is_some() {
-                        return Ok(failing);
+                    let failing = streams.sinks().failing().into_iter().find(|f| f.1 >= timeout);
+                    if let Some((name, failing, error)) = failing {
+                        return Ok(Some(format!(
+                            "sink '{name}' failed every tick for {:.0} s: {error}",
+                            failing.as_secs_f64()
+                        )));
                     }
                 }
             }

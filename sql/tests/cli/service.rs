@@ -208,23 +208,28 @@ fn sample(metrics: &str, name_and_labels: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {name_and_labels} in:\n{metrics}"))
 }
 
+/// Writes `sql` to pipeline.sql in `dir`.
+fn write_script(dir: &tempfile::TempDir, sql: &str) -> std::path::PathBuf {
+    let script = dir.path().join("pipeline.sql");
+    std::fs::write(&script, sql).unwrap();
+    script
+}
+
 #[test]
 fn run_serves_until_sigterm_then_resumes_from_the_committed_offsets() {
     let cluster = cluster(&[("pay", 2), ("big", 1)]);
     let servers = cluster.bootstrap_servers();
     let dir = tempfile::tempdir().unwrap();
-    let script = dir.path().join("pipeline.sql");
-    std::fs::write(
-        &script,
-        format!(
+    let script = write_script(
+        &dir,
+        &format!(
             "CREATE EXTERNAL TABLE pay (id BIGINT, amount BIGINT) STORED AS KAFKA LOCATION 'pay' \
              OPTIONS ('bootstrap.servers' '{servers}', 'group.id' 'service', 'start' 'committed');\n\
              CREATE EXTERNAL TABLE big (id BIGINT, amount BIGINT) STORED AS KAFKA LOCATION 'big' \
              OPTIONS ('bootstrap.servers' '{servers}', 'format' 'csv');\n\
              CREATE SINK big_payments INTO big AS SELECT id, amount FROM pay WHERE amount >= 200;\n"
         ),
-    )
-    .unwrap();
+    );
     let expected = |n: usize| (0..n).filter(|i| i % 300 >= 200).count();
 
     produce(&servers, "pay", 2, &payments(0, 600));
@@ -320,18 +325,16 @@ fn a_sink_that_keeps_failing_ends_the_service_with_status_2() {
     let cluster = cluster(&[("raw", 1), ("out", 1)]);
     let servers = cluster.bootstrap_servers();
     let dir = tempfile::tempdir().unwrap();
-    let script = dir.path().join("pipeline.sql");
-    std::fs::write(
-        &script,
-        format!(
+    let script = write_script(
+        &dir,
+        &format!(
             "CREATE EXTERNAL TABLE raw (v VARCHAR) STORED AS KAFKA LOCATION 'raw' \
              OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest');\n\
              CREATE EXTERNAL TABLE out (n INT) STORED AS KAFKA LOCATION 'out' \
              OPTIONS ('bootstrap.servers' '{servers}', 'format' 'csv');\n\
              CREATE SINK parse INTO out AS SELECT CAST(v AS INT) AS n FROM raw;\n"
         ),
-    )
-    .unwrap();
+    );
     produce(&servers, "raw", 1, &[r#"{"v":"not a number"}"#.to_string()]);
     let started = Instant::now();
     let service = Service::start(&script, &["--sink-failure-timeout", "1"]);
