@@ -89,13 +89,15 @@ pub struct DeviceCounts {
     pub driver_frees: u64,
     /// Kernel launches.
     pub launches: u64,
-    /// Times the host waited for the device (`cuStreamSynchronize`).
+    /// Times the host waited for the device (`cuStreamSynchronize`): each read piece, each
+    /// [`Device::synchronize`](crate::Device::synchronize), and each refill of an upload
+    /// staging half the stream may not have passed. Launches and uploads do not wait.
     pub syncs: u64,
-    /// Host-to-device copies (one per staging piece of at most [`STAGING_BYTES`]).
+    /// Host-to-device copies (one per staging piece of at most [`UPLOAD_HALF_BYTES`]).
     pub h2d_copies: u64,
     /// Bytes copied host to device.
     pub h2d_bytes: u64,
-    /// Device-to-host copies (one per staging piece).
+    /// Device-to-host copies (one per staging piece of at most [`STAGING_BYTES`]).
     pub d2h_copies: u64,
     /// Bytes copied device to host.
     pub d2h_bytes: u64,
@@ -137,8 +139,15 @@ impl std::ops::AddAssign<&DeviceCounts> for DeviceCounts {
     }
 }
 
-/// Bytes of pinned host memory each copy is staged through; a larger copy goes in pieces,
-/// each a driver copy and a wait.
+/// Bytes of pinned host memory each read from the device is staged through; a larger read
+/// goes in pieces, each a driver copy and a wait.
 pub const STAGING_BYTES: usize = 16 << 20;
+
+/// Bytes in each of the two halves of pinned memory uploads are staged through. Uploads
+/// fill one half while the device copies out of the other; a larger upload goes in pieces
+/// of at most this, each a driver copy. Filling a half again waits for the stream (a
+/// counted sync) only where the host has not waited since that half's last copy was
+/// queued: a batch's reads usually have, so batches whose uploads fit a half never wait.
+pub const UPLOAD_HALF_BYTES: usize = 64 << 20;
 
 pub(crate) use each_count;

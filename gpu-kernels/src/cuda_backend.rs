@@ -7,7 +7,10 @@
 //!   disk), or PTX built ahead.
 //! - Memory comes from the stream-ordered allocator (`cuMemAllocAsync`) where the device
 //!   has one; the budget is kept by the device's pool as on the emulator.
-//! - Copies go through a pinned staging buffer with async copies on the device's stream.
+//! - Work is queued on the device's one stream without waiting: launches, copies between
+//!   buffers, and uploads (each staged in one of two pinned halves, which `Device::write`
+//!   refills only once the stream has passed them). Reads stage through their own pinned
+//!   buffer and wait for the stream.
 //! - Every call binds the device's context to the calling thread first.
 //! - Threads waiting for the device block instead of spinning (the primary context is
 //!   created with `CU_CTX_SCHED_BLOCKING_SYNC`), so waiting partitions leave the CPU to
@@ -24,7 +27,7 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
 use crate::kernels::Kernel;
 use crate::{KernelError, Result};
 
-use crate::device::STAGING_BYTES;
+use crate::device::{STAGING_BYTES, UPLOAD_HALF_BYTES};
 
 /// Whether CUDA leaves the context unusable after `error` (every later call fails).
 fn sticky(error: &DriverError) -> bool {
@@ -71,6 +74,18 @@ struct Staging {
 // SAFETY: the pinned buffer is only touched under the backend's mutex.
 unsafe impl Send for Staging {}
 
+/// The two pinned upload halves, one allocation of `2 * UPLOAD_HALF_BYTES`. Which half and
+/// offset a piece goes to, and when a half may be refilled, is `Device::write`'s to say
+/// (under its lock); this only holds the memory.
+struct UploadHalves {
+    ptr: *mut u8,
+}
+
+// SAFETY: the halves are written only by `Device::write`, under its upload lock, into
+// ranges the stream has passed.
+unsafe impl Send for UploadHalves {}
+unsafe impl Sync for UploadHalves {}
+
 pub(crate) struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -79,6 +94,7 @@ pub(crate) struct CudaBackend {
     modules: Mutex<HashMap<&'static str, sys::CUmodule>>,
     functions: Mutex<HashMap<Kernel, sys::CUfunction>>,
     staging: Mutex<Staging>,
+    uploads: UploadHalves,
 }
 
 // SAFETY: module and function handles are plain driver handles, valid on any thread once
@@ -135,6 +151,15 @@ impl CudaBackend {
         // SAFETY: allocates pinned host memory of the given size; freed in Drop.
         let staging = unsafe { result::malloc_host(STAGING_BYTES, 0) }
             .map_err(driver("allocating pinned memory"))?;
+        // SAFETY: as above; freed in Drop.
+        let uploads = match unsafe { result::malloc_host(2 * UPLOAD_HALF_BYTES, 0) } {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: allocated just above, not yet owned by anything.
+                let _ = unsafe { result::free_host(staging) };
+                return Err(driver("allocating pinned memory")(e));
+            }
+        };
         let backend = Self {
             async_alloc: ctx.has_async_alloc(),
             ctx,
@@ -146,6 +171,9 @@ impl CudaBackend {
                 ptr: staging.cast(),
                 len: STAGING_BYTES,
             }),
+            uploads: UploadHalves {
+                ptr: uploads.cast(),
+            },
         };
         Ok((backend, properties))
     }
@@ -156,7 +184,9 @@ impl CudaBackend {
             .map_err(driver("binding the CUDA context"))
     }
 
-    fn sync(&self) -> Result<()> {
+    /// Waits for everything queued on the stream.
+    pub fn sync(&self) -> Result<()> {
+        self.bind()?;
         self.stream
             .synchronize()
             .map_err(|e| self.failed("waiting for the stream", e))
@@ -198,23 +228,27 @@ impl CudaBackend {
         }
     }
 
-    pub fn write(&self, addr: u64, offset: usize, bytes: &[u8]) -> Result<()> {
+    /// Copies `piece` into upload half `half` at `at` and queues its copy to device
+    /// address `dst`, without waiting. The caller (`Device::write`) guarantees that the
+    /// range fits the half and that the stream has passed every earlier copy out of it.
+    pub fn stage_write(&self, half: usize, at: usize, dst: u64, piece: &[u8]) -> Result<()> {
         self.bind()?;
-        let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        for (k, piece) in bytes.chunks(staging.len).enumerate() {
-            // SAFETY: the staging buffer holds `staging.len` bytes, at least piece.len(); the
-            // previous piece's copy finished (sync below) before it is overwritten; the
-            // destination range lies inside the buffer (checked by Device::write).
-            unsafe {
-                std::ptr::copy_nonoverlapping(piece.as_ptr(), staging.ptr, piece.len());
-                let pinned = std::slice::from_raw_parts(staging.ptr, piece.len());
-                let dst = addr + (offset + k * staging.len) as u64;
-                result::memcpy_htod_async(dst, pinned, self.stream.cu_stream())
-                    .map_err(|e| self.failed("copying to the device", e))?;
-            }
-            self.sync()?;
+        if half > 1 || at + piece.len() > UPLOAD_HALF_BYTES {
+            return Err(KernelError::Unsupported(format!(
+                "{} bytes at {at} of upload half {half}",
+                piece.len()
+            )));
         }
-        Ok(())
+        // SAFETY: the range lies inside the pinned allocation (checked above) and no queued
+        // copy reads it any more (the caller's guarantee); the destination lies inside a
+        // live buffer (checked by Device::write).
+        unsafe {
+            let slot = self.uploads.ptr.add(half * UPLOAD_HALF_BYTES + at);
+            std::ptr::copy_nonoverlapping(piece.as_ptr(), slot, piece.len());
+            let pinned = std::slice::from_raw_parts(slot, piece.len());
+            result::memcpy_htod_async(dst, pinned, self.stream.cu_stream())
+                .map_err(|e| self.failed("copying to the device", e))
+        }
     }
 
     pub fn read(&self, addr: u64, offset: usize, out: &mut [u8]) -> Result<()> {
@@ -235,13 +269,12 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Copies `len` bytes between two device buffers.
+    /// Queues a copy of `len` bytes between two device buffers.
     pub fn copy(&self, dst: u64, src: u64, len: usize) -> Result<()> {
         self.bind()?;
         // SAFETY: both ranges lie inside live buffers (checked by the caller).
         unsafe { result::memcpy_dtod_async(dst, src, len, self.stream.cu_stream()) }
-            .map_err(|e| self.failed("copying on the device", e))?;
-        self.sync()
+            .map_err(|e| self.failed("copying on the device", e))
     }
 
     fn function(&self, kernel: Kernel) -> Result<sys::CUfunction> {
@@ -279,7 +312,7 @@ impl CudaBackend {
         Ok(f)
     }
 
-    /// Launches and waits.
+    /// Queues a launch (a fault in the kernel shows at the next wait, as a sticky error).
     ///
     /// # Safety
     /// As `Device::launch`: `params` point at arguments matching the kernel's signature.
@@ -304,10 +337,7 @@ impl CudaBackend {
                 params,
             )
         }
-        .map_err(|e| self.launch_failed(kernel, e))?;
-        self.stream
-            .synchronize()
-            .map_err(|e| self.launch_failed(kernel, e))
+        .map_err(|e| self.launch_failed(kernel, e))
     }
 
     fn launch_failed(&self, kernel: Kernel, e: DriverError) -> KernelError {
@@ -331,6 +361,8 @@ impl Drop for CudaBackend {
         let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: allocated with malloc_host in `open`, freed once here.
         let _ = unsafe { result::free_host(staging.ptr.cast()) };
+        // SAFETY: allocated with malloc_host in `open`, freed once here, the stream idle.
+        let _ = unsafe { result::free_host(self.uploads.ptr.cast()) };
         for (_, m) in self
             .modules
             .lock()

@@ -4,6 +4,13 @@
 //!   memory, a byte budget, and injectable faults;
 //! - **cuda**: an NVIDIA GPU through the driver API (`cuda_backend.rs`), kernels compiled
 //!   by NVRTC for the device's architecture (`nvrtc.rs`).
+//!
+//! Work is asynchronous on both: launches, uploads and copies between buffers are queued
+//! on the device's stream and the call returns at once; the host waits only where it needs
+//! a value (a read, [`Device::synchronize`]) or a staging half it is about to refill (see
+//! [`UPLOAD_HALF_BYTES`]). Buffers go back to the pool when dropped, while queued work may
+//! still use them: on the one in-order stream per device, whatever reuses a block is queued
+//! after the work that used it (the emulator checks it, see `emu_queue.rs`).
 
 use std::ffi::c_void;
 use std::fmt;
@@ -11,13 +18,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::counts::{Counts, each_count, meter};
-pub use crate::counts::{DeviceCounts, STAGING_BYTES, metered};
+pub use crate::counts::{DeviceCounts, STAGING_BYTES, UPLOAD_HALF_BYTES, metered};
 use crate::cuda_backend::CudaBackend;
-use crate::emu::{self, EmuLaunchConfig, EmuMemory};
+use crate::emu::{EmuLaunchConfig, EmuMemory};
+use crate::emu_queue::{EmuQueue, Op};
+
+mod stream;
 use crate::kernels::Kernel;
 use crate::memory::{DeviceBuffer, Pool, size_class};
 use crate::selection::DeviceSelection;
 use crate::{KernelError, Result};
+use stream::UploadRing;
 
 /// The GPUs this process has opened, by ordinal: one [`Device`] each, whatever selection
 /// string or memory limit named it (a limit is a quota on the one device).
@@ -158,6 +169,11 @@ struct Inner {
     /// Why the device is out of use, once it is: a sticky error lost its state.
     quarantine: Mutex<Option<String>>,
     quarantined: std::sync::atomic::AtomicBool,
+    /// The emulated device's stream (unused on a GPU, whose driver keeps its own).
+    queue: EmuQueue,
+    /// Which upload staging half is filling, and which copies out of it the stream has
+    /// passed: the same on both backends, so that both count the same waits.
+    uploads: Mutex<UploadRing>,
 }
 
 impl Inner {
@@ -185,6 +201,8 @@ impl Inner {
             faults: Mutex::new(Faults::default()),
             quarantine: Mutex::new(None),
             quarantined: std::sync::atomic::AtomicBool::new(false),
+            queue: EmuQueue::default(),
+            uploads: Mutex::new(UploadRing::default()),
         }
     }
 }
@@ -392,11 +410,6 @@ impl Device {
         meter(&delta);
     }
 
-    /// A copy of `len` bytes through the staging buffer: a driver copy and a wait per piece.
-    fn staged(len: usize) -> (u64, u64) {
-        (len.div_ceil(STAGING_BYTES) as u64, len as u64)
-    }
-
     /// Counts a device error an operator met.
     pub fn count_error(&self) {
         self.inner.errors.fetch_add(1, Ordering::Relaxed);
@@ -537,8 +550,8 @@ impl Device {
                 self.unreserve(class);
                 self.lost(e)
             })?;
-        if let Backend::Emulated(memory) = &self.inner.backend
-            && let Err(e) = memory.lend(addr, len)
+        if let Backend::Emulated(_) = &self.inner.backend
+            && let Err(e) = self.enqueue(Op::Lend { addr, len })
         {
             self.release(addr, class);
             return Err(e);
@@ -568,8 +581,9 @@ impl Device {
             .driver_frees
             .fetch_add(1, Ordering::Relaxed);
         match &self.inner.backend {
-            Backend::Emulated(memory) => {
-                let _ = memory.free(addr);
+            // Stream-ordered, as cuMemFreeAsync: after the work queued before it.
+            Backend::Emulated(_) => {
+                let _ = self.enqueue(Op::Free { addr });
             }
             Backend::Cuda(cuda) => cuda.free(addr),
         }
@@ -582,52 +596,6 @@ impl Device {
             self.write(&buffer, 0, bytes)?;
         }
         Ok(buffer)
-    }
-
-    pub(crate) fn write(&self, buffer: &DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<()> {
-        if offset + bytes.len() > buffer.len {
-            return Err(KernelError::Unsupported(format!(
-                "copy of {} bytes at offset {offset} into a buffer of {}",
-                bytes.len(),
-                buffer.len
-            )));
-        }
-        self.usable()?;
-        let (pieces, len) = Self::staged(bytes.len());
-        self.record(DeviceCounts {
-            h2d_copies: pieces,
-            h2d_bytes: len,
-            syncs: pieces,
-            ..DeviceCounts::default()
-        });
-        match &self.inner.backend {
-            Backend::Emulated(memory) => memory.write(buffer.addr, offset, bytes),
-            Backend::Cuda(cuda) => cuda.write(buffer.addr, offset, bytes),
-        }
-        .map_err(|e| self.lost(e))
-    }
-
-    pub(crate) fn read(&self, buffer: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
-        if offset + out.len() > buffer.len {
-            return Err(KernelError::Unsupported(format!(
-                "copy of {} bytes at offset {offset} out of a buffer of {}",
-                out.len(),
-                buffer.len
-            )));
-        }
-        self.usable()?;
-        let (pieces, len) = Self::staged(out.len());
-        self.record(DeviceCounts {
-            d2h_copies: pieces,
-            d2h_bytes: len,
-            syncs: pieces,
-            ..DeviceCounts::default()
-        });
-        match &self.inner.backend {
-            Backend::Emulated(memory) => memory.read(buffer.addr, offset, out),
-            Backend::Cuda(cuda) => cuda.read(buffer.addr, offset, out),
-        }
-        .map_err(|e| self.lost(e))
     }
 
     pub(crate) fn release(&self, addr: u64, class: usize) {
@@ -643,38 +611,12 @@ impl Device {
         }
     }
 
-    /// Copies all of `src` into the start of `dst` (both on this device).
-    pub fn copy(&self, dst: &DeviceBuffer, src: &DeviceBuffer) -> Result<()> {
-        if dst.len < src.len {
-            return Err(KernelError::Unsupported(format!(
-                "copy of {} bytes into {}",
-                src.len, dst.len
-            )));
-        }
-        self.usable()?;
-        self.record(DeviceCounts {
-            d2d_copies: 1,
-            d2d_bytes: src.len as u64,
-            syncs: 1,
-            ..DeviceCounts::default()
-        });
-        match &self.inner.backend {
-            Backend::Emulated(memory) => {
-                let mut bytes = vec![0u8; src.len];
-                memory.read(src.addr, 0, &mut bytes)?;
-                memory.write(dst.addr, 0, &bytes)
-            }
-            Backend::Cuda(cuda) => cuda.copy(dst.addr, src.addr, src.len),
-        }
-        .map_err(|e| self.lost(e))
-    }
-
     /// Frees the memory the pool keeps cached for reuse.
     pub fn trim(&self) {
         self.inner.pool.trim(|addr| self.backend_free(addr));
     }
 
-    /// Launches `kernel` and waits for it.
+    /// Queues a launch of `kernel` on the device's stream (the host does not wait for it).
     ///
     /// # Safety
     /// `args` must match the kernel's parameters in number, order and type, and every
@@ -696,48 +638,43 @@ impl Device {
             })
             .sum();
         self.record(DeviceCounts {
-            syncs: 1,
             device_bytes: touched as u64,
             ..DeviceCounts::default()
         });
         let mut slots: Vec<u64> = args.iter().map(|a| a.bits()).collect();
-        let mut params: Vec<*mut c_void> = slots
-            .iter_mut()
-            .map(|s| s as *mut u64 as *mut c_void)
-            .collect();
-        let memory = match &self.inner.backend {
-            Backend::Emulated(memory) => memory,
-            Backend::Cuda(cuda) => {
-                // SAFETY: forwarded from this function's contract; every slot is 8 bytes
-                // and CUDA reads a u32 parameter from the first 4 (little-endian).
-                return unsafe {
-                    cuda.launch(kernel, cfg.grid, cfg.block, cfg.shared_bytes, &mut params)
-                }
-                .map_err(|e| self.lost(e));
+        if let Backend::Cuda(cuda) = &self.inner.backend {
+            let mut params: Vec<*mut c_void> = slots
+                .iter_mut()
+                .map(|s| s as *mut u64 as *mut c_void)
+                .collect();
+            // SAFETY: forwarded from this function's contract; every slot is 8 bytes and
+            // CUDA reads a u32 parameter from the first 4 (little-endian). The driver takes
+            // the parameters' values when the launch is queued.
+            return unsafe {
+                cuda.launch(kernel, cfg.grid, cfg.block, cfg.shared_bytes, &mut params)
             }
-        };
-        let emu_cfg = EmuLaunchConfig {
+            .map_err(|e| self.lost(e));
+        }
+        let cfg = EmuLaunchConfig {
             grid: [cfg.grid, 1, 1],
             block: [cfg.block, 1, 1],
             shared_bytes: cfg.shared_bytes,
             workers: self.inner.workers,
             seed: self.inner.seed.wrapping_add(number),
         };
-        emu::launch(kernel.emu_entry(), &emu_cfg, &mut params).map_err(|message| {
-            KernelError::LaunchFailed {
-                kernel: kernel.name(),
-                device: self.to_string(),
-                message,
-            }
-        })?;
-        if let Some(detail) = memory.check_guards() {
-            return Err(KernelError::OutOfBounds {
-                kernel: kernel.name(),
-                device: self.to_string(),
-                detail,
-            });
-        }
-        Ok(())
+        let buffers = args
+            .iter()
+            .filter_map(|a| match *a {
+                Arg::Buf(addr, len) => Some((addr, len)),
+                _ => None,
+            })
+            .collect();
+        self.enqueue(Op::Launch {
+            kernel,
+            cfg,
+            slots,
+            buffers,
+        })
     }
 }
 

@@ -223,6 +223,17 @@ impl EmuMemory {
         (offset < a.len.max(1)).then_some((start, offset))
     }
 
+    /// Whether `len` bytes at device address `addr` lie inside one live allocation, within
+    /// the bytes its current user asked for.
+    pub fn holds(&self, addr: u64, len: usize) -> bool {
+        let live = self.lock();
+        let Some((&start, a)) = live.range(..=addr).next_back() else {
+            return false;
+        };
+        let offset = (addr - start) as usize;
+        offset.checked_add(len).is_some_and(|end| end <= a.len)
+    }
+
     /// Bytes held by live allocations (what they asked for, not counting guards).
     pub fn bytes_in_use(&self) -> usize {
         self.lock().values().map(|a| a.len).sum()

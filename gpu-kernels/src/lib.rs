@@ -20,6 +20,7 @@ mod cuda_backend;
 pub mod device;
 #[doc(hidden)]
 pub mod emu;
+mod emu_queue;
 pub mod error;
 pub mod images;
 pub mod kernels;

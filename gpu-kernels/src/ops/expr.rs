@@ -424,10 +424,30 @@ fn op_from(code: i64) -> Option<Op> {
     ALL_OPS.iter().copied().find(|&op| op as i64 == code)
 }
 
-fn upload_words(device: &Device, words: &[i64]) -> Result<DeviceBuffer> {
-    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    // An empty buffer still gets an address the kernel never reads.
-    device.upload(if bytes.is_empty() { &[0; 8] } else { &bytes })
+/// Tables of 64-bit words laid end to end for one upload: the bytes, and each table's
+/// (offset, length in bytes). An empty table still gets an 8-byte slot (an address the
+/// kernel never reads), so that every offset lies inside the upload.
+struct Tables {
+    bytes: Vec<u8>,
+    ranges: Vec<(usize, usize)>,
+    len: usize,
+}
+
+impl Tables {
+    fn new(tables: &[&[i64]]) -> Self {
+        let mut bytes = Vec::new();
+        let mut ranges = Vec::with_capacity(tables.len());
+        for words in tables {
+            let offset = bytes.len();
+            bytes.extend(words.iter().flat_map(|w| w.to_le_bytes()));
+            if words.is_empty() {
+                bytes.extend([0; 8]);
+            }
+            ranges.push((offset, bytes.len() - offset));
+        }
+        let len = bytes.len();
+        Self { bytes, ranges, len }
+    }
 }
 
 /// Runs `program` over `n` rows of `columns` (the program's load slots, in order).
@@ -479,40 +499,41 @@ pub fn evaluate(
     for (values, validity, kind, _) in &outputs {
         out_table.extend([values.addr() as i64, validity.addr() as i64, *kind as i64]);
     }
-    let code = upload_words(device, &program.code)?;
-    let consts = upload_words(device, &program.consts)?;
-    let strings = device.upload(if program.strings.is_empty() {
-        &[0]
-    } else {
-        &program.strings
-    })?;
-    let cols = upload_words(device, &col_table)?;
-    let outs = upload_words(device, &out_table)?;
-    let error = device.upload(&[0; 4])?;
+    // One upload per batch: the error word, then the program, its constants and the
+    // column and output tables as 64-bit words, then the string constants.
+    let tables = Tables::new(&[&[0], &program.code, &program.consts, &col_table, &out_table]);
+    let mut bytes = tables.bytes;
+    bytes.extend_from_slice(&program.strings);
+    bytes.push(0);
+    let packed = device.upload(&bytes)?;
+    let at = |k: usize| tables.ranges[k];
+    let part = |(offset, len): (usize, usize)| Arg::Buf(packed.addr() + offset as u64, len);
+    let strings = (tables.len, program.strings.len() + 1);
     let cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
     // SAFETY: `validate` checked every opcode, the stack depth (≤ MAX_STACK, the kernel's
     // stack), that loads name existing columns of the layout they read, that constants and
     // string constants are in range, and that outputs are written in order; every column
     // holds `n` rows on this device; each output's values hold `n` values of its kind (or
     // ceil(n/32) words for booleans) and its validity ceil(n/32) words, which is what the
-    // kernel writes; `error` holds one u32.
+    // kernel writes; the packed upload holds the error word (zero), the code, constants,
+    // column and output tables at 8-byte aligned offsets, and the strings.
     unsafe {
         device.launch(
             Kernel::expr_eval,
             cfg,
             &[
-                Arg::buf(&code),
+                part(at(1)),
                 Arg::U64(program.len() as u64),
-                Arg::buf(&consts),
-                Arg::buf(&strings),
-                Arg::buf(&cols),
-                Arg::buf(&outs),
+                part(at(2)),
+                part(strings),
+                part(at(3)),
+                part(at(4)),
                 Arg::U64(n as u64),
-                Arg::buf(&error),
+                part(at(0)),
             ],
         )?;
     }
-    if error.to_host()?.iter().any(|&b| b != 0) {
+    if packed.prefix_to_host(4)?.iter().any(|&b| b != 0) {
         return Ok(None);
     }
     Ok(Some(

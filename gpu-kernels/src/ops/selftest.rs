@@ -222,7 +222,9 @@ pub fn out_of_bounds(device: &Device, n: u64) -> Result<()> {
     // SAFETY: deliberately unsafe for the device (it writes out[n]); on the emulator the
     // write lands in the allocation's guard zone, which the launch check reports. Never
     // run this on a real GPU outside a test.
-    unsafe { device.launch(Kernel::selftest_oob, cfg, &[Arg::buf(&out), Arg::U64(n)]) }
+    unsafe { device.launch(Kernel::selftest_oob, cfg, &[Arg::buf(&out), Arg::U64(n)]) }?;
+    // The launch is queued: the fault shows when the stream runs it.
+    device.synchronize()
 }
 
 /// Half a block waits at `__syncthreads`, half at `__syncwarp`: the device must report it.
@@ -234,5 +236,6 @@ pub fn divergent_barrier(device: &Device) -> Result<()> {
         shared_bytes: 0,
     };
     // SAFETY: one block of 64 threads writing out[threadIdx.x] if they ever get there.
-    unsafe { device.launch(Kernel::selftest_divergent, cfg, &[Arg::buf(&out)]) }
+    unsafe { device.launch(Kernel::selftest_divergent, cfg, &[Arg::buf(&out)]) }?;
+    device.synchronize()
 }

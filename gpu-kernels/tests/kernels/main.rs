@@ -553,12 +553,13 @@ fn out_of_bounds_writes_and_divergent_barriers_are_typed_errors() {
         ),
         "{e}"
     );
-    // The damage is reported once, by the kernel that did it: the next launch on the
-    // device is not blamed for it.
+    // Found when the stream ran the kernel: as a GPU's sticky error, it takes the device
+    // out of use, naming the kernel that did it.
+    let reason = d.quarantined().expect("a faulting kernel loses the device");
+    assert!(reason.contains("selftest_oob"), "{reason}");
     let predicate = BooleanArray::from(vec![true, false, true]);
-    let p = DeviceColumn::upload(&d, &predicate).unwrap();
-    let kept = compact::selection_indices(&d, p.values(), p.validity(), 3).unwrap();
-    assert_eq!(kept.len(), 2);
+    let e = DeviceColumn::upload(&d, &predicate).unwrap_err();
+    assert!(matches!(e, KernelError::Quarantined { .. }), "{e}");
     let d = emulated();
     let e = selftest::divergent_barrier(&d).unwrap_err();
     assert!(
@@ -689,52 +690,92 @@ fn a_lost_device_is_quarantined_and_never_touched_again() {
     assert_eq!(d.counters(), before, "a quarantined device was touched");
 }
 
-/// A device counts its work as the CUDA backend's driver calls: a copy and a wait per
-/// 16 MiB staging piece each way, a copy and a wait per device-to-device copy, a wait per
-/// launch, and the sizes of the buffers each launch was given. (That the driver receives
-/// exactly these calls is checked against the stand-in driver's own counts by
-/// scripts/test.sh.)
+/// A device counts its work as the CUDA backend's driver calls: a copy per upload piece of
+/// at most one staging half, a copy and a wait per 16 MiB read piece, a copy per
+/// device-to-device copy, no wait for launches, uploads or copies (they are queued), a wait
+/// where an upload refills a staging half the host has not waited for since, and the sizes
+/// of the buffers each launch was given. (That the driver receives exactly these calls is
+/// checked against the stand-in driver's own counts by scripts/test.sh.)
 #[test]
 fn device_work_is_counted_as_the_driver_calls_it_makes() {
-    use fulmen_kernels::device::STAGING_BYTES;
+    use fulmen_kernels::device::{STAGING_BYTES, UPLOAD_HALF_BYTES};
     let d = emulated();
     let start = d.counts();
-    let bytes = vec![7u8; STAGING_BYTES + 1];
+    let bytes = vec![7u8; UPLOAD_HALF_BYTES + 1];
     let a = d.upload(&bytes).unwrap();
     let b = d.alloc(bytes.len()).unwrap();
     d.copy(&b, &a).unwrap();
-    assert_eq!(b.to_host().unwrap(), bytes);
-    let c = d.counts();
-    assert_eq!(c.h2d_copies - start.h2d_copies, 2, "{c:?}");
-    assert_eq!(c.h2d_bytes - start.h2d_bytes, bytes.len() as u64);
-    assert_eq!(c.d2h_copies - start.d2h_copies, 2);
-    assert_eq!(c.d2h_bytes - start.d2h_bytes, bytes.len() as u64);
+    let queued = d.counts();
+    assert_eq!(queued.h2d_copies - start.h2d_copies, 2, "{queued:?}");
+    assert_eq!(queued.h2d_bytes - start.h2d_bytes, bytes.len() as u64);
     assert_eq!(
         (
-            c.d2d_copies - start.d2d_copies,
-            c.d2d_bytes - start.d2d_bytes
+            queued.d2d_copies - start.d2d_copies,
+            queued.d2d_bytes - start.d2d_bytes
         ),
         (1, bytes.len() as u64)
     );
-    assert_eq!(c.syncs - start.syncs, 5, "2 up, 1 across, 2 down");
+    assert_eq!(queued.syncs, start.syncs, "uploads and copies do not wait");
+    assert_eq!(b.to_host().unwrap(), bytes);
+    let c = d.counts();
+    let pieces = bytes.len().div_ceil(STAGING_BYTES) as u64;
+    assert_eq!(c.d2h_copies - start.d2h_copies, pieces);
+    assert_eq!(c.d2h_bytes - start.d2h_bytes, bytes.len() as u64);
+    assert_eq!(c.syncs - start.syncs, pieces, "a wait per read piece");
     assert_eq!(c.allocations - start.allocations, 2);
     assert_eq!(c.driver_allocations - start.driver_allocations, 2);
     assert_eq!(c.launches, start.launches);
-    // A launch: one more wait, and the bytes of the buffers it was given.
+    // Both halves were passed by that read: uploading as much again does not wait; a third
+    // time, with no wait in between, refilling the first half does, once.
+    let again = d.upload(&bytes).unwrap();
+    assert_eq!(d.counts().syncs, c.syncs);
+    let third = d.upload(&bytes).unwrap();
+    assert_eq!(d.counts().syncs, c.syncs + 1);
+    assert_eq!(third.to_host().unwrap(), bytes);
+    assert_eq!(again.to_host().unwrap(), bytes);
+    drop((again, third));
+    // A launch does not wait; the selection's count, which the host reads, does, once.
     let predicate = BooleanArray::from(vec![true, false, true]);
     let p = DeviceColumn::upload(&d, &predicate).unwrap();
     let before = d.counts();
     compact::selection_indices(&d, p.values(), p.validity(), 3).unwrap();
     let after = d.counts();
-    let launches = after.launches - before.launches;
-    assert!(launches >= 1);
-    assert!(after.syncs - before.syncs >= launches, "{after:?}");
+    assert!(after.launches - before.launches >= 1);
+    assert_eq!(after.syncs - before.syncs, 1, "{after:?}");
     assert!(after.device_bytes - before.device_bytes >= p.values().len() as u64);
     // Freed buffers go back to the pool, and are reused without the driver.
     drop((a, b));
     let reused = d.counts();
     let _again = d.alloc(bytes.len()).unwrap();
     assert_eq!(d.counts().driver_allocations, reused.driver_allocations);
+}
+
+/// Work is queued: nothing a launch or an upload writes is there before the stream has run
+/// it, and a read (or a synchronize) is what runs it, in order.
+#[test]
+fn the_emulated_stream_runs_queued_work_in_order_when_the_host_waits() {
+    let d = emulated();
+    let a = d.upload(&[1u8; 64]).unwrap();
+    a.write(0, &[2u8; 64]).unwrap();
+    let b = d.alloc(64).unwrap();
+    d.copy(&b, &a).unwrap();
+    a.write(0, &[3u8; 64]).unwrap();
+    assert_eq!(
+        b.to_host().unwrap(),
+        vec![2u8; 64],
+        "the copy saw the second write"
+    );
+    assert_eq!(a.to_host().unwrap(), vec![3u8; 64]);
+    // A buffer dropped while its work is queued, and its block reused at once: the new
+    // owner's work runs after the old owner's, so neither sees the other's bytes.
+    let old = d.upload(&[5u8; 64]).unwrap();
+    let kept = d.alloc(64).unwrap();
+    d.copy(&kept, &old).unwrap();
+    drop(old);
+    let new = d.upload(&[9u8; 64]).unwrap();
+    assert_eq!(kept.to_host().unwrap(), vec![5u8; 64]);
+    assert_eq!(new.to_host().unwrap(), vec![9u8; 64]);
+    d.synchronize().unwrap();
 }
 
 /// Every selection of a GPU gets its one device, and a memory limit is a quota on it: the

@@ -1,0 +1,193 @@
+//! The device's stream: uploads through the pinned staging halves, reads, copies between
+//! buffers, waits, and the emulated device's queue (see `emu_queue.rs` and the module
+//! notes of `device.rs`).
+
+use super::{Backend, Device, DeviceCounts, STAGING_BYTES, UPLOAD_HALF_BYTES};
+use crate::emu_queue::Op;
+use crate::memory::DeviceBuffer;
+use crate::{KernelError, Result};
+
+/// The two halves of pinned upload staging, each [`UPLOAD_HALF_BYTES`]: uploads fill one
+/// while the stream copies out of the other. A half is refilled only once the stream has
+/// passed every copy out of it, which the host knows from its own last wait; when it has
+/// not waited since, it waits then (a counted sync).
+#[derive(Debug, Default)]
+pub(super) struct UploadRing {
+    /// The half being filled, and the bytes of it used since it was last started.
+    half: usize,
+    fill: usize,
+    /// Copies enqueued so far (a sequence number), the last one out of each half, and the
+    /// last one known to have finished (enqueued before the host's latest wait began).
+    enqueued: u64,
+    last: [u64; 2],
+    passed: u64,
+}
+
+impl Device {
+    /// A copy of `len` bytes through the staging buffer: a driver copy and a wait per piece.
+    fn staged(len: usize) -> (u64, u64) {
+        (len.div_ceil(STAGING_BYTES) as u64, len as u64)
+    }
+
+    /// Queues work on the emulated device's stream (which may run it, if it has grown
+    /// past its bounds: a failure then loses the device, see `emu_queue.rs`).
+    pub(super) fn enqueue(&self, op: Op) -> Result<()> {
+        let Backend::Emulated(memory) = &self.inner.backend else {
+            return Err(KernelError::Unsupported("queueing on a GPU".into()));
+        };
+        let device = self.to_string();
+        self.inner
+            .queue
+            .push(op, memory, &device)
+            .map_err(|e| self.sticky(e))
+    }
+
+    /// A failure of queued work: as a GPU's sticky error, it takes the device out of use.
+    fn sticky(&self, error: KernelError) -> KernelError {
+        self.quarantine(&error.to_string());
+        error
+    }
+
+    /// Waits until the device has done everything queued so far (a counted sync): the
+    /// host needs this only before touching what queued work produces outside a read,
+    /// which waits by itself.
+    pub fn synchronize(&self) -> Result<()> {
+        self.usable()?;
+        self.record(DeviceCounts {
+            syncs: 1,
+            ..DeviceCounts::default()
+        });
+        self.wait()
+    }
+
+    /// Waits for the stream (counted by the caller), noting the uploads it has passed.
+    fn wait(&self) -> Result<()> {
+        let through = self.uploads().enqueued;
+        match &self.inner.backend {
+            Backend::Emulated(memory) => self
+                .inner
+                .queue
+                .run(memory, &self.to_string())
+                .map_err(|e| self.sticky(e)),
+            Backend::Cuda(cuda) => cuda.sync().map_err(|e| self.lost(e)),
+        }?;
+        let mut ring = self.uploads();
+        ring.passed = ring.passed.max(through);
+        Ok(())
+    }
+
+    fn uploads(&self) -> std::sync::MutexGuard<'_, UploadRing> {
+        self.inner.uploads.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn write(&self, buffer: &DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<()> {
+        if offset + bytes.len() > buffer.len {
+            return Err(KernelError::Unsupported(format!(
+                "copy of {} bytes at offset {offset} into a buffer of {}",
+                bytes.len(),
+                buffer.len
+            )));
+        }
+        self.usable()?;
+        // The ring's lock is held for the whole upload: pieces of two uploads never
+        // interleave in a half.
+        let mut ring = self.uploads();
+        for (k, piece) in bytes.chunks(UPLOAD_HALF_BYTES).enumerate() {
+            if ring.fill + piece.len() > UPLOAD_HALF_BYTES {
+                ring.half ^= 1;
+                ring.fill = 0;
+                if ring.last[ring.half] > ring.passed {
+                    // The other half's copies may still be running: wait for them.
+                    self.record(DeviceCounts {
+                        syncs: 1,
+                        ..DeviceCounts::default()
+                    });
+                    drop(ring);
+                    self.wait()?;
+                    ring = self.uploads();
+                }
+            }
+            self.record(DeviceCounts {
+                h2d_copies: 1,
+                h2d_bytes: piece.len() as u64,
+                ..DeviceCounts::default()
+            });
+            let at = offset + k * UPLOAD_HALF_BYTES;
+            match &self.inner.backend {
+                Backend::Emulated(_) => self.enqueue(Op::Write {
+                    addr: buffer.addr,
+                    offset: at,
+                    bytes: piece.to_vec(),
+                }),
+                Backend::Cuda(cuda) => cuda
+                    .stage_write(ring.half, ring.fill, buffer.addr + at as u64, piece)
+                    .map_err(|e| self.lost(e)),
+            }?;
+            ring.enqueued += 1;
+            let (half, seq) = (ring.half, ring.enqueued);
+            ring.last[half] = seq;
+            ring.fill += piece.len();
+        }
+        Ok(())
+    }
+
+    pub(crate) fn read(&self, buffer: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
+        if offset + out.len() > buffer.len {
+            return Err(KernelError::Unsupported(format!(
+                "copy of {} bytes at offset {offset} out of a buffer of {}",
+                out.len(),
+                buffer.len
+            )));
+        }
+        self.usable()?;
+        let (pieces, len) = Self::staged(out.len());
+        self.record(DeviceCounts {
+            d2h_copies: pieces,
+            d2h_bytes: len,
+            syncs: pieces,
+            ..DeviceCounts::default()
+        });
+        let through = self.uploads().enqueued;
+        match &self.inner.backend {
+            Backend::Emulated(memory) => {
+                // The host reads only once the stream has run everything before the read.
+                self.inner
+                    .queue
+                    .run(memory, &self.to_string())
+                    .map_err(|e| self.sticky(e))?;
+                memory.read(buffer.addr, offset, out)
+            }
+            Backend::Cuda(cuda) => cuda.read(buffer.addr, offset, out),
+        }
+        .map_err(|e| self.lost(e))?;
+        let mut ring = self.uploads();
+        ring.passed = ring.passed.max(through);
+        Ok(())
+    }
+
+    /// Copies all of `src` into the start of `dst` (both on this device).
+    pub fn copy(&self, dst: &DeviceBuffer, src: &DeviceBuffer) -> Result<()> {
+        if dst.len < src.len {
+            return Err(KernelError::Unsupported(format!(
+                "copy of {} bytes into {}",
+                src.len, dst.len
+            )));
+        }
+        self.usable()?;
+        self.record(DeviceCounts {
+            d2d_copies: 1,
+            d2d_bytes: src.len as u64,
+            ..DeviceCounts::default()
+        });
+        match &self.inner.backend {
+            Backend::Emulated(_) => self.enqueue(Op::Copy {
+                dst: dst.addr,
+                src: src.addr,
+                len: src.len,
+            }),
+            Backend::Cuda(cuda) => cuda
+                .copy(dst.addr, src.addr, src.len)
+                .map_err(|e| self.lost(e)),
+        }
+    }
+}
