@@ -28,7 +28,9 @@ use crate::config::{FulmenConfig, OnError};
 pub struct GpuMetrics {
     /// Output rows and elapsed compute, as every DataFusion operator has.
     pub baseline: BaselineMetrics,
-    /// Time in kernels (launch to completion).
+    /// Time in the operator's device work: queuing its launches and uploads, and the waits
+    /// within that work for values it reads (row counts, flags). Launches do not wait, so
+    /// a kernel's own run time falls in whichever wait follows it, here or in `d2h_time`.
     pub kernel_time: Time,
     /// Bytes copied host → device (columns, programs, descriptor tables: every copy).
     pub h2d_bytes: Count,
