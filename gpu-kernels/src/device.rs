@@ -623,6 +623,24 @@ impl Device {
     /// pointer must be a live buffer of this device, large enough for what the kernel
     /// reads and writes at those arguments. Only the typed wrappers in `ops` call this.
     pub unsafe fn launch(&self, kernel: Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        // SAFETY: this function's contract.
+        unsafe { self.launch_reaching(kernel, cfg, args, &[]) }
+    }
+
+    /// As [`Device::launch`], for a kernel that also reads or writes `reached` through
+    /// addresses in a table it is given (an expression's columns, an accumulator's input
+    /// and state): they count as device bytes the launch may touch, and the emulated
+    /// device checks that they are still live when the launch runs.
+    ///
+    /// # Safety
+    /// As [`Device::launch`]; `reached` holds every buffer the tables point into.
+    pub unsafe fn launch_reaching(
+        &self,
+        kernel: Kernel,
+        cfg: LaunchConfig,
+        args: &[Arg],
+        reached: &[&DeviceBuffer],
+    ) -> Result<()> {
         self.usable()?;
         let number = self.inner.counts.launches.fetch_add(1, Ordering::Relaxed) + 1;
         meter(&DeviceCounts {
@@ -630,13 +648,15 @@ impl Device {
             ..DeviceCounts::default()
         });
         self.injected("launch", number)?;
-        let touched: usize = args
+        let buffers: Vec<(u64, usize)> = args
             .iter()
-            .map(|a| match a {
-                Arg::Buf(_, len) => *len,
-                _ => 0,
+            .filter_map(|a| match *a {
+                Arg::Buf(addr, len) => Some((addr, len)),
+                _ => None,
             })
-            .sum();
+            .chain(reached.iter().map(|b| (b.addr(), b.len())))
+            .collect();
+        let touched: usize = buffers.iter().map(|(_, len)| len).sum();
         self.record(DeviceCounts {
             device_bytes: touched as u64,
             ..DeviceCounts::default()
@@ -662,13 +682,6 @@ impl Device {
             workers: self.inner.workers,
             seed: self.inner.seed.wrapping_add(number),
         };
-        let buffers = args
-            .iter()
-            .filter_map(|a| match *a {
-                Arg::Buf(addr, len) => Some((addr, len)),
-                _ => None,
-            })
-            .collect();
         self.enqueue(Op::Launch {
             kernel,
             cfg,

@@ -3,6 +3,7 @@
 
 pub mod compile;
 pub mod devices;
+pub mod fuse;
 pub mod listing;
 pub mod overrides;
 

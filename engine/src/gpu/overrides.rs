@@ -162,7 +162,14 @@ pub fn decide(
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
         "ProjectionExec" => GpuProjectionExec::try_new(node, devices, fulmen.gpu_batch_rows)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
-        "AggregateExec" => GpuAggregateExec::try_new(node, devices, fulmen.gpu_batch_rows)
+        "AggregateExec" => super::fuse::fold_filter_into_aggregate(&node)
+            .and_then(|folded| {
+                GpuAggregateExec::try_new(folded, Arc::clone(&devices), fulmen.gpu_batch_rows).ok()
+            })
+            .map_or_else(
+                || GpuAggregateExec::try_new(node, devices, fulmen.gpu_batch_rows),
+                Ok,
+            )
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
         _ => GpuHashJoinExec::try_new(node, devices, fulmen.gpu_batch_rows)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),

@@ -59,6 +59,11 @@ impl<W: BatchWork> GpuBatchExec<W> {
     pub fn devices(&self) -> &[Device] {
         &self.devices
     }
+
+    /// The CPU operator it stands for.
+    pub fn cpu(&self) -> &Arc<dyn ExecutionPlan> {
+        &self.inner
+    }
 }
 
 impl<W: BatchWork> GpuBatchExec<W> {

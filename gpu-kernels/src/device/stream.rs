@@ -63,6 +63,14 @@ impl Device {
     /// Waits for the stream (counted by the caller), noting the uploads it has passed.
     fn wait(&self) -> Result<()> {
         let through = self.uploads().enqueued;
+        self.wait_stream()?;
+        let mut ring = self.uploads();
+        ring.passed = ring.passed.max(through);
+        Ok(())
+    }
+
+    /// Waits for everything queued on the stream so far.
+    fn wait_stream(&self) -> Result<()> {
         match &self.inner.backend {
             Backend::Emulated(memory) => self
                 .inner
@@ -70,10 +78,7 @@ impl Device {
                 .run(memory, &self.to_string())
                 .map_err(|e| self.sticky(e)),
             Backend::Cuda(cuda) => cuda.sync().map_err(|e| self.lost(e)),
-        }?;
-        let mut ring = self.uploads();
-        ring.passed = ring.passed.max(through);
-        Ok(())
+        }
     }
 
     fn uploads(&self) -> std::sync::MutexGuard<'_, UploadRing> {
@@ -89,23 +94,24 @@ impl Device {
             )));
         }
         self.usable()?;
-        // The ring's lock is held for the whole upload: pieces of two uploads never
-        // interleave in a half.
+        // The ring's lock is held for the whole upload, waits included: no other upload
+        // fills a half this one is about to refill, or counts on a wait it has not done.
         let mut ring = self.uploads();
         for (k, piece) in bytes.chunks(UPLOAD_HALF_BYTES).enumerate() {
             if ring.fill + piece.len() > UPLOAD_HALF_BYTES {
-                ring.half ^= 1;
-                ring.fill = 0;
-                if ring.last[ring.half] > ring.passed {
-                    // The other half's copies may still be running: wait for them.
+                let other = ring.half ^ 1;
+                if ring.last[other] > ring.passed {
+                    // The other half's copies may still be running: wait for them (for
+                    // everything enqueued so far, since nothing is enqueued meanwhile).
                     self.record(DeviceCounts {
                         syncs: 1,
                         ..DeviceCounts::default()
                     });
-                    drop(ring);
-                    self.wait()?;
-                    ring = self.uploads();
+                    self.wait_stream()?;
+                    ring.passed = ring.enqueued;
                 }
+                ring.half = other;
+                ring.fill = 0;
             }
             self.record(DeviceCounts {
                 h2d_copies: 1,

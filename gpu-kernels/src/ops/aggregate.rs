@@ -449,8 +449,10 @@ impl GroupTable {
         }
         self.carry_exact_sums(n)?;
         if !self.keyed {
-            let accs = self.accumulator_descriptors(&self.accs, inputs)?;
-            let shared = self.launch_update(&accs, None, n, 1, self.locks.as_ref())?;
+            let descriptors = self.accumulator_descriptors(&self.accs, inputs)?;
+            let reached = reached_by(&self.accs, inputs);
+            let shared =
+                self.launch_update(&descriptors, &reached, None, n, 1, self.locks.as_ref())?;
             self.count_update(shared);
             return Ok(());
         }
@@ -647,7 +649,8 @@ impl GroupTable {
         let locks = grown
             .as_ref()
             .map_or(self.locks.as_ref(), |g| g.locks.as_ref());
-        let shared = self.launch_update(&descriptors, Some(&gids), n, total, locks)?;
+        let reached = reached_by(grown.as_ref().map_or(&self.accs, |g| &g.accs), inputs);
+        let shared = self.launch_update(&descriptors, &reached, Some(&gids), n, total, locks)?;
         self.count_update(shared);
         if let Some(grown) = grown {
             self.install(grown);
@@ -712,6 +715,7 @@ impl GroupTable {
     fn launch_update(
         &self,
         descriptors: &DeviceBuffer,
+        reached: &[&DeviceBuffer],
         gids: Option<&DeviceBuffer>,
         n: usize,
         groups: usize,
@@ -731,7 +735,7 @@ impl GroupTable {
         // is below `groups`; `locks` holds a u32 per group when a locked op is present;
         // the shared tables of `shared` bytes fit the launch's dynamic shared memory.
         unsafe {
-            device.launch(
+            device.launch_reaching(
                 Kernel::agg_update,
                 cfg,
                 &[
@@ -743,6 +747,7 @@ impl GroupTable {
                     Arg::U64(groups as u64),
                     Arg::U32(u32::from(use_shared)),
                 ],
+                reached,
             )?;
         }
         Ok(use_shared)
@@ -884,4 +889,19 @@ fn copy_prefix(device: &Device, dst: &DeviceBuffer, src: &DeviceBuffer, len: usi
     }
     let bytes = src.to_host()?;
     dst.write(0, &bytes[..len])
+}
+
+/// The buffers `agg_update` reaches through the accumulator descriptors of `accs` over
+/// `inputs`: each input's values, validity and filter, each accumulator's state and counts.
+fn reached_by<'a>(accs: &'a [Acc], inputs: &'a [AccInput<'a>]) -> Vec<&'a DeviceBuffer> {
+    let mut reached = Vec::new();
+    for (acc, input) in accs.iter().zip(inputs) {
+        for column in input.values.iter().chain(&input.filter) {
+            reached.push(column.values());
+            reached.extend(column.validity());
+        }
+        reached.extend(acc.state.as_ref());
+        reached.push(&acc.counts);
+    }
+    reached
 }

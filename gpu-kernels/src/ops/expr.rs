@@ -517,8 +517,17 @@ pub fn evaluate(
     // ceil(n/32) words for booleans) and its validity ceil(n/32) words, which is what the
     // kernel writes; the packed upload holds the error word (zero), the code, constants,
     // column and output tables at 8-byte aligned offsets, and the strings.
+    let mut reached: Vec<&DeviceBuffer> = Vec::with_capacity(3 * columns.len() + 2 * outputs.len());
+    for c in columns {
+        reached.push(c.values());
+        reached.extend(c.validity());
+        reached.extend(c.offsets());
+    }
+    for (values, validity, _, _) in &outputs {
+        reached.extend([values, validity]);
+    }
     unsafe {
-        device.launch(
+        device.launch_reaching(
             Kernel::expr_eval,
             cfg,
             &[
@@ -531,6 +540,7 @@ pub fn evaluate(
                 Arg::U64(n as u64),
                 part(at(0)),
             ],
+            &reached,
         )?;
     }
     if packed.prefix_to_host(4)?.iter().any(|&b| b != 0) {

@@ -67,9 +67,10 @@ async fn check_tpch_on(devices: &str, partitions: usize) {
         placement.on_cpu.join("\n")
     );
     // The floors are what the plans had when aggregation came to the GPU: a drop means an
-    // operator went back to the CPU. Every aggregation runs on the device.
+    // operator went back to the CPU. Every aggregation runs on the device. (Q6's filter is
+    // one fewer since its aggregate took it in: gpu/fuse.rs.)
     assert!(
-        placement.filters >= 45
+        placement.filters >= 44
             && placement.projections >= 11
             && placement.aggregates >= 60
             && placement.joins >= 62,
