@@ -81,8 +81,9 @@ struct Pending {
 #[derive(Default)]
 pub(crate) struct EmuQueue {
     pending: Mutex<Pending>,
-    /// Held while ops run, so that they run one at a time, in order.
-    running: Mutex<()>,
+    /// Held while ops run, so that they run one at a time, in order; it holds the first
+    /// failure once there is one, which every later run reports (a sticky error).
+    running: Mutex<Option<String>>,
 }
 
 impl EmuQueue {
@@ -104,7 +105,19 @@ impl EmuQueue {
     /// meanwhile run too). Returns the first failure; the ops queued after it are dropped,
     /// save their memory bookkeeping.
     pub fn run(&self, memory: &EmuMemory, device: &str) -> Result<()> {
-        let _running = lock(&self.running);
+        self.run_then(memory, device, || Ok(()))
+    }
+
+    /// Runs the queue, then `then` before any op queued meanwhile runs (a read copies
+    /// what the stream had made when the read was queued, as a device-to-host copy does).
+    /// After a failure, this and every later run fail, for every caller.
+    pub fn run_then<T>(
+        &self,
+        memory: &EmuMemory,
+        device: &str,
+        then: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let mut failed = lock(&self.running);
         let mut failure: Option<KernelError> = None;
         loop {
             let op = {
@@ -113,7 +126,9 @@ impl EmuQueue {
                 p.bytes -= op.bytes();
                 op
             };
-            if failure.is_some() && !matches!(op, Op::Lend { .. } | Op::Free { .. }) {
+            if (failed.is_some() || failure.is_some())
+                && !matches!(op, Op::Lend { .. } | Op::Free { .. })
+            {
                 continue;
             }
             if let Err(e) = execute(op, memory, device)
@@ -122,7 +137,19 @@ impl EmuQueue {
                 failure = Some(e);
             }
         }
-        failure.map_or(Ok(()), Err)
+        if let Some(e) = failure {
+            if failed.is_none() {
+                *failed = Some(e.to_string());
+            }
+            return Err(e);
+        }
+        if let Some(first) = failed.as_ref() {
+            return Err(KernelError::DeviceLost {
+                device: device.to_string(),
+                message: format!("queued work failed earlier: {first}"),
+            });
+        }
+        then()
     }
 
     /// Ops waiting to run.
@@ -260,5 +287,16 @@ mod tests {
         let mut out = [0u8; 64];
         memory.read(live, 0, &mut out).unwrap();
         assert_eq!(out, [0xCD; 64], "work queued after the failure is dropped");
+        // Sticky: whoever runs the queue next is told, and its work is dropped too.
+        let write = Op::Write {
+            addr: live,
+            offset: 0,
+            bytes: vec![8; 64],
+        };
+        queue.push(write, &memory, "emulated:0").unwrap();
+        let e = queue.run(&memory, "emulated:0").unwrap_err();
+        assert!(matches!(e, KernelError::DeviceLost { .. }), "{e}");
+        memory.read(live, 0, &mut out).unwrap();
+        assert_eq!(out, [0xCD; 64]);
     }
 }

@@ -21,7 +21,8 @@
 //! the program leaves to the CPU sends the batch there, as before).
 //!
 //! Not folded: grouped aggregates (rows the filter drops must not make groups), aggregates
-//! with their own FILTER or an ORDER BY, and any other aggregate function.
+//! with their own FILTER, an ORDER BY or no argument, a filter with a row limit pushed into
+//! it, and any other aggregate function.
 
 use std::sync::Arc;
 
@@ -55,6 +56,10 @@ pub fn fold_filter_into_aggregate(node: &Arc<dyn ExecutionPlan>) -> Option<Arc<d
         .downcast_ref::<GpuFilterExec>()?
         .cpu()
         .downcast_ref::<FilterExec>()?;
+    if filter.fetch().is_some() {
+        // A row limit pushed into the filter (`… WHERE p LIMIT n` under the aggregate).
+        return None;
+    }
     let input = Arc::clone(filter.input());
     let schema = input.schema();
     let predicate = Arc::clone(filter.predicate());
@@ -80,7 +85,10 @@ pub fn fold_filter_into_aggregate(node: &Arc<dyn ExecutionPlan>) -> Option<Arc<d
     };
     let mut aggregates = Vec::with_capacity(agg.aggr_expr().len());
     for a in agg.aggr_expr() {
-        if !NULL_IGNORING.contains(&a.fun().name()) || !a.order_bys().is_empty() {
+        if !NULL_IGNORING.contains(&a.fun().name())
+            || !a.order_bys().is_empty()
+            || a.expressions().is_empty()
+        {
             return None;
         }
         let args = a

@@ -146,6 +146,10 @@ impl Device {
             )));
         }
         self.usable()?;
+        if out.is_empty() {
+            // No copy, so no wait: nothing may be taken as passed.
+            return Ok(());
+        }
         let (pieces, len) = Self::staged(out.len());
         self.record(DeviceCounts {
             d2h_copies: pieces,
@@ -155,14 +159,15 @@ impl Device {
         });
         let through = self.uploads().enqueued;
         match &self.inner.backend {
-            Backend::Emulated(memory) => {
-                // The host reads only once the stream has run everything before the read.
-                self.inner
-                    .queue
-                    .run(memory, &self.to_string())
-                    .map_err(|e| self.sticky(e))?;
-                memory.read(buffer.addr, offset, out)
-            }
+            // The host reads once the stream has run everything queued before the read,
+            // and before anything queued after it.
+            Backend::Emulated(memory) => self
+                .inner
+                .queue
+                .run_then(memory, &self.to_string(), || {
+                    memory.read(buffer.addr, offset, out)
+                })
+                .map_err(|e| self.sticky(e)),
             Backend::Cuda(cuda) => cuda.read(buffer.addr, offset, out),
         }
         .map_err(|e| self.lost(e))?;

@@ -210,8 +210,8 @@ async fn a_keyless_aggregate_takes_its_filter_into_one_device_stage() {
 
 /// The folded predicate guards each argument: rows it drops cannot fail an argument (a
 /// division by zero sends the batch to the CPU, which evaluates the guard first, as
-/// DataFusion does), and with no row passing, the aggregates give what they give over no
-/// rows.
+/// DataFusion does), with no row passing the aggregates give what they give over no rows,
+/// and a filter with a row limit is not folded.
 #[tokio::test]
 async fn a_folded_filter_keeps_its_rows_out_of_the_arguments() {
     let gpu = fused_session("emulated:1/fused-guard", 1 << 20);
@@ -232,4 +232,10 @@ async fn a_folded_filter_keeps_its_rows_out_of_the_arguments() {
         assert!(!plan_text.contains("GpuFilterExec"), "{plan_text}");
         assert!(plan_text.contains("GpuAggregateExec"), "{plan_text}");
     }
+    // A row limit pushed into the filter keeps it: the aggregate counts at most 2 rows.
+    let limited = "SELECT count(*) AS n FROM (SELECT * FROM d WHERE column2 > 1 LIMIT 2)";
+    let (_, got) = run(&gpu, limited).await;
+    let (_, want) = run(&cpu, limited).await;
+    assert_eq!(got, want);
+    assert!(got.contains("| 2 |"), "{got}");
 }
