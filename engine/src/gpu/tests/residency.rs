@@ -220,17 +220,35 @@ async fn a_folded_filter_keeps_its_rows_out_of_the_arguments() {
     for ctx in [&gpu, &cpu] {
         ctx.sql(table).await.unwrap().collect().await.unwrap();
     }
-    for sql in [
-        "SELECT sum(100 / column1) AS s, count(*) AS n, avg(column2) AS a, min(column2) AS lo, \
-         max(column2) AS hi, count(DISTINCT column2) AS k FROM d WHERE column1 <> 0",
-        "SELECT sum(column2) AS s, count(*) AS n, count(column2) AS c, avg(column2) AS a, \
-         min(column2) AS lo FROM d WHERE column1 > 100",
+    // The first query's batch has rows that divide by zero: the device hands it to the CPU
+    // by rule; the second runs on the device.
+    for (sql, by_rule) in [
+        (
+            "SELECT sum(100 / column1) AS s, count(*) AS n, avg(column2) AS a, \
+             min(column2) AS lo, max(column2) AS hi, count(DISTINCT column2) AS k \
+             FROM d WHERE column1 <> 0",
+            true,
+        ),
+        (
+            "SELECT sum(column2) AS s, count(*) AS n, count(column2) AS c, avg(column2) AS a, \
+             min(column2) AS lo FROM d WHERE column1 > 100",
+            false,
+        ),
     ] {
-        let (plan_text, got) = run(&gpu, sql).await;
-        let (_, want) = run(&cpu, sql).await;
+        let (got, plan_text, work) = super::answer(&gpu, sql).await;
+        let (want, _, _) = super::answer(&cpu, sql).await;
         assert_eq!(got, want, "{sql}");
         assert!(!plan_text.contains("GpuFilterExec"), "{plan_text}");
         assert!(plan_text.contains("GpuAggregateExec"), "{plan_text}");
+        assert!(work.nothing_fell_back(), "{sql}: {work:?}");
+        if by_rule {
+            assert!(work.cpu_rule_batches >= 1, "{sql}: {work:?}");
+        } else {
+            assert!(
+                work.gpu_batches >= 1 && work.cpu_rule_batches == 0,
+                "{sql}: {work:?}"
+            );
+        }
     }
     // A row limit pushed into the filter keeps it: the aggregate counts at most 2 rows.
     let limited = "SELECT count(*) AS n FROM (SELECT * FROM d WHERE column2 > 1 LIMIT 2)";
