@@ -222,18 +222,23 @@ fn execute(op: Op, memory: &EmuMemory, device: &str) -> Result<()> {
 mod tests {
     use super::*;
 
+    fn write(addr: u64, byte: u8, len: usize) -> Op {
+        Op::Write {
+            addr,
+            offset: 0,
+            bytes: vec![byte; len],
+        }
+    }
+
     #[test]
     fn writes_wait_in_the_queue_until_it_runs_and_then_run_in_order() {
         let memory = EmuMemory::default();
         let queue = EmuQueue::default();
         let addr = memory.alloc(8).unwrap();
         for value in [1u8, 2, 3] {
-            let op = Op::Write {
-                addr,
-                offset: 0,
-                bytes: vec![value; 8],
-            };
-            queue.push(op, &memory, "emulated:0").unwrap();
+            queue
+                .push(write(addr, value, 8), &memory, "emulated:0")
+                .unwrap();
         }
         assert_eq!(queue.len(), 3);
         let mut out = [0u8; 8];
@@ -266,12 +271,9 @@ mod tests {
             buffers: vec![(freed, 64)],
         };
         queue.push(launch, &memory, "emulated:0").unwrap();
-        let write = Op::Write {
-            addr: live,
-            offset: 0,
-            bytes: vec![7; 64],
-        };
-        queue.push(write, &memory, "emulated:0").unwrap();
+        queue
+            .push(write(live, 7, 64), &memory, "emulated:0")
+            .unwrap();
         let e = queue.run(&memory, "emulated:0").unwrap_err();
         assert!(
             matches!(
@@ -288,12 +290,9 @@ mod tests {
         memory.read(live, 0, &mut out).unwrap();
         assert_eq!(out, [0xCD; 64], "work queued after the failure is dropped");
         // Sticky: whoever runs the queue next is told, and its work is dropped too.
-        let write = Op::Write {
-            addr: live,
-            offset: 0,
-            bytes: vec![8; 64],
-        };
-        queue.push(write, &memory, "emulated:0").unwrap();
+        queue
+            .push(write(live, 8, 64), &memory, "emulated:0")
+            .unwrap();
         let e = queue.run(&memory, "emulated:0").unwrap_err();
         assert!(matches!(e, KernelError::DeviceLost { .. }), "{e}");
         memory.read(live, 0, &mut out).unwrap();

@@ -81,18 +81,23 @@ impl Device {
         }
     }
 
+    /// Fails unless `len` bytes at `offset` lie inside `buffer` (`way`: into, out of).
+    fn within(buffer: &DeviceBuffer, offset: usize, len: usize, way: &str) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > buffer.len) {
+            return Err(KernelError::Unsupported(format!(
+                "copy of {len} bytes at offset {offset} {way} a buffer of {}",
+                buffer.len
+            )));
+        }
+        Ok(())
+    }
+
     fn uploads(&self) -> std::sync::MutexGuard<'_, UploadRing> {
         self.inner.uploads.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn write(&self, buffer: &DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<()> {
-        if offset + bytes.len() > buffer.len {
-            return Err(KernelError::Unsupported(format!(
-                "copy of {} bytes at offset {offset} into a buffer of {}",
-                bytes.len(),
-                buffer.len
-            )));
-        }
+        Self::within(buffer, offset, bytes.len(), "into")?;
         self.usable()?;
         // The ring's lock is held for the whole upload, waits included: no other upload
         // fills a half this one is about to refill, or counts on a wait it has not done.
@@ -138,13 +143,7 @@ impl Device {
     }
 
     pub(crate) fn read(&self, buffer: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
-        if offset + out.len() > buffer.len {
-            return Err(KernelError::Unsupported(format!(
-                "copy of {} bytes at offset {offset} out of a buffer of {}",
-                out.len(),
-                buffer.len
-            )));
-        }
+        Self::within(buffer, offset, out.len(), "out of")?;
         self.usable()?;
         if out.is_empty() {
             // No copy, so no wait: nothing may be taken as passed.

@@ -430,7 +430,6 @@ fn op_from(code: i64) -> Option<Op> {
 struct Tables {
     bytes: Vec<u8>,
     ranges: Vec<(usize, usize)>,
-    len: usize,
 }
 
 impl Tables {
@@ -445,8 +444,7 @@ impl Tables {
             }
             ranges.push((offset, bytes.len() - offset));
         }
-        let len = bytes.len();
-        Self { bytes, ranges, len }
+        Self { bytes, ranges }
     }
 }
 
@@ -503,12 +501,12 @@ pub fn evaluate(
     // column and output tables as 64-bit words, then the string constants.
     let tables = Tables::new(&[&[0], &program.code, &program.consts, &col_table, &out_table]);
     let mut bytes = tables.bytes;
+    let strings = (bytes.len(), program.strings.len() + 1);
     bytes.extend_from_slice(&program.strings);
     bytes.push(0);
     let packed = device.upload(&bytes)?;
     let at = |k: usize| tables.ranges[k];
     let part = |(offset, len): (usize, usize)| Arg::Buf(packed.addr() + offset as u64, len);
-    let strings = (tables.len, program.strings.len() + 1);
     let cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
     // SAFETY: `validate` checked every opcode, the stack depth (≤ MAX_STACK, the kernel's
     // stack), that loads name existing columns of the layout they read, that constants and
