@@ -12,11 +12,14 @@
 // a reader never sees a slot whose key is not readable yet, and no thread waits for another.
 //
 //   agg_find_or_insert  (slots, mask, hashes, n, batch_keys, store_keys, starts, chunks,
-//                        ncols, limit, inserted, refs)
-//       refs[i] = the id of row i's group, inserting PENDING | i when its key is new. Gives up
-//       (every thread stops inserting) once more than `limit` slots were claimed, so that the
-//       table never fills: `inserted[0]` then exceeds `limit` and the host rolls back, grows
-//       the table and retries.
+//                        ncols, limit, inserted, refs, rows, rows_validity)
+//       refs[i] = the id of row i's group, inserting PENDING | i when its key is new; SKIP
+//       for a row that `rows` (a boolean column, null: every row) does not take, which
+//       makes no group and updates no accumulator (a filter fused into the aggregation).
+//       Gives up (every thread stops inserting) once more than `limit` slots were claimed,
+//       so that the table never fills: `inserted[0]` then exceeds `limit` and the host rolls
+//       back, grows the table and retries. When it stays 0 every ref is a committed id (or
+//       SKIP) and the host updates the accumulators by them at once.
 //   agg_first_rows      (refs, n, first)      first[r] = min row i with refs[i] == PENDING | r
 //   agg_leader_flags    (refs, first, n, flags)  flags[i] = 1 when row i is its new group's
 //                                                  first row (u64, for the scan)
@@ -33,7 +36,7 @@
 //   agg_fill_u64        (buffer, n, value)
 //   agg_update          (accs, nacc, gids, n, groups, shared_groups)
 //       the accumulators (see AggAcc) of every row's group; gids == null means group 0 for
-//       every row. shared_groups != 0: each block first accumulates into per-block tables in
+//       every row; a row whose gid is SKIP is left out. shared_groups != 0: each block first accumulates into per-block tables in
 //       dynamic shared memory (the host checks the size) and merges them into global memory
 //       once, so that a few groups do not serialise every row on a handful of addresses.
 //   agg_exact_normalize (state, groups)        carries every group's exact float sum (below)
@@ -61,6 +64,9 @@ union AggBits {
 
 #define AGG_EMPTY 0xFFFFFFFFFFFFFFFFull
 #define AGG_PENDING 0x80000000u
+#define AGG_SKIP 0xFFFFFFFFu  // a row the aggregation does not take (never PENDING | row: rows < 2^31 - 1)
+
+__device__ __forceinline__ bool agg_is_pending(uint32_t ref) { return ref != AGG_SKIP && (ref & AGG_PENDING); }
 
 // The key columns of committed group `gid` and its row in them.
 __device__ __forceinline__ const KeyCol* agg_store_row(const KeyCol* store, const uint64_t* starts,
@@ -78,8 +84,12 @@ __device__ __forceinline__ const KeyCol* agg_store_row(const KeyCol* store, cons
 FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, const uint64_t* hashes, uint64_t n,
                                  const KeyCol* batch_keys, const KeyCol* store_keys, const uint64_t* starts,
                                  uint32_t chunks, uint32_t ncols, uint64_t limit, unsigned long long* inserted,
-                                 uint32_t* refs) {
+                                 uint32_t* refs, const uint8_t* rows, const uint8_t* rows_validity) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        if (rows && !(bit_is_set(rows, i) && bit_is_set(rows_validity, i))) {
+            refs[i] = AGG_SKIP;
+            continue;
+        }
         uint64_t h = hashes[i];
         uint64_t tag = h >> 32;
         unsigned long long mine = (tag << 32) | (AGG_PENDING | (uint32_t)i);
@@ -117,14 +127,14 @@ FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, const
 FULMEN_KERNEL agg_first_rows(const uint32_t* refs, uint64_t n, uint32_t* first) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint32_t r = refs[i];
-        if (r & AGG_PENDING) atomicMin(&first[r & ~AGG_PENDING], (uint32_t)i);
+        if (agg_is_pending(r)) atomicMin(&first[r & ~AGG_PENDING], (uint32_t)i);
     }
 }
 
 FULMEN_KERNEL agg_leader_flags(const uint32_t* refs, const uint32_t* first, uint64_t n, uint64_t* flags) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint32_t r = refs[i];
-        flags[i] = (r & AGG_PENDING) && first[r & ~AGG_PENDING] == (uint32_t)i ? 1 : 0;
+        flags[i] = agg_is_pending(r) && first[r & ~AGG_PENDING] == (uint32_t)i ? 1 : 0;
     }
 }
 
@@ -133,7 +143,7 @@ FULMEN_KERNEL agg_resolve(const uint32_t* refs, const uint32_t* first, const uin
                           uint64_t* group_hashes) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint32_t r = refs[i];
-        gids[i] = (r & AGG_PENDING) ? (uint32_t)(g0 + ranks[first[r & ~AGG_PENDING]]) : r;
+        gids[i] = agg_is_pending(r) ? (uint32_t)(g0 + ranks[first[r & ~AGG_PENDING]]) : r;
         if (flags[i]) {
             leaders[ranks[i]] = (uint32_t)i;
             group_hashes[g0 + ranks[i]] = hashes[i];
@@ -438,6 +448,7 @@ FULMEN_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids
         uint64_t start = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
         for (uint64_t i = start; i < n; i += GRID_STRIDE) {
             uint64_t g = gids ? gids[i] : 0;
+            if (g == AGG_SKIP) continue;
             uint64_t base = 0;
             for (uint32_t k = 0; k < nacc; ++k) {
                 const AggAcc& a = accs[k];
@@ -477,6 +488,7 @@ FULMEN_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids
     }
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint64_t g = gids ? gids[i] : 0;
+        if (g == AGG_SKIP) continue;
         for (uint32_t k = 0; k < nacc; ++k) {
             const AggAcc& a = accs[k];
             if (!agg_takes(a, i)) continue;

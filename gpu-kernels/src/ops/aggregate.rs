@@ -192,6 +192,27 @@ struct Grown {
     capacity: usize,
 }
 
+/// Bytes of the status buffer [`UpdateWith::status`] names: word 0 the table's own count
+/// of new groups, word 1 the upstream work's error word.
+pub const STATUS_BYTES: usize = 16;
+
+/// Rows of a keyed batch: `agg.cu` numbers a pending group PENDING | row (bit 31), which
+/// must never read as its SKIP id (all ones).
+const MAX_KEYED_ROWS: usize = 0x7FFF_FFFF;
+
+/// What a batch's [`GroupTable::update_with`] also depends on.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct UpdateWith<'a> {
+    /// The rows the aggregation takes (true and valid); `None`: every row. Rows it drops
+    /// make no group and update no accumulator: a filter fused into the aggregation.
+    pub rows: Option<&'a DeviceColumn>,
+    /// A buffer of [`STATUS_BYTES`], zeroed before the upstream work it watches was queued,
+    /// whose word 1 that work sets when its outputs are not to be used (an expression
+    /// program whose error word it is, [`super::expr::evaluate_unchecked`]). The table reads
+    /// it with its own count of new groups in one host wait, so a fused stage waits once.
+    pub status: Option<&'a DeviceBuffer>,
+}
+
 /// The groups of an aggregation and their accumulators, on one device.
 #[derive(Debug)]
 pub struct GroupTable {
@@ -424,7 +445,34 @@ impl GroupTable {
         inputs: &[AccInput<'_>],
         n: usize,
     ) -> Result<()> {
+        self.update_with(keys, inputs, n, UpdateWith::default())
+            .map(|_| ())
+    }
+
+    /// [`update`](Self::update), taking only the rows `with.rows` selects and, when
+    /// `with.status` is given, first checking in the same host wait as its own that the
+    /// upstream work it names succeeded. `Ok(false)`: the status word was set, and the table
+    /// is as it was.
+    pub fn update_with(
+        &mut self,
+        keys: &[&DeviceColumn],
+        inputs: &[AccInput<'_>],
+        n: usize,
+        with: UpdateWith<'_>,
+    ) -> Result<bool> {
         check_rows(n)?;
+        if let Some(rows) = with.rows
+            && (rows.layout() != Layout::Bits || rows.len() != n || rows.device() != &self.device)
+        {
+            return Err(KernelError::Unsupported(
+                "a row selection that is not a boolean column of the batch's rows".into(),
+            ));
+        }
+        if with.status.is_some_and(|s| s.len() < STATUS_BYTES) {
+            return Err(KernelError::Unsupported(format!(
+                "a status buffer of fewer than {STATUS_BYTES} bytes"
+            )));
+        }
         if inputs.len() != self.accs.len() {
             return Err(KernelError::Unsupported(format!(
                 "{} accumulator inputs for {} accumulators",
@@ -445,16 +493,31 @@ impl GroupTable {
             }
         }
         if n == 0 {
-            return Ok(());
+            return Ok(true);
         }
-        self.carry_exact_sums(n)?;
         if !self.keyed {
+            if with.rows.is_some() {
+                return Err(KernelError::Unsupported(
+                    "a row selection for an aggregation without keys".into(),
+                ));
+            }
+            if let Some(status) = with.status
+                && status.read_u64(1)? != 0
+            {
+                return Ok(false);
+            }
+            self.carry_exact_sums(n)?;
             let descriptors = self.accumulator_descriptors(&self.accs, inputs)?;
             let reached = reached_by(&self.accs, inputs);
             let shared =
                 self.launch_update(&descriptors, &reached, None, n, 1, self.locks.as_ref())?;
             self.count_update(shared);
-            return Ok(());
+            return Ok(true);
+        }
+        if n >= MAX_KEYED_ROWS {
+            return Err(KernelError::Unsupported(format!(
+                "keyed batches of {n} rows (fewer than 2^31 - 1 rows fit)"
+            )));
         }
         if keys.len() != self.key_types.len()
             || keys
@@ -487,8 +550,24 @@ impl GroupTable {
         starts.push(g0 as u64);
         let starts = upload_words(&device, &starts)?;
         let refs = device.alloc(n * 4)?;
-        let inserted = device.alloc(8)?;
-        loop {
+        // The count of new groups, and (word 1) the upstream status the caller zeroed.
+        let own_status;
+        let (inserted, mut zeroed) = match with.status {
+            Some(status) => (status, true),
+            None => {
+                own_status = device.alloc(8)?;
+                (&own_status, false)
+            }
+        };
+        let wait_count = || -> Result<Option<u64>> {
+            if with.status.is_none() {
+                return inserted.read_u64(0).map(Some);
+            }
+            let words = inserted.prefix_to_host(STATUS_BYTES)?;
+            let word = |k: usize| u64::from_le_bytes(words[8 * k..8 * k + 8].try_into().unwrap());
+            Ok((word(1) == 0).then(|| word(0)))
+        };
+        let inserted_count = loop {
             let wanted = ((g0 as u64) * 2).max(2048).next_power_of_two();
             if self.slots.is_none() || self.capacity < wanted {
                 let slots = self.rebuilt_slots(wanted)?;
@@ -497,7 +576,10 @@ impl GroupTable {
             }
             let slots = self.slots.as_ref().expect("slots were just built");
             let limit = self.capacity / 2 - g0 as u64;
-            inserted.write(0, &0u64.to_le_bytes())?;
+            if !zeroed {
+                inserted.write(0, &0u64.to_le_bytes())?;
+            }
+            zeroed = false;
             // SAFETY: `slots` holds `capacity` u64 (mask capacity - 1) with fewer than
             // capacity / 2 used, and inserts stop at `limit` more, so a free slot always
             // remains; `hashes` and `refs` hold n rows; the descriptors point at key
@@ -518,16 +600,30 @@ impl GroupTable {
                         Arg::U32(self.chunks.len() as u32),
                         Arg::U32(keys.len() as u32),
                         Arg::U64(limit),
-                        Arg::buf(&inserted),
+                        Arg::buf(inserted),
                         Arg::buf(&refs),
+                        Arg::opt(with.rows.map(DeviceColumn::values)),
+                        Arg::opt(with.rows.and_then(DeviceColumn::validity)),
                     ],
                 )
             }
             .inspect_err(|_| {
                 let _ = self.rollback(g0);
             })?;
-            if inserted.read_u64(0)? <= limit {
-                break;
+            let count = match wait_count() {
+                Ok(Some(count)) => count,
+                Ok(None) => {
+                    // The upstream work failed: its outputs (these keys) are not to be used.
+                    self.rollback(g0)?;
+                    return Ok(false);
+                }
+                Err(e) => {
+                    let _ = self.rollback(g0);
+                    return Err(e);
+                }
+            };
+            if count <= limit {
+                break count;
             }
             // Too many new keys for the table: undo, grow for the worst case, retry.
             self.rollback(g0)?;
@@ -535,6 +631,23 @@ impl GroupTable {
             let slots = self.rebuilt_slots(grown)?;
             self.slots = Some(slots);
             self.capacity = grown;
+        };
+        self.carry_exact_sums(n)?;
+        if inserted_count == 0 {
+            // No new group: every ref is a committed group id (or SKIP), the table's slots
+            // are unchanged, and the accumulators are updated by the refs at once.
+            let descriptors = self.accumulator_descriptors(&self.accs, inputs)?;
+            let reached = reached_by(&self.accs, inputs);
+            let shared = self.launch_update(
+                &descriptors,
+                &reached,
+                Some(&refs),
+                n,
+                g0,
+                self.locks.as_ref(),
+            )?;
+            self.count_update(shared);
+            return Ok(true);
         }
         // From here until the commit the table holds pending slots: any failure rolls
         // them back before returning.
@@ -548,7 +661,7 @@ impl GroupTable {
                 _ => e,
             });
         }
-        result
+        result.map(|()| true)
     }
 
     fn commit_batch(

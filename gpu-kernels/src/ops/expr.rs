@@ -458,6 +458,45 @@ pub fn evaluate(
     columns: &[&DeviceColumn],
     n: usize,
 ) -> Result<Option<Vec<DeviceColumn>>> {
+    let (outputs, packed) = launch(device, program, columns, n, None)?;
+    if n > 0 && packed.prefix_to_host(4)?.iter().any(|&b| b != 0) {
+        return Ok(None);
+    }
+    Ok(Some(outputs))
+}
+
+/// Queues `program` over `n` rows of `columns` without waiting for it: the kernel sets
+/// word 1 of `status` (a [`STATUS_BYTES`](super::aggregate::STATUS_BYTES) buffer the
+/// caller zeroed) when some row met a case it leaves to the CPU, and the outputs are then
+/// not to be used. The consumer checks the word in its own host wait
+/// ([`GroupTable::update_with`](super::aggregate::GroupTable::update_with)). Reading the
+/// outputs before that is safe, never right: they are fixed-width values and validity
+/// bits, always within their buffers, but a failed program's values are not its answer,
+/// so whatever was made of them must be undone.
+pub fn evaluate_unchecked(
+    device: &Device,
+    program: &Program,
+    columns: &[&DeviceColumn],
+    n: usize,
+    status: &DeviceBuffer,
+) -> Result<Vec<DeviceColumn>> {
+    if status.len() < super::aggregate::STATUS_BYTES {
+        return Err(KernelError::Unsupported(
+            "a status buffer too short for an error word".into(),
+        ));
+    }
+    launch(device, program, columns, n, Some(status)).map(|(outputs, _)| outputs)
+}
+
+/// Launches the program; its error word is word 1 of `status`, or the first word of the
+/// returned upload.
+fn launch(
+    device: &Device,
+    program: &Program,
+    columns: &[&DeviceColumn],
+    n: usize,
+    status: Option<&DeviceBuffer>,
+) -> Result<(Vec<DeviceColumn>, DeviceBuffer)> {
     check_rows(n)?;
     program.validate(columns)?;
     if let Some(c) = columns
@@ -478,11 +517,12 @@ pub fn evaluate(
         outputs.push((values, validity, *kind, data_type.clone()));
     }
     if n == 0 {
-        return Ok(Some(
+        return Ok((
             outputs
                 .into_iter()
                 .map(|(v, m, _, t)| DeviceColumn::from_parts(t, 0, v, None, Some(m)))
                 .collect(),
+            device.alloc(8)?,
         ));
     }
     let mut col_table = Vec::with_capacity(3 * columns.len());
@@ -536,22 +576,21 @@ pub fn evaluate(
                 part(at(3)),
                 part(at(4)),
                 Arg::U64(n as u64),
-                part(at(0)),
+                match status {
+                    Some(status) => Arg::Buf(status.addr() + 8, 8),
+                    None => part(at(0)),
+                },
             ],
             &reached,
         )?;
     }
-    if packed.prefix_to_host(4)?.iter().any(|&b| b != 0) {
-        return Ok(None);
-    }
-    Ok(Some(
-        outputs
-            .into_iter()
-            .map(|(values, validity, _, data_type)| {
-                DeviceColumn::from_parts(data_type, n, values, None, Some(validity))
-            })
-            .collect(),
-    ))
+    let outputs = outputs
+        .into_iter()
+        .map(|(values, validity, _, data_type)| {
+            DeviceColumn::from_parts(data_type, n, values, None, Some(validity))
+        })
+        .collect();
+    Ok((outputs, packed))
 }
 
 #[cfg(test)]

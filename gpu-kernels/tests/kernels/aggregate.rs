@@ -2,7 +2,9 @@
 //! sums checked against an independent exact summation.
 
 use super::*;
-use fulmen_kernels::ops::aggregate::{AccInput, AccOp, AccValues, GroupTable};
+use fulmen_kernels::ops::aggregate::{
+    AccInput, AccOp, AccValues, GroupTable, STATUS_BYTES, UpdateWith,
+};
 
 /// The host reference of a group table: groups in first-seen order, with each group's
 /// (count(*), count(v), sum(v), min(v), max(v)) over the rows whose filter is true, and
@@ -23,7 +25,17 @@ struct RefGroup {
     dmax: Option<i128>,
 }
 
-fn check_group_table(d: &Device, batches: usize, n: usize, distinct: u64, seed: u64, locked: bool) {
+/// `masked`: each batch also selects its rows (`UpdateWith::rows`), and a row it drops
+/// makes no group, as a filter fused into the aggregation.
+fn check_group_table(
+    d: &Device,
+    batches: usize,
+    n: usize,
+    distinct: u64,
+    seed: u64,
+    locked: bool,
+    masked: bool,
+) {
     let ops = [
         AccOp::Count,
         AccOp::Count,
@@ -73,7 +85,13 @@ fn check_group_table(d: &Device, batches: usize, n: usize, distinct: u64, seed: 
         let keep: BooleanArray = (0..n)
             .map(|_| (!r.chance(5)).then(|| r.chance(80)))
             .collect();
+        let take: BooleanArray = (0..n)
+            .map(|_| (!r.chance(5)).then(|| r.chance(60)))
+            .collect();
         for i in 0..n {
+            if masked && !(take.is_valid(i) && take.value(i)) {
+                continue;
+            }
             let key = (
                 k1.is_valid(i).then(|| k1.value(i)),
                 k2.is_valid(i).then(|| k2.value(i).to_string()),
@@ -108,8 +126,15 @@ fn check_group_table(d: &Device, batches: usize, n: usize, distinct: u64, seed: 
             }
         }
         let up = |a: &dyn Array| DeviceColumn::upload(d, a).unwrap();
-        let (k1d, k2d, vd, fd, decd, keepd) =
-            (up(&k1), up(&k2), up(&v), up(&f), up(&dec), up(&keep));
+        let (k1d, k2d, vd, fd, decd, keepd, taked) = (
+            up(&k1),
+            up(&k2),
+            up(&v),
+            up(&f),
+            up(&dec),
+            up(&keep),
+            up(&take),
+        );
         fn with<'a>(values: Option<&'a DeviceColumn>, keep: &'a DeviceColumn) -> AccInput<'a> {
             AccInput {
                 values,
@@ -129,7 +154,11 @@ fn check_group_table(d: &Device, batches: usize, n: usize, distinct: u64, seed: 
             with(Some(&decd), &keepd),
             with(Some(&decd), &keepd),
         ];
-        table.update(&[&k1d, &k2d], &inputs, n).unwrap();
+        let with = UpdateWith {
+            rows: masked.then_some(&taked),
+            status: None,
+        };
+        assert!(table.update_with(&[&k1d, &k2d], &inputs, n, with).unwrap());
     }
     assert_eq!(table.groups(), order.len());
     let keys = table.keys().unwrap();
@@ -194,12 +223,85 @@ fn group_table_aggregates_like_the_host_reference() {
     let d = device();
     // Few groups (shared-memory tables), many groups (one global table that grows past
     // its first size within a batch and across batches), and empty and tiny batches.
-    for locked in [false, true] {
-        check_group_table(&d, 3, 5000, 4, 1, locked);
-        check_group_table(&d, 4, 3000, 1_000_000, 2, locked);
-        check_group_table(&d, 2, 1, 10, 3, locked);
-        check_group_table(&d, 2, 0, 10, 4, locked);
+    // Each also with a row selection (a fused filter): dropped rows make no group.
+    for (locked, masked) in [(false, false), (true, false), (false, true), (true, true)] {
+        check_group_table(&d, 3, 5000, 4, 1, locked, masked);
+        check_group_table(&d, 4, 3000, 1_000_000, 2, locked, masked);
+        check_group_table(&d, 2, 1, 10, 3, locked, masked);
+        check_group_table(&d, 2, 0, 10, 4, locked, masked);
     }
+}
+
+/// A batch whose upstream status word is set (an expression program that failed) changes
+/// nothing, whether its keys were new or seen; with the word clear it goes in, and the
+/// table's count of new groups and the upstream word come back in one host wait (counted
+/// on an emulated device of the test's own: the CUDA test device is shared by every test).
+#[test]
+fn an_update_whose_upstream_failed_leaves_the_table_as_it_was() {
+    check_upstream_status(&device(), false);
+    check_upstream_status(&emulated(), true);
+}
+
+fn check_upstream_status(d: &Device, count_waits: bool) {
+    let waits = |before: u64, what: &str| {
+        if count_waits {
+            assert_eq!(d.counts().syncs - before, 1, "{what}");
+        }
+    };
+    let mut table = GroupTable::new(d, &[DataType::Int64], &[AccOp::Count]).unwrap();
+    let input = [AccInput {
+        values: None,
+        filter: None,
+    }];
+    let seen: Int64Array = (0..3000).map(|i| Some(i % 700)).collect();
+    let seen = DeviceColumn::upload(d, &seen).unwrap();
+    table.update(&[&seen], &input, 3000).unwrap();
+    let want = table.state(0).unwrap();
+    let fresh: Int64Array = (0..3000).map(|i| Some(1000 + i % 900)).collect();
+    let fresh = DeviceColumn::upload(d, &fresh).unwrap();
+    let status = |failed: u64| {
+        let mut words = vec![0u8; STATUS_BYTES];
+        words[8..16].copy_from_slice(&failed.to_le_bytes());
+        d.upload(&words).unwrap()
+    };
+    for keys in [&seen, &fresh] {
+        let failed = status(1);
+        let with = UpdateWith {
+            rows: None,
+            status: Some(&failed),
+        };
+        let before = d.counts().syncs;
+        assert!(!table.update_with(&[keys], &input, 3000, with).unwrap());
+        waits(before, "one host wait");
+        assert_eq!(table.groups(), 700);
+        assert_eq!(table.state(0).unwrap(), want);
+    }
+    let clear = status(0);
+    let with = UpdateWith {
+        rows: None,
+        status: Some(&clear),
+    };
+    let before = d.counts().syncs;
+    assert!(table.update_with(&[&seen], &input, 3000, with).unwrap());
+    waits(before, "a batch of known groups waits once");
+    assert_eq!(table.groups(), 700);
+    assert!(
+        table
+            .update_with(
+                &[&fresh],
+                &input,
+                3000,
+                UpdateWith {
+                    rows: None,
+                    status: Some(&status(0))
+                }
+            )
+            .unwrap()
+    );
+    assert_eq!(table.groups(), 1600);
+    let counts = table.state(0).unwrap().counts;
+    assert!(counts[..700].iter().all(|&c| c > 0) && counts[700..].iter().all(|&c| c > 0));
+    assert_eq!(counts.iter().sum::<u64>(), 9000);
 }
 
 #[test]
