@@ -20,9 +20,22 @@
 //! the filter would have kept it from (on the device every branch is evaluated, and a row
 //! the program leaves to the CPU sends the batch there, as before).
 //!
-//! Not folded: grouped aggregates (rows the filter drops must not make groups), aggregates
-//! with their own FILTER, an ORDER BY or no argument, a filter with a row limit pushed into
-//! it, and any other aggregate function.
+//! **A grouped aggregate over a filter** (TPC-H Q1's shape) cannot guard its arguments:
+//! rows the filter drops must not make groups. It becomes a [`GpuAggregateExec`] that takes
+//! the filter in ([`GpuAggregateExec::try_fused`]): its CPU twin is the aggregate over a
+//! `FilterExec` (without projection) of the filter's input, and on the device the
+//! predicate is one more output of the aggregate's expression program, which selects the
+//! rows the group table takes (`UpdateWith::rows`: a dropped row makes no group and
+//! updates nothing). EXPLAIN shows it as `GpuAggregateExec: …, fused_filter=<predicate>`
+//! over the filter's input.
+//!
+//! Both see through a device projection between the aggregate and the filter (Q1's
+//! `l_extendedprice * (1 - l_discount)`): its expressions are inlined into the
+//! aggregate's, which the one program then evaluates.
+//!
+//! Not folded: aggregates with their own FILTER, an ORDER BY or no argument (keyless), a
+//! `count(DISTINCT …)` (grouped), a filter with a row limit pushed into it, and any other
+//! aggregate function (keyless).
 
 use std::sync::Arc;
 
@@ -30,15 +43,97 @@ use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::aggregate::{AggregateExprBuilder, AggregateFunctionExpr};
 use datafusion::physical_plan::ExecutionPlan;
-use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode, PhysicalGroupBy};
 use datafusion::physical_plan::expressions::{CaseExpr, Column};
 use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::projection::ProjectionExec;
 
-use crate::physical_plan::GpuFilterExec;
+#[allow(unused_imports)] // named by the module docs
+use crate::physical_plan::GpuAggregateExec;
+use crate::physical_plan::{GpuFilterExec, GpuProjectionExec};
 
 /// Aggregate functions that ignore NULL arguments, so that guarding each argument with the
 /// filter's predicate is the filter.
 const NULL_IGNORING: &[&str] = &["sum", "avg", "min", "max", "count"];
+
+/// The device filter (and projection) under an aggregate that a fused stage takes in.
+struct Chain {
+    /// The filter's input: the fused stage's.
+    input: Arc<dyn ExecutionPlan>,
+    predicate: Arc<dyn PhysicalExpr>,
+    /// For each column of the aggregate's input, its expression over `input`.
+    columns: Vec<Arc<dyn PhysicalExpr>>,
+}
+
+impl Chain {
+    /// The chain under `agg`: a `GpuFilterExec` without a row limit, perhaps under a
+    /// `GpuProjectionExec`.
+    fn under(agg: &AggregateExec) -> Option<Self> {
+        let mut node = agg.input();
+        let mut projected: Option<Vec<Arc<dyn PhysicalExpr>>> = None;
+        if let Some(projection) = node.downcast_ref::<GpuProjectionExec>() {
+            let cpu = projection.cpu().downcast_ref::<ProjectionExec>()?;
+            projected = Some(cpu.expr().iter().map(|e| Arc::clone(&e.expr)).collect());
+            node = cpu.input();
+        }
+        let filter = node
+            .downcast_ref::<GpuFilterExec>()?
+            .cpu()
+            .downcast_ref::<FilterExec>()?;
+        if filter.fetch().is_some() {
+            // A row limit pushed into the filter (`… WHERE p LIMIT n` under the aggregate).
+            return None;
+        }
+        let input = Arc::clone(filter.input());
+        let schema = input.schema();
+        // The filter's output: its projection of its input.
+        let filtered: Vec<Arc<dyn PhysicalExpr>> = match filter.projection() {
+            Some(projection) => projection
+                .iter()
+                .map(|&i| Arc::new(Column::new(schema.field(i).name(), i)) as _)
+                .collect(),
+            None => (0..schema.fields().len())
+                .map(|i| Arc::new(Column::new(schema.field(i).name(), i)) as _)
+                .collect(),
+        };
+        let columns = match projected {
+            Some(exprs) => exprs
+                .iter()
+                .map(|e| substitute(e, &filtered))
+                .collect::<Option<Vec<_>>>()?,
+            None => filtered,
+        };
+        Some(Self {
+            input,
+            predicate: Arc::clone(filter.predicate()),
+            columns,
+        })
+    }
+
+    /// `expr` (over the aggregate's input) over the chain's input.
+    fn to_input(&self, expr: &Arc<dyn PhysicalExpr>) -> Option<Arc<dyn PhysicalExpr>> {
+        substitute(expr, &self.columns)
+    }
+}
+
+/// `expr` with each column `i` replaced by `columns[i]`.
+fn substitute(
+    expr: &Arc<dyn PhysicalExpr>,
+    columns: &[Arc<dyn PhysicalExpr>],
+) -> Option<Arc<dyn PhysicalExpr>> {
+    Arc::clone(expr)
+        .transform(|e| {
+            let Some(c) = e.downcast_ref::<Column>() else {
+                return Ok(Transformed::no(e));
+            };
+            let column = columns.get(c.index()).ok_or_else(|| {
+                datafusion::common::internal_datafusion_err!("column {c} past the projection")
+            })?;
+            Ok(Transformed::yes(Arc::clone(column)))
+        })
+        .data()
+        .ok()
+}
 
 /// `node` (a keyless aggregate over rows, whose input is a filter placed on the device)
 /// with the filter folded into its arguments; `None` where the rewrite does not apply.
@@ -51,38 +146,9 @@ pub fn fold_filter_into_aggregate(node: &Arc<dyn ExecutionPlan>) -> Option<Arc<d
     {
         return None;
     }
-    let filter = agg
-        .input()
-        .downcast_ref::<GpuFilterExec>()?
-        .cpu()
-        .downcast_ref::<FilterExec>()?;
-    if filter.fetch().is_some() {
-        // A row limit pushed into the filter (`… WHERE p LIMIT n` under the aggregate).
-        return None;
-    }
-    let input = Arc::clone(filter.input());
-    let schema = input.schema();
-    let predicate = Arc::clone(filter.predicate());
-    // The aggregate's columns are the filter's output: its projection of the input.
-    let projection = filter.projection().clone();
-    let to_input = |expr: &Arc<dyn PhysicalExpr>| -> Option<Arc<dyn PhysicalExpr>> {
-        let Some(projection) = &projection else {
-            return Some(Arc::clone(expr));
-        };
-        Arc::clone(expr)
-            .transform(|e| {
-                let Some(c) = e.downcast_ref::<Column>() else {
-                    return Ok(Transformed::no(e));
-                };
-                let index = *projection.get(c.index()).ok_or_else(|| {
-                    datafusion::common::internal_datafusion_err!("column {c} past the projection")
-                })?;
-                let column = Column::new(schema.field(index).name(), index);
-                Ok(Transformed::yes(Arc::new(column) as Arc<dyn PhysicalExpr>))
-            })
-            .data()
-            .ok()
-    };
+    let chain = Chain::under(agg)?;
+    let schema = chain.input.schema();
+    let predicate = &chain.predicate;
     let mut aggregates = Vec::with_capacity(agg.aggr_expr().len());
     for a in agg.aggr_expr() {
         if !NULL_IGNORING.contains(&a.fun().name())
@@ -95,19 +161,24 @@ pub fn fold_filter_into_aggregate(node: &Arc<dyn ExecutionPlan>) -> Option<Arc<d
             .expressions()
             .iter()
             .map(|arg| {
-                let guarded =
-                    CaseExpr::try_new(None, vec![(Arc::clone(&predicate), to_input(arg)?)], None);
+                let guarded = CaseExpr::try_new(
+                    None,
+                    vec![(Arc::clone(predicate), chain.to_input(arg)?)],
+                    None,
+                );
                 guarded.ok().map(|c| Arc::new(c) as Arc<dyn PhysicalExpr>)
             })
             .collect::<Option<Vec<_>>>()?;
-        aggregates.push(Arc::new(guarded(a, args, &predicate, &schema)?));
+        let display = format!("{} FILTER (WHERE {predicate})", a.name());
+        let alias = Some(a.name().to_string());
+        aggregates.push(Arc::new(rebuilt(a, args, &schema, display, alias)?));
     }
     let folded = AggregateExec::try_new(
         *agg.mode(),
         agg.group_expr().clone(),
         aggregates,
         agg.filter_expr().to_vec(),
-        input,
+        Arc::clone(&chain.input),
         Arc::clone(&schema),
     )
     .ok()?;
@@ -115,19 +186,91 @@ pub fn fold_filter_into_aggregate(node: &Arc<dyn ExecutionPlan>) -> Option<Arc<d
     (folded.schema() == agg.schema()).then(|| Arc::new(folded) as Arc<dyn ExecutionPlan>)
 }
 
-/// `a` over the guarded `args`, keeping its name (the state columns the plan above reads),
-/// and showing the folded filter in EXPLAIN.
-fn guarded(
+/// `node` (a grouped aggregate over rows, whose input is a filter placed on the device) as
+/// the aggregate over a CPU `FilterExec` (no projection) of the filter's input, its
+/// expressions over that input: the CPU twin of a [`GpuAggregateExec::try_fused`] stage.
+/// `None` where the rewrite does not apply.
+pub fn fold_filter_into_grouped_aggregate(
+    node: &Arc<dyn ExecutionPlan>,
+) -> Option<Arc<dyn ExecutionPlan>> {
+    let agg = node.downcast_ref::<AggregateExec>()?;
+    let group_by = agg.group_expr();
+    if group_by.is_true_no_grouping()
+        || group_by.has_grouping_set()
+        || !matches!(
+            agg.mode(),
+            AggregateMode::Partial | AggregateMode::Single | AggregateMode::SinglePartitioned
+        )
+        || agg.limit_options().is_some()
+        || agg.aggr_expr().iter().any(|a| a.is_distinct())
+    {
+        return None;
+    }
+    let chain = Chain::under(agg)?;
+    let schema = chain.input.schema();
+    let keys = group_by
+        .expr()
+        .iter()
+        .map(|(e, name)| Some((chain.to_input(e)?, name.clone())))
+        .collect::<Option<Vec<_>>>()?;
+    let aggregates = agg
+        .aggr_expr()
+        .iter()
+        .map(|a| {
+            let args = a
+                .expressions()
+                .iter()
+                .map(|e| chain.to_input(e))
+                .collect::<Option<Vec<_>>>()?;
+            // Shown as it was: the filter is the stage's (`fused_filter=…`), not the
+            // aggregate's.
+            let display = a.human_display().unwrap_or(a.name()).to_string();
+            let alias = a.human_display_alias().map(str::to_string);
+            rebuilt(a, args, &schema, display, alias).map(Arc::new)
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let filters = agg
+        .filter_expr()
+        .iter()
+        .map(|f| match f {
+            Some(f) => chain.to_input(f).map(Some),
+            None => Some(None),
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let filter =
+        FilterExec::try_new(Arc::clone(&chain.predicate), Arc::clone(&chain.input)).ok()?;
+    let folded = AggregateExec::try_new(
+        *agg.mode(),
+        PhysicalGroupBy::new_single(keys),
+        aggregates,
+        filters,
+        Arc::new(filter),
+        Arc::clone(&schema),
+    )
+    .ok()?;
+    (folded.schema() == agg.schema()).then(|| Arc::new(folded) as Arc<dyn ExecutionPlan>)
+}
+
+/// `a` over `args`, keeping its name (the state columns the plan above reads), shown in
+/// EXPLAIN as `display` (`as alias` where one is given).
+fn rebuilt(
     a: &AggregateFunctionExpr,
     args: Vec<Arc<dyn PhysicalExpr>>,
-    predicate: &Arc<dyn PhysicalExpr>,
     schema: &datafusion::arrow::datatypes::SchemaRef,
+    display: String,
+    alias: Option<String>,
 ) -> Option<AggregateFunctionExpr> {
-    AggregateExprBuilder::new(Arc::new(a.fun().clone()), args)
+    if !a.order_bys().is_empty() {
+        return None;
+    }
+    let mut builder = AggregateExprBuilder::new(Arc::new(a.fun().clone()), args)
         .schema(Arc::clone(schema))
         .alias(a.name())
-        .human_display(format!("{} FILTER (WHERE {predicate})", a.name()))
-        .human_display_alias(a.name())
+        .human_display(display);
+    if let Some(alias) = alias {
+        builder = builder.human_display_alias(alias);
+    }
+    builder
         .with_distinct(a.is_distinct())
         .with_ignore_nulls(a.ignore_nulls())
         .build()

@@ -166,6 +166,11 @@ pub fn decide(
             .and_then(|folded| {
                 GpuAggregateExec::try_new(folded, Arc::clone(&devices), fulmen.gpu_batch_rows).ok()
             })
+            .or_else(|| {
+                let folded = super::fuse::fold_filter_into_grouped_aggregate(&node)?;
+                GpuAggregateExec::try_fused(folded, Arc::clone(&devices), fulmen.gpu_batch_rows)
+                    .ok()
+            })
             .map_or_else(
                 || GpuAggregateExec::try_new(node, devices, fulmen.gpu_batch_rows),
                 Ok,
@@ -239,8 +244,13 @@ pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -
                 describe(gpu.devices())
             ));
         } else if let Some(gpu) = node.downcast_ref::<GpuAggregateExec>() {
+            let fused = if gpu.fused_filter().is_some() {
+                ", the filter under it fused in"
+            } else {
+                ""
+            };
             lines.push(format!(
-                "GpuAggregateExec ({:?}) runs on {}",
+                "GpuAggregateExec ({:?}{fused}) runs on {}",
                 gpu.mode(),
                 describe(gpu.devices())
             ));

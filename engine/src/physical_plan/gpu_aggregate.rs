@@ -61,12 +61,15 @@ use datafusion::physical_plan::aggregates::{
     AggregateExec, AggregateInputMode, AggregateMode, AggregateOutputMode, aggregate_expressions,
 };
 use datafusion::physical_plan::empty::EmptyExec;
+use datafusion::physical_plan::filter::{FilterExec, batch_filter};
 use datafusion::physical_plan::metrics::{
     Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
 };
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
-use fulmen_kernels::ops::aggregate::{AccInput, AccOp, AccState, AccValues, GroupTable};
+use fulmen_kernels::ops::aggregate::{
+    AccInput, AccOp, AccState, AccValues, GroupTable, STATUS_BYTES, UpdateWith,
+};
 use fulmen_kernels::ops::compact::selection_indices;
 use fulmen_kernels::ops::expr;
 use fulmen_kernels::ops::gather::gather_column;
@@ -163,6 +166,10 @@ pub struct AggregateWork {
     /// For each aggregate: its state fields, in DataFusion's order.
     states: Vec<Vec<(StateFrom, DataType)>>,
     schema: SchemaRef,
+    /// A fused stage: the predicate of the filter it takes in (the CPU twin's input is a
+    /// `FilterExec` of it over the stage's input), and where its values come from, which
+    /// select the rows the group table takes.
+    fused: Option<(Arc<dyn PhysicalExpr>, Source)>,
 }
 
 /// The aggregate's function, and whether it is a `count(DISTINCT …)`.
@@ -337,10 +344,24 @@ fn distinct_count(
 }
 
 impl AggregateWork {
-    /// The device side of `plan`, or why it stays on the CPU.
-    pub fn plan(plan: &Arc<dyn ExecutionPlan>) -> Result<Self, Reason> {
+    /// The device side of `plan`, or why it stays on the CPU. `fused`: `plan`'s input is a
+    /// `FilterExec` the device stage takes in.
+    pub fn plan(plan: &Arc<dyn ExecutionPlan>, fused: bool) -> Result<Self, Reason> {
         let Some(cpu) = plan.downcast_ref::<AggregateExec>() else {
             return Err("not an AggregateExec".into());
+        };
+        let predicate = match cpu.input().downcast_ref::<FilterExec>() {
+            Some(filter) if fused => {
+                if filter.projection().is_some() || filter.fetch().is_some() {
+                    return Err("a fused filter with a projection or a row limit".into());
+                }
+                if cpu.group_expr().is_true_no_grouping() {
+                    return Err("a fused filter in an aggregation without keys".into());
+                }
+                Some(Arc::clone(filter.predicate()))
+            }
+            None if fused => return Err("a fused stage without a FilterExec".into()),
+            _ => None,
         };
         let group_by = cpu.group_expr();
         if group_by.has_grouping_set() {
@@ -479,6 +500,21 @@ impl AggregateWork {
             }
             states.push(state.into_iter().zip(state_types).collect());
         }
+        let fused = match predicate {
+            Some(predicate) => {
+                if !raw || !distinct.is_empty() {
+                    return Err(
+                        "a fused filter under a merge of states or a count(DISTINCT …)".into(),
+                    );
+                }
+                let (rows, t) = sources.of(&predicate)?;
+                if t != DataType::Boolean {
+                    return Err(format!("a filter predicate of type {t}"));
+                }
+                Some((predicate, rows))
+            }
+            None => None,
+        };
         let computed = sources.computed;
         let program = if computed.is_empty() {
             None
@@ -497,7 +533,26 @@ impl AggregateWork {
             distinct,
             states,
             schema: output_schema,
+            fused,
         })
+    }
+
+    /// The plan whose batches the device takes: the aggregate's input, or the fused
+    /// filter's.
+    fn device_input(&self) -> &Arc<dyn ExecutionPlan> {
+        let input = self.cpu.input();
+        match (&self.fused, input.children().first()) {
+            (Some(_), Some(filter_input)) => filter_input,
+            _ => input,
+        }
+    }
+
+    /// `batch` (of the device input) as the CPU aggregate's input: the fused filter's rows.
+    fn cpu_rows(&self, batch: RecordBatch) -> Result<RecordBatch> {
+        match &self.fused {
+            Some((predicate, _)) => batch_filter(&batch, predicate),
+            None => Ok(batch),
+        }
     }
 
     fn new_tables(&self, device: &Device) -> Result<Tables, KernelError> {
@@ -516,14 +571,34 @@ impl AggregateWork {
     }
 
     /// Adds one batch to `table`. `Ok(false)`: the program left some row to the CPU, and
-    /// DataFusion evaluated the batch's expressions instead (an error it raises is the
-    /// query's).
+    /// DataFusion evaluated the batch's expressions instead (over the rows of the fused
+    /// filter, which it applied first; an error it raises is the query's).
     fn update(
         &self,
         tables: &mut Tables,
         device: &Device,
         input: &Chunk,
         metrics: &GpuMetrics,
+    ) -> Result<bool, UpdateError> {
+        if self.update_rows(tables, device, input, metrics, false)? {
+            return Ok(true);
+        }
+        let batch = input.to_host(metrics)?;
+        let rows = Chunk::Host(self.cpu_rows(batch).map_err(UpdateError::Query)?);
+        self.update_rows(tables, device, &rows, metrics, true)?;
+        Ok(false)
+    }
+
+    /// Adds the batch `input`, its computed columns evaluated by the device program, or by
+    /// DataFusion when `on_cpu` (`input` then holds only the fused filter's rows).
+    /// `Ok(false)`: the program left some row to the CPU, and nothing was added.
+    fn update_rows(
+        &self,
+        tables: &mut Tables,
+        device: &Device,
+        input: &Chunk,
+        metrics: &GpuMetrics,
+        on_cpu: bool,
     ) -> Result<bool, UpdateError> {
         let n = input.num_rows();
         let mut uploaded: HashMap<usize, DeviceColumn> = HashMap::new();
@@ -534,37 +609,47 @@ impl AggregateWork {
                 }
                 Ok(())
             };
-        let mut on_device = true;
+        // Without pair tables (which take their rows before the group table) the program's
+        // success is checked in the group table's own host wait: one wait per batch.
+        let status = match (&self.program, on_cpu) {
+            (Some(_), false) if self.distinct.is_empty() && !self.keys.is_empty() => {
+                Some(device.upload(&[0; STATUS_BYTES])?)
+            }
+            _ => None,
+        };
         let computed: Vec<DeviceColumn> = match &self.program {
             None => Vec::new(),
-            Some(program) => {
-                let outputs = match program.bind(&input.host_view()) {
-                    Ok(bound) => {
-                        for &c in &program.inputs {
-                            upload(c, &mut uploaded)?;
-                        }
-                        let inputs: Vec<&DeviceColumn> =
-                            program.inputs.iter().map(|c| &uploaded[c]).collect();
-                        metrics.kernel(|| expr::evaluate(device, &bound, &inputs, n))?
-                    }
-                    Err(_) => None,
-                };
-                match outputs {
-                    Some(outputs) => outputs,
-                    None => {
-                        on_device = false;
-                        let batch = input.to_host(metrics)?;
-                        let mut columns = Vec::with_capacity(self.computed.len());
-                        for e in &self.computed {
-                            let array = e
-                                .evaluate(&batch)
-                                .and_then(|v| v.into_array(n))
-                                .map_err(UpdateError::Query)?;
-                            columns.push(metrics.upload(device, array.as_ref())?);
-                        }
-                        columns
-                    }
+            Some(_) if on_cpu => {
+                let batch = input.to_host(metrics)?;
+                let mut columns = Vec::with_capacity(self.computed.len());
+                for e in &self.computed {
+                    let array = e
+                        .evaluate(&batch)
+                        .and_then(|v| v.into_array(n))
+                        .map_err(UpdateError::Query)?;
+                    columns.push(metrics.upload(device, array.as_ref())?);
                 }
+                columns
+            }
+            Some(program) => {
+                let Ok(bound) = program.bind(&input.host_view()) else {
+                    return Ok(false);
+                };
+                for &c in &program.inputs {
+                    upload(c, &mut uploaded)?;
+                }
+                let inputs: Vec<&DeviceColumn> =
+                    program.inputs.iter().map(|c| &uploaded[c]).collect();
+                let outputs = match &status {
+                    Some(status) => metrics
+                        .kernel(|| expr::evaluate_unchecked(device, &bound, &inputs, n, status))
+                        .map(Some)?,
+                    None => metrics.kernel(|| expr::evaluate(device, &bound, &inputs, n))?,
+                };
+                let Some(outputs) = outputs else {
+                    return Ok(false);
+                };
+                outputs
             }
         };
         let raw = self.raw();
@@ -573,9 +658,16 @@ impl AggregateWork {
             .iter()
             .filter(|_| raw)
             .flat_map(|d| std::iter::once(&d.values).chain(d.filter.iter()));
+        // The fused filter's rows: on the CPU, `input` holds only those.
+        let rows = self
+            .fused
+            .as_ref()
+            .filter(|_| !on_cpu)
+            .map(|(_, rows)| rows);
         for source in self
             .keys
             .iter()
+            .chain(rows)
             .chain(
                 self.accumulators
                     .iter()
@@ -618,8 +710,11 @@ impl AggregateWork {
                 self.insert_merged_pairs(pairs, d, device, input, metrics)?;
             }
         }
-        metrics.kernel(|| tables.groups.update(&keys, &inputs, n))?;
-        Ok(on_device)
+        let with = UpdateWith {
+            rows: rows.and_then(column),
+            status: status.as_ref(),
+        };
+        Ok(metrics.kernel(|| tables.groups.update_with(&keys, &inputs, n, with))?)
     }
 
     /// Whether the input is rows (not partial states).
@@ -1047,10 +1142,31 @@ impl GpuAggregateExec {
         devices: Arc<Vec<Device>>,
         batch_rows: usize,
     ) -> Result<Self, Reason> {
+        Self::planned(cpu, devices, batch_rows, false)
+    }
+
+    /// A fused stage: the GPU twin of `cpu`, a grouped aggregate over rows whose input is a
+    /// `FilterExec` (without projection or row limit) that the stage takes in. Its child is
+    /// the filter's input; the device evaluates the predicate in the aggregate's program
+    /// and its group table takes only the rows it keeps (see `gpu/fuse.rs`).
+    pub fn try_fused(
+        cpu: Arc<dyn ExecutionPlan>,
+        devices: Arc<Vec<Device>>,
+        batch_rows: usize,
+    ) -> Result<Self, Reason> {
+        Self::planned(cpu, devices, batch_rows, true)
+    }
+
+    fn planned(
+        cpu: Arc<dyn ExecutionPlan>,
+        devices: Arc<Vec<Device>>,
+        batch_rows: usize,
+        fused: bool,
+    ) -> Result<Self, Reason> {
         if devices.is_empty() {
             return Err("no device".into());
         }
-        let work = AggregateWork::plan(&cpu)?;
+        let work = AggregateWork::plan(&cpu, fused)?;
         Ok(Self {
             inner: cpu,
             work: Arc::new(work),
@@ -1059,6 +1175,11 @@ impl GpuAggregateExec {
             metrics: ExecutionPlanMetricsSet::new(),
             executed: AtomicBool::new(false),
         })
+    }
+
+    /// The predicate of the filter this stage takes in, if it is a fused stage.
+    pub fn fused_filter(&self) -> Option<&Arc<dyn PhysicalExpr>> {
+        self.work.fused.as_ref().map(|(p, _)| p)
     }
 
     /// The devices its partitions run on.
@@ -1074,7 +1195,14 @@ impl GpuAggregateExec {
 
 impl DisplayAs for GpuAggregateExec {
     fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        super::fmt_gpu_operator("GpuAggregateExec", &self.inner, &self.devices, t, f)
+        super::fmt_gpu_operator("GpuAggregateExec", &self.inner, &self.devices, t, f)?;
+        match self.fused_filter() {
+            Some(predicate) if t == DisplayFormatType::TreeRender => {
+                write!(f, "\nfused_filter={predicate}")
+            }
+            Some(predicate) => write!(f, ", fused_filter={predicate}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -1083,7 +1211,37 @@ impl ExecutionPlan for GpuAggregateExec {
         "GpuAggregateExec"
     }
 
-    delegate_to_cpu_operator!("GpuAggregateExec");
+    delegate_to_cpu_operator!(@properties);
+
+    /// A fused stage's child is its filter's input; otherwise the CPU twin's children.
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        if self.work.fused.is_some() {
+            return vec![self.work.device_input()];
+        }
+        self.inner.children()
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        use datafusion::physical_plan::execution_plan::{
+            ChildrenPropertiesMode, ReplaceChildrenOptions,
+        };
+        let recompute = || ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
+        let fused = self.work.fused.is_some();
+        let children = match self.inner.children().first() {
+            // The fused filter over the new child.
+            Some(&filter) if fused => {
+                vec![Arc::clone(filter).replace_children(children, recompute())?]
+            }
+            _ => children,
+        };
+        let inner = Arc::clone(&self.inner).replace_children(children, recompute())?;
+        let gpu = Self::planned(inner, Arc::clone(&self.devices), self.batch_rows, fused)
+            .map_err(|reason| internal_datafusion_err!("GpuAggregateExec: {reason}"))?;
+        Ok(Arc::new(gpu))
+    }
 
     fn execute(
         &self,
@@ -1093,7 +1251,7 @@ impl ExecutionPlan for GpuAggregateExec {
         let device = device_for(&self.devices, partition)
             .ok_or_else(|| internal_datafusion_err!("GpuAggregateExec without a device"))?;
         let input = input_chunks(
-            self.work.cpu.input(),
+            self.work.device_input(),
             partition,
             Arc::clone(&context),
             &self.devices,
@@ -1491,7 +1649,12 @@ impl Run {
         }
         // What is left of the input, on the host (device chunks come down).
         let metrics = self.metrics.clone();
-        let to_host = move |chunk: Result<Chunk>| chunk.and_then(|c| c.host_for_cpu(&metrics));
+        let work = Arc::clone(&self.work);
+        let to_host = move |chunk: Result<Chunk>| {
+            chunk
+                .and_then(|c| c.host_for_cpu(&metrics))
+                .and_then(|b| work.cpu_rows(b))
+        };
         let remaining: SendableRecordBatchStream = Box::pin(RecordBatchStreamAdapter::new(
             Arc::clone(&input_schema),
             futures::stream::iter(rest.into_iter().map(Ok))

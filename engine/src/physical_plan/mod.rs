@@ -7,6 +7,30 @@
 /// devices, batch_rows)`) over the CPU operator with the new children.
 macro_rules! delegate_to_cpu_operator {
     ($name:expr) => {
+        delegate_to_cpu_operator!(@properties);
+
+        fn children(&self) -> Vec<&std::sync::Arc<dyn ExecutionPlan>> {
+            self.inner.children()
+        }
+
+        fn with_new_children(
+            self: std::sync::Arc<Self>,
+            children: Vec<std::sync::Arc<dyn ExecutionPlan>>,
+        ) -> datafusion::error::Result<std::sync::Arc<dyn ExecutionPlan>> {
+            use datafusion::physical_plan::execution_plan::{
+                ChildrenPropertiesMode, ReplaceChildrenOptions,
+            };
+            let recompute = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
+            let inner = std::sync::Arc::clone(&self.inner).replace_children(children, recompute)?;
+            let gpu = Self::try_new(inner, std::sync::Arc::clone(&self.devices), self.batch_rows)
+                .map_err(|reason| {
+                datafusion::common::internal_datafusion_err!("{}: {reason}", $name)
+            })?;
+            Ok(std::sync::Arc::new(gpu))
+        }
+    };
+    // Everything but the children: for an operator whose children are not its CPU twin's.
+    (@properties) => {
         fn properties(&self) -> &std::sync::Arc<datafusion::physical_plan::PlanProperties> {
             self.inner.properties()
         }
@@ -25,10 +49,6 @@ macro_rules! delegate_to_cpu_operator {
             self.inner.benefits_from_input_partitioning()
         }
 
-        fn children(&self) -> Vec<&std::sync::Arc<dyn ExecutionPlan>> {
-            self.inner.children()
-        }
-
         fn apply_expressions(
             &self,
             f: &mut dyn FnMut(
@@ -38,22 +58,6 @@ macro_rules! delegate_to_cpu_operator {
             >,
         ) -> datafusion::error::Result<datafusion::common::tree_node::TreeNodeRecursion> {
             self.inner.apply_expressions(f)
-        }
-
-        fn with_new_children(
-            self: std::sync::Arc<Self>,
-            children: Vec<std::sync::Arc<dyn ExecutionPlan>>,
-        ) -> datafusion::error::Result<std::sync::Arc<dyn ExecutionPlan>> {
-            use datafusion::physical_plan::execution_plan::{
-                ChildrenPropertiesMode, ReplaceChildrenOptions,
-            };
-            let recompute = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
-            let inner = std::sync::Arc::clone(&self.inner).replace_children(children, recompute)?;
-            let gpu = Self::try_new(inner, std::sync::Arc::clone(&self.devices), self.batch_rows)
-                .map_err(|reason| {
-                datafusion::common::internal_datafusion_err!("{}: {reason}", $name)
-            })?;
-            Ok(std::sync::Arc::new(gpu))
         }
 
         fn statistics_from_inputs(

@@ -25,6 +25,7 @@ use crate::{FulmenConfig, FulmenContext};
 
 mod aggregate;
 mod filter_projection;
+mod fused;
 mod join;
 mod residency;
 mod tpch;

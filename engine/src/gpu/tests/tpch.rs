@@ -67,11 +67,12 @@ async fn check_tpch_on(devices: &str, partitions: usize) {
         placement.on_cpu.join("\n")
     );
     // The floors are what the plans had when aggregation came to the GPU: a drop means an
-    // operator went back to the CPU. Every aggregation runs on the device. (Q6's filter is
-    // one fewer since its aggregate took it in: gpu/fuse.rs.)
+    // operator went back to the CPU. Every aggregation runs on the device. (Fewer filters
+    // and a projection fewer since aggregates take them in, gpu/fuse.rs: Q6's keyless one,
+    // Q1's filter and projection, and the filters under three more grouped aggregates.)
     assert!(
-        placement.filters >= 44
-            && placement.projections >= 11
+        placement.filters >= 40
+            && placement.projections >= 10
             && placement.aggregates >= 60
             && placement.joins >= 62,
         "{placement:?}"

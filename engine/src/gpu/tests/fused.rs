@@ -1,0 +1,258 @@
+//! Fused device stages (`gpu/fuse.rs`): an aggregate that takes in the filter (and the
+//! projection) under it gives DataFusion's answers, with the device work per batch of
+//! issue #15's targets, rows the filter drops kept out of its arguments and its groups,
+//! and every device fault survived.
+
+use super::{
+    Work, answer, devices_of, fail_each_in_turn, gpu_config, metric_sum, plan_has, run, session,
+    tpch_contexts, tpch_run,
+};
+
+/// A session forcing the GPU on `set` with device batches of `batch_rows`, TPC-H SF 0.01
+/// registered.
+fn fused_session(set: &str, batch_rows: usize) -> crate::FulmenContext {
+    let ctx = session(
+        crate::FulmenConfig {
+            gpu_batch_rows: batch_rows,
+            ..gpu_config(set)
+        },
+        1,
+    );
+    ctx.register_tpch(0.01).unwrap();
+    ctx
+}
+
+/// TPC-H Q6's keyless aggregate takes its filter in: the plan has no filter operator, the
+/// aggregate shows the predicate, the answer is DataFusion's, and each device batch costs
+/// at most 3 launches and 1 host sync (issue #15's Q6 target).
+#[tokio::test]
+async fn a_keyless_aggregate_takes_its_filter_into_one_device_stage() {
+    let (launches, syncs) = work_per_batch(
+        6,
+        [
+            "emulated:1/fused-q6-cpu",
+            "emulated:1/fused-q6-a",
+            "emulated:1/fused-q6-b",
+        ],
+        |text, plan| {
+            assert!(!plan_has(plan, "GpuFilterExec"), "{text}");
+            assert!(text.contains("FILTER (WHERE l_shipdate@"), "{text}");
+        },
+    )
+    .await;
+    assert!(
+        launches <= 3.0 && syncs <= 1.0,
+        "{launches} launches, {syncs} syncs"
+    );
+}
+
+/// The folded predicate guards each argument: rows it drops cannot fail an argument (a
+/// division by zero sends the batch to the CPU, which evaluates the guard first, as
+/// DataFusion does), with no row passing the aggregates give what they give over no rows,
+/// and a filter with a row limit is not folded.
+#[tokio::test]
+async fn a_folded_filter_keeps_its_rows_out_of_the_arguments() {
+    let gpu = fused_session("emulated:1/fused-guard", 1 << 20);
+    let (_, cpu) = tpch_contexts("emulated:1/fused-guard-cpu", 1, None);
+    let table = "CREATE TABLE d AS VALUES (0, 1), (5, 2), (0, 3), (10, 4), (NULL, 5)";
+    for ctx in [&gpu, &cpu] {
+        ctx.sql(table).await.unwrap().collect().await.unwrap();
+    }
+    // The first query's batch has rows that divide by zero: the device hands it to the CPU
+    // by rule; the second runs on the device.
+    for (sql, by_rule) in [
+        (
+            "SELECT sum(100 / column1) AS s, count(*) AS n, avg(column2) AS a, \
+             min(column2) AS lo, max(column2) AS hi, count(DISTINCT column2) AS k \
+             FROM d WHERE column1 <> 0",
+            true,
+        ),
+        (
+            "SELECT sum(column2) AS s, count(*) AS n, count(column2) AS c, avg(column2) AS a, \
+             min(column2) AS lo FROM d WHERE column1 > 100",
+            false,
+        ),
+    ] {
+        let (got, plan_text, work) = answer(&gpu, sql).await;
+        let (want, _, _) = answer(&cpu, sql).await;
+        assert_eq!(got, want, "{sql}");
+        assert!(!plan_text.contains("GpuFilterExec"), "{plan_text}");
+        assert!(plan_text.contains("GpuAggregateExec"), "{plan_text}");
+        assert!(work.nothing_fell_back(), "{sql}: {work:?}");
+        if by_rule {
+            assert!(work.cpu_rule_batches >= 1, "{sql}: {work:?}");
+        } else {
+            assert!(
+                work.gpu_batches >= 1 && work.cpu_rule_batches == 0,
+                "{sql}: {work:?}"
+            );
+        }
+    }
+    // A row limit pushed into the filter keeps it: the aggregate counts at most 2 rows.
+    let limited = "SELECT count(*) AS n FROM (SELECT * FROM d WHERE column2 > 1 LIMIT 2)";
+    let (_, got) = run(&gpu, limited).await;
+    let (_, want) = run(&cpu, limited).await;
+    assert_eq!(got, want);
+    assert!(got.contains("| 2 |"), "{got}");
+}
+
+/// The work per device batch of TPC-H query `q` on fused sessions: what each batch adds
+/// when the same rows come in batches of 4096 rows rather than one (the scan's batches of
+/// 8192 rows then go to the device one by one), as (launches, host syncs); the plan of the
+/// last run is checked by `check` and each answer against DataFusion's.
+async fn work_per_batch(
+    q: usize,
+    sets: [&str; 3],
+    check: impl Fn(&str, &std::sync::Arc<dyn datafusion::physical_plan::ExecutionPlan>),
+) -> (f64, f64) {
+    let (_, cpu) = tpch_contexts(sets[0], 1, None);
+    let (_, want) = run(&cpu, crate::tpch::QUERIES[q - 1]).await;
+    let mut runs = Vec::new();
+    for (set, rows) in [(sets[1], 1 << 20), (sets[2], 4096)] {
+        let gpu = fused_session(set, rows);
+        let (got, plan) = tpch_run(&gpu, q).await;
+        assert_eq!(got, want, "Q{q}, batches of {rows} rows");
+        let work = Work::of(&plan);
+        assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
+        let text = datafusion::physical_plan::displayable(plan.as_ref())
+            .indent(false)
+            .to_string();
+        check(&text, &plan);
+        runs.push((
+            metric_sum(&plan, "gpu_batches"),
+            metric_sum(&plan, "launches"),
+            metric_sum(&plan, "syncs"),
+        ));
+    }
+    let [(b1, l1, s1), (b2, l2, s2)] = runs[..] else {
+        unreachable!()
+    };
+    assert!(b2 >= b1 + 5, "{runs:?}");
+    let per_batch = (
+        (l2 - l1) as f64 / (b2 - b1) as f64,
+        (s2 - s1) as f64 / (b2 - b1) as f64,
+    );
+    println!(
+        "Q{q} fused, per device batch: {} launches, {} host syncs ({runs:?})",
+        per_batch.0, per_batch.1
+    );
+    per_batch
+}
+
+/// TPC-H Q1's grouped aggregate takes in its filter and the projection between them: the
+/// plan has neither, the aggregate shows the predicate, the answer is DataFusion's, and
+/// each device batch costs at most 6 launches and 1 host sync (issue #15's Q1 target).
+#[tokio::test]
+async fn a_grouped_aggregate_takes_its_filter_into_one_device_stage() {
+    let (launches, syncs) = work_per_batch(
+        1,
+        [
+            "emulated:1/fused-q1-cpu",
+            "emulated:1/fused-q1-a",
+            "emulated:1/fused-q1-b",
+        ],
+        |text, plan| {
+            assert!(!plan_has(plan, "GpuFilterExec"), "{text}");
+            assert!(!plan_has(plan, "GpuProjectionExec"), "{text}");
+            assert!(text.contains("fused_filter=l_shipdate@"), "{text}");
+        },
+    )
+    .await;
+    assert!(
+        launches <= 6.0 && syncs <= 1.0,
+        "{launches} launches, {syncs} syncs"
+    );
+}
+
+/// Rows a fused filter drops make no group, whatever the keys (computed, strings, NULL)
+/// and aggregates (with their own FILTER too); rows it drops cannot fail an argument (the
+/// batch goes to the CPU by rule, which filters first, as DataFusion does); with no row
+/// passing there is no group; and `count(DISTINCT …)`s of two columns (which DataFusion
+/// cannot rewrite into a grouping) keep their filter operator.
+#[tokio::test]
+async fn a_fused_filter_makes_no_group_of_the_rows_it_drops() {
+    let gpu = fused_session("emulated:1/fused-groups", 1 << 20);
+    let (_, cpu) = tpch_contexts("emulated:1/fused-groups-cpu", 1, None);
+    let table = "CREATE TABLE g AS VALUES (1, 0, 'a'), (1, 5, 'b'), (2, 0, 'c'), (3, 10, 'd'), \
+                 (NULL, 4, 'e'), (3, NULL, 'f'), (4, -3, 'g'), (2, 1, 'c')";
+    for ctx in [&gpu, &cpu] {
+        ctx.sql(table).await.unwrap().collect().await.unwrap();
+    }
+    for (sql, by_rule) in [
+        (
+            "SELECT column1 AS k, count(*) AS n, sum(100 / column2) AS s FROM g \
+             WHERE column2 <> 0 GROUP BY column1 ORDER BY k",
+            true,
+        ),
+        (
+            "SELECT column1 + 1 AS k, count(*) AS n, sum(column2) AS s, avg(column2) AS a, \
+             min(column2) AS lo, max(column2) AS hi FROM g WHERE column2 > 3 \
+             GROUP BY column1 + 1 ORDER BY k",
+            false,
+        ),
+        (
+            "SELECT column3 AS k, sum(column2) AS s, count(column2) AS c FROM g \
+             WHERE column1 = 3 OR column2 < 0 GROUP BY column3 ORDER BY k",
+            false,
+        ),
+        (
+            "SELECT column1 AS k, count(*) FILTER (WHERE column2 > 4) AS big, count(*) AS n \
+             FROM g WHERE column2 IS NOT NULL GROUP BY column1 ORDER BY k",
+            false,
+        ),
+        (
+            "SELECT column1 AS k, count(*) AS n FROM g WHERE column2 > 100 GROUP BY column1",
+            false,
+        ),
+    ] {
+        let (got, plan_text, work) = answer(&gpu, sql).await;
+        let (want, _, _) = answer(&cpu, sql).await;
+        assert_eq!(got, want, "{sql}");
+        assert!(!plan_text.contains("GpuFilterExec"), "{plan_text}");
+        assert!(plan_text.contains("fused_filter="), "{plan_text}");
+        assert!(work.nothing_fell_back(), "{sql}: {work:?}");
+        if by_rule {
+            assert!(work.cpu_rule_batches >= 1, "{sql}: {work:?}");
+        } else {
+            assert!(work.cpu_rule_batches == 0, "{sql}: {work:?}");
+        }
+    }
+    let distinct = "SELECT column1 AS k, count(DISTINCT column2) AS d, \
+                    count(DISTINCT column3) AS e FROM g WHERE column2 > 0 \
+                    GROUP BY column1 ORDER BY k";
+    let (got, plan_text, _) = answer(&gpu, distinct).await;
+    let (want, _, _) = answer(&cpu, distinct).await;
+    assert_eq!(got, want);
+    assert!(plan_text.contains("GpuFilterExec"), "{plan_text}");
+    assert!(!plan_text.contains("fused_filter="), "{plan_text}");
+}
+
+/// Failing each allocation, then each launch, of TPC-H Q1's fused stage in turn still gives
+/// DataFusion's answer: where the device gives up, the CPU finishes with the filter applied
+/// to the rows the device had not taken.
+#[tokio::test]
+async fn the_fused_q1_stage_survives_every_device_fault() {
+    if super::needs_emulator("the_fused_q1_stage_survives_every_device_fault") {
+        return;
+    }
+    let gpu = fused_session("emulated:1/fused-q1-faults", 16384);
+    let (_, cpu) = tpch_contexts("emulated:1/fused-q1-faults-cpu", 1, None);
+    let device = devices_of("emulated:1/fused-q1-faults")[0].clone();
+    let (_, want) = run(&cpu, crate::tpch::QUERIES[0]).await;
+    let (allocations, launches) = device.counters();
+    let (clean, plan) = tpch_run(&gpu, 1).await;
+    assert_eq!(clean, want);
+    let text = datafusion::physical_plan::displayable(plan.as_ref())
+        .indent(false)
+        .to_string();
+    assert!(text.contains("fused_filter="), "{text}");
+    let (a, l) = device.counters();
+    fail_each_in_turn(
+        &device,
+        (a - allocations, l - launches),
+        &want,
+        "fused Q1",
+        async || tpch_run(&gpu, 1).await.0,
+    )
+    .await;
+}
