@@ -1,0 +1,264 @@
+//! Adding a batch to the device tables: the program (or DataFusion) computes keys,
+//! arguments and filters, the pair tables and then the group table take the rows.
+
+use std::collections::HashMap;
+
+use datafusion::arrow::array::{Array, AsArray, UInt32Array};
+use datafusion::arrow::compute::take;
+use datafusion::common::internal_datafusion_err;
+use datafusion::error::{DataFusionError, Result};
+use fulmen_kernels::ops::aggregate::{AccInput, GroupTable, STATUS_BYTES, UpdateWith};
+use fulmen_kernels::ops::compact::selection_indices;
+use fulmen_kernels::ops::expr;
+use fulmen_kernels::ops::gather::gather_column;
+use fulmen_kernels::{Device, DeviceColumn, KernelError};
+
+use super::super::gpu_stream::{Chunk, GpuMetrics};
+use super::arrow_err;
+use super::plan::{AggregateWork, DistinctCount, Source, Tables};
+
+impl AggregateWork {
+    /// Adds one batch to `table`. `Ok(false)`: the program left some row to the CPU, and
+    /// DataFusion evaluated the batch's expressions instead (over the rows of the fused
+    /// filter, which it applied first; an error it raises is the query's).
+    pub(super) fn update(
+        &self,
+        tables: &mut Tables,
+        device: &Device,
+        input: &Chunk,
+        metrics: &GpuMetrics,
+    ) -> Result<bool, UpdateError> {
+        if self.update_rows(tables, device, input, metrics, false)? {
+            return Ok(true);
+        }
+        let batch = input.to_host(metrics)?;
+        let rows = Chunk::Host(self.cpu_rows(batch).map_err(UpdateError::Query)?);
+        self.update_rows(tables, device, &rows, metrics, true)?;
+        Ok(false)
+    }
+
+    /// Adds the batch `input`, its computed columns evaluated by the device program, or by
+    /// DataFusion when `on_cpu` (`input` then holds only the fused filter's rows).
+    /// `Ok(false)`: the program left some row to the CPU, and nothing was added.
+    fn update_rows(
+        &self,
+        tables: &mut Tables,
+        device: &Device,
+        input: &Chunk,
+        metrics: &GpuMetrics,
+        on_cpu: bool,
+    ) -> Result<bool, UpdateError> {
+        let n = input.num_rows();
+        let mut uploaded: HashMap<usize, DeviceColumn> = HashMap::new();
+        let upload =
+            |c: usize, uploaded: &mut HashMap<usize, DeviceColumn>| -> Result<(), KernelError> {
+                if let std::collections::hash_map::Entry::Vacant(slot) = uploaded.entry(c) {
+                    slot.insert(input.device_column(c, device, metrics)?);
+                }
+                Ok(())
+            };
+        // Without pair tables (which take their rows before the group table) the program's
+        // success is checked in the group table's own host wait: one wait per batch.
+        let status = match (&self.program, on_cpu) {
+            (Some(_), false) if self.distinct.is_empty() && !self.keys.is_empty() => {
+                Some(device.upload(&[0; STATUS_BYTES])?)
+            }
+            _ => None,
+        };
+        let computed: Vec<DeviceColumn> = match &self.program {
+            None => Vec::new(),
+            Some(_) if on_cpu => {
+                let batch = input.to_host(metrics)?;
+                let mut columns = Vec::with_capacity(self.computed.len());
+                for e in &self.computed {
+                    let array = e
+                        .evaluate(&batch)
+                        .and_then(|v| v.into_array(n))
+                        .map_err(UpdateError::Query)?;
+                    columns.push(metrics.upload(device, array.as_ref())?);
+                }
+                columns
+            }
+            Some(program) => {
+                let Ok(bound) = program.bind(&input.host_view()) else {
+                    return Ok(false);
+                };
+                for &c in &program.inputs {
+                    upload(c, &mut uploaded)?;
+                }
+                let inputs: Vec<&DeviceColumn> =
+                    program.inputs.iter().map(|c| &uploaded[c]).collect();
+                let outputs = match &status {
+                    Some(status) => metrics
+                        .kernel(|| expr::evaluate_unchecked(device, &bound, &inputs, n, status))
+                        .map(Some)?,
+                    None => metrics.kernel(|| expr::evaluate(device, &bound, &inputs, n))?,
+                };
+                let Some(outputs) = outputs else {
+                    return Ok(false);
+                };
+                outputs
+            }
+        };
+        let raw = self.raw();
+        let distinct_sources = self
+            .distinct
+            .iter()
+            .filter(|_| raw)
+            .flat_map(|d| std::iter::once(&d.values).chain(d.filter.iter()));
+        // The fused filter's rows: on the CPU, `input` holds only those.
+        let rows = self
+            .fused
+            .as_ref()
+            .filter(|_| !on_cpu)
+            .map(|(_, rows)| rows);
+        for source in self
+            .keys
+            .iter()
+            .chain(rows)
+            .chain(
+                self.accumulators
+                    .iter()
+                    .flat_map(|a| std::iter::once(&a.values).chain(a.filter.iter())),
+            )
+            .chain(distinct_sources)
+        {
+            if let Source::Input(c) = source {
+                upload(*c, &mut uploaded)?;
+            }
+        }
+        let column = |s: &Source| -> Option<&DeviceColumn> {
+            match s {
+                Source::Input(c) => uploaded.get(c),
+                Source::Computed(k) => computed.get(*k),
+                Source::Rows => None,
+            }
+        };
+        let keys: Vec<&DeviceColumn> = self.keys.iter().filter_map(column).collect();
+        let inputs: Vec<AccInput<'_>> = self
+            .accumulators
+            .iter()
+            .map(|a| AccInput {
+                values: column(&a.values),
+                filter: a.filter.as_ref().and_then(column),
+            })
+            .collect();
+        // The pairs first: if an update fails after some pairs went in, the batch is redone
+        // on the CPU and its partial states merged with the device's; the pairs already in
+        // only repeat values the CPU's lists hold too (merging is a set union), and pairs of
+        // groups that never reached the group table are dropped when they are matched.
+        for (d, pairs) in self.distinct.iter().zip(&mut tables.distinct) {
+            if raw {
+                let values = column(&d.values).ok_or_else(|| {
+                    UpdateError::Query(internal_datafusion_err!("count(DISTINCT …) without values"))
+                })?;
+                let filter = d.filter.as_ref().and_then(column);
+                metrics.kernel(|| insert_pairs(pairs, device, &keys, values, filter, n))?;
+            } else {
+                self.insert_merged_pairs(pairs, d, device, input, metrics)?;
+            }
+        }
+        let with = UpdateWith {
+            rows: rows.and_then(column),
+            status: status.as_ref(),
+        };
+        Ok(metrics.kernel(|| tables.groups.update_with(&keys, &inputs, n, with))?)
+    }
+
+    /// Inserts the (group keys…, value) pairs of a batch of `count(DISTINCT …)` list
+    /// states, flattened on the host.
+    fn insert_merged_pairs(
+        &self,
+        pairs: &mut GroupTable,
+        distinct: &DistinctCount,
+        device: &Device,
+        input: &Chunk,
+        metrics: &GpuMetrics,
+    ) -> Result<(), UpdateError> {
+        let internal = |what: &str| {
+            UpdateError::Query(internal_datafusion_err!("count(DISTINCT …) states: {what}"))
+        };
+        let Source::Input(c) = distinct.values else {
+            return Err(internal("not an input column"));
+        };
+        let batch = input.to_host(metrics)?;
+        let lists = batch
+            .column(c)
+            .as_list_opt::<i32>()
+            .ok_or_else(|| internal("not a list"))?;
+        let elements = lists.values();
+        let offsets = lists.value_offsets();
+        let (mut parents, mut at) = (Vec::new(), Vec::new());
+        for row in 0..lists.len() {
+            if lists.is_null(row) {
+                continue;
+            }
+            for j in offsets[row] as usize..offsets[row + 1] as usize {
+                if elements.is_valid(j) {
+                    parents.push(row as u32);
+                    at.push(j as u32);
+                }
+            }
+        }
+        let (parents, at) = (UInt32Array::from(parents), UInt32Array::from(at));
+        let mut columns = Vec::with_capacity(self.keys.len() + 1);
+        for key in &self.keys {
+            let Source::Input(k) = key else {
+                return Err(internal("a computed group key"));
+            };
+            let keys = take(batch.column(*k), &parents, None)
+                .map_err(|e| UpdateError::Query(arrow_err(e)))?;
+            columns.push(metrics.upload(device, keys.as_ref())?);
+        }
+        let values = take(elements, &at, None).map_err(|e| UpdateError::Query(arrow_err(e)))?;
+        columns.push(metrics.upload(device, values.as_ref())?);
+        let columns: Vec<&DeviceColumn> = columns.iter().collect();
+        metrics.kernel(|| pairs.update(&columns, &[], parents.len()))?;
+        Ok(())
+    }
+}
+
+/// Why a batch could not be added on the device.
+pub(super) enum UpdateError {
+    /// The device failed (fault, memory): finish on the CPU.
+    Device(KernelError),
+    /// DataFusion's own evaluation failed: the query fails as it would on the CPU.
+    Query(DataFusionError),
+}
+
+impl From<KernelError> for UpdateError {
+    fn from(e: KernelError) -> Self {
+        Self::Device(e)
+    }
+}
+
+/// Inserts the pairs (group keys…, value) of a batch's rows whose value is not NULL and
+/// whose FILTER (if any) is true into a `count(DISTINCT …)` table (with a FILTER, rows with
+/// a NULL value are inserted too, and left out when the pairs come down).
+fn insert_pairs(
+    pairs: &mut GroupTable,
+    device: &Device,
+    keys: &[&DeviceColumn],
+    values: &DeviceColumn,
+    filter: Option<&DeviceColumn>,
+    n: usize,
+) -> Result<(), KernelError> {
+    let rows = match (filter, values.validity()) {
+        (Some(f), _) => Some(selection_indices(device, f.values(), f.validity(), n)?),
+        (None, Some(valid)) => Some(selection_indices(device, valid, None, n)?),
+        (None, None) => None,
+    };
+    let mut columns: Vec<&DeviceColumn> = keys.to_vec();
+    columns.push(values);
+    match rows {
+        None => pairs.update(&columns, &[], n),
+        Some(rows) => {
+            let kept = columns
+                .iter()
+                .map(|c| gather_column(c, &rows))
+                .collect::<Result<Vec<_>, _>>()?;
+            let kept: Vec<&DeviceColumn> = kept.iter().collect();
+            pairs.update(&kept, &[], rows.len())
+        }
+    }
+}
