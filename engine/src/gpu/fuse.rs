@@ -33,9 +33,9 @@
 //! `l_extendedprice * (1 - l_discount)`): its expressions are inlined into the
 //! aggregate's, which the one program then evaluates.
 //!
-//! Not folded: aggregates with their own FILTER, an ORDER BY or no argument (keyless), a
-//! `count(DISTINCT …)` (grouped), a filter with a row limit pushed into it, and any other
-//! aggregate function (keyless).
+//! Not folded: an aggregate with an ORDER BY; keyless, one with its own FILTER or no
+//! argument, or another function than those above; grouped, a `count(DISTINCT …)`; and a
+//! filter with a row limit pushed into it.
 
 use std::sync::Arc;
 

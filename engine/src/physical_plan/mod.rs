@@ -9,6 +9,14 @@ macro_rules! delegate_to_cpu_operator {
     ($name:expr) => {
         delegate_to_cpu_operator!(@properties);
 
+        fn statistics_from_inputs(
+            &self,
+            input_stats: &[std::sync::Arc<datafusion::physical_plan::Statistics>],
+            args: &datafusion::physical_plan::StatisticsArgs,
+        ) -> datafusion::error::Result<std::sync::Arc<datafusion::physical_plan::Statistics>> {
+            self.inner.statistics_from_inputs(input_stats, args)
+        }
+
         fn children(&self) -> Vec<&std::sync::Arc<dyn ExecutionPlan>> {
             self.inner.children()
         }
@@ -29,7 +37,8 @@ macro_rules! delegate_to_cpu_operator {
             Ok(std::sync::Arc::new(gpu))
         }
     };
-    // Everything but the children: for an operator whose children are not its CPU twin's.
+    // Everything but the children and the statistics drawn from them: for an operator whose
+    // children are not its CPU twin's.
     (@properties) => {
         fn properties(&self) -> &std::sync::Arc<datafusion::physical_plan::PlanProperties> {
             self.inner.properties()
@@ -58,14 +67,6 @@ macro_rules! delegate_to_cpu_operator {
             >,
         ) -> datafusion::error::Result<datafusion::common::tree_node::TreeNodeRecursion> {
             self.inner.apply_expressions(f)
-        }
-
-        fn statistics_from_inputs(
-            &self,
-            input_stats: &[std::sync::Arc<datafusion::physical_plan::Statistics>],
-            args: &datafusion::physical_plan::StatisticsArgs,
-        ) -> datafusion::error::Result<std::sync::Arc<datafusion::physical_plan::Statistics>> {
-            self.inner.statistics_from_inputs(input_stats, args)
         }
 
         fn child_stats_requests(

@@ -206,10 +206,12 @@ pub struct UpdateWith<'a> {
     /// The rows the aggregation takes (true and valid); `None`: every row. Rows it drops
     /// make no group and update no accumulator: a filter fused into the aggregation.
     pub rows: Option<&'a DeviceColumn>,
-    /// A buffer of [`STATUS_BYTES`], zeroed before the upstream work it watches was queued,
-    /// whose word 1 that work sets when its outputs are not to be used (an expression
-    /// program whose error word it is, [`super::expr::evaluate_unchecked`]). The table reads
-    /// it with its own count of new groups in one host wait, so a fused stage waits once.
+    /// A buffer of [`STATUS_BYTES`] whose word 1 was zeroed before the upstream work it
+    /// watches was queued, and which that work sets when its outputs are not to be used
+    /// (an expression program whose error word it is,
+    /// [`super::expr::evaluate_unchecked`]). The table reads it with its own count of new
+    /// groups (word 0, which it zeroes itself) in one host wait, so a fused stage waits
+    /// once.
     pub status: Option<&'a DeviceBuffer>,
 }
 
@@ -549,14 +551,18 @@ impl GroupTable {
         let mut starts = self.starts.clone();
         starts.push(g0 as u64);
         let starts = upload_words(&device, &starts)?;
+        // Carrying changes no sum, so it goes first: nothing is pending yet should it fail.
+        self.carry_exact_sums(n)?;
         let refs = device.alloc(n * 4)?;
-        // The count of new groups, and (word 1) the upstream status the caller zeroed.
+        // The count of new groups (word 0, zeroed here before every attempt, so that no
+        // caller's value can pass for "no new group"), and word 1, the upstream status the
+        // caller zeroed.
         let own_status;
-        let (inserted, mut zeroed) = match with.status {
-            Some(status) => (status, true),
+        let inserted = match with.status {
+            Some(status) => status,
             None => {
                 own_status = device.alloc(8)?;
-                (&own_status, false)
+                &own_status
             }
         };
         let wait_count = || -> Result<Option<u64>> {
@@ -576,15 +582,14 @@ impl GroupTable {
             }
             let slots = self.slots.as_ref().expect("slots were just built");
             let limit = self.capacity / 2 - g0 as u64;
-            if !zeroed {
-                inserted.write(0, &0u64.to_le_bytes())?;
-            }
-            zeroed = false;
+            inserted.write(0, &0u64.to_le_bytes())?;
             // SAFETY: `slots` holds `capacity` u64 (mask capacity - 1) with fewer than
             // capacity / 2 used, and inserts stop at `limit` more, so a free slot always
             // remains; `hashes` and `refs` hold n rows; the descriptors point at key
             // columns of n rows (batch) and of the committed chunks, whose `starts` give
-            // every committed group id a chunk; `inserted` holds one u64.
+            // every committed group id a chunk; `inserted` holds one u64 (zeroed just
+            // before); `rows`, when given, is a boolean column of n rows (checked), its
+            // values and validity ceil(n/8) bytes or more.
             unsafe {
                 device.launch(
                     Kernel::agg_find_or_insert,
@@ -632,7 +637,6 @@ impl GroupTable {
             self.slots = Some(slots);
             self.capacity = grown;
         };
-        self.carry_exact_sums(n)?;
         if inserted_count == 0 {
             // No new group: every ref is a committed group id (or SKIP), the table's slots
             // are unchanged, and the accumulators are updated by the refs at once.
@@ -845,8 +849,8 @@ impl GroupTable {
         }
         // SAFETY: every descriptor's input columns hold n rows of its input kind (checked
         // by the caller) and its state and counts hold at least `groups` groups; every gid
-        // is below `groups`; `locks` holds a u32 per group when a locked op is present;
-        // the shared tables of `shared` bytes fit the launch's dynamic shared memory.
+        // is below `groups` or SKIP (a row the kernel leaves out); `locks` holds a u32 per
+        // group when a locked op is present; the shared tables of `shared` bytes fit the launch's dynamic shared memory.
         unsafe {
             device.launch_reaching(
                 Kernel::agg_update,

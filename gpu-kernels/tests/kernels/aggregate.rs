@@ -85,9 +85,13 @@ fn check_group_table(
         let keep: BooleanArray = (0..n)
             .map(|_| (!r.chance(5)).then(|| r.chance(80)))
             .collect();
-        let take: BooleanArray = (0..n)
-            .map(|_| (!r.chance(5)).then(|| r.chance(60)))
-            .collect();
+        // A NULL's value bit is random too: the selection must read the validity.
+        let take_values: Vec<bool> = (0..n).map(|_| r.chance(60)).collect();
+        let take_valid: Vec<bool> = (0..n).map(|_| !r.chance(5)).collect();
+        let take = BooleanArray::new(
+            arrow::buffer::BooleanBuffer::from(take_values),
+            Some(arrow::buffer::NullBuffer::from(take_valid)),
+        );
         for i in 0..n {
             if masked && !(take.is_valid(i) && take.value(i)) {
                 continue;

@@ -12,9 +12,12 @@
 //! keys and accumulator states come back once:
 //!
 //! ```text
-//!   input ─▶ coalesce ─▶ upload ─▶ program (keys, args, filters) ─▶ GroupTable::update
+//!   input ─▶ coalesce ─▶ upload ─▶ program (keys, args, filters,  ─▶ GroupTable::update
+//!                                    a fused filter's predicate)
 //!                                         └─ rows left to the CPU: DataFusion evaluates
-//!                                            that batch's expressions, the device goes on
+//!                                            that batch's expressions (over the rows of
+//!                                            the fused filter, applied first), the
+//!                                            device table takes them and goes on
 //!   input ends ─▶ download keys + states ─▶ Partial output: the states
 //!                                        └▶ Final output: DataFusion's own accumulators
 //!                                           merge the states and evaluate (one row per
@@ -185,6 +188,21 @@ impl ExecutionPlan for GpuAggregateExec {
     }
 
     delegate_to_cpu_operator!(@properties);
+
+    /// A fused stage's statistics: its twin filter's over the child's, then the aggregate's.
+    fn statistics_from_inputs(
+        &self,
+        input_stats: &[Arc<datafusion::physical_plan::Statistics>],
+        args: &datafusion::physical_plan::StatisticsArgs,
+    ) -> Result<Arc<datafusion::physical_plan::Statistics>> {
+        match self.inner.children().first() {
+            Some(filter) if self.work.fused.is_some() => {
+                let filtered = filter.statistics_from_inputs(input_stats, args)?;
+                self.inner.statistics_from_inputs(&[filtered], args)
+            }
+            _ => self.inner.statistics_from_inputs(input_stats, args),
+        }
+    }
 
     /// A fused stage's child is its filter's input; otherwise the CPU twin's children.
     fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
