@@ -570,8 +570,13 @@ impl GroupTable {
                 return inserted.read_u64(0).map(Some);
             }
             let words = inserted.prefix_to_host(STATUS_BYTES)?;
-            let word = |k: usize| u64::from_le_bytes(words[8 * k..8 * k + 8].try_into().unwrap());
-            Ok((word(1) == 0).then(|| word(0)))
+            let word = |k: usize| -> Result<u64> {
+                let bytes = words.get(8 * k..8 * k + 8).and_then(|b| b.try_into().ok());
+                bytes
+                    .map(u64::from_le_bytes)
+                    .ok_or_else(|| KernelError::InvalidData("a short status read".into()))
+            };
+            Ok((word(1)? == 0).then_some(word(0)?))
         };
         let inserted_count = loop {
             let wanted = ((g0 as u64) * 2).max(2048).next_power_of_two();

@@ -458,8 +458,10 @@ pub fn evaluate(
     columns: &[&DeviceColumn],
     n: usize,
 ) -> Result<Option<Vec<DeviceColumn>>> {
-    let (outputs, packed) = launch(device, program, columns, n, None)?;
-    if n > 0 && packed.prefix_to_host(4)?.iter().any(|&b| b != 0) {
+    let (outputs, error) = launch(device, program, columns, n, None)?;
+    if let Some(error) = error
+        && error.prefix_to_host(4)?.iter().any(|&b| b != 0)
+    {
         return Ok(None);
     }
     Ok(Some(outputs))
@@ -488,15 +490,15 @@ pub fn evaluate_unchecked(
     launch(device, program, columns, n, Some(status)).map(|(outputs, _)| outputs)
 }
 
-/// Launches the program; its error word is word 1 of `status`, or the first word of the
-/// returned upload.
+/// Launches the program; its error word is word 1 of `status`, or else the first word of
+/// the returned upload (`None`: nothing was launched, over no rows).
 fn launch(
     device: &Device,
     program: &Program,
     columns: &[&DeviceColumn],
     n: usize,
     status: Option<&DeviceBuffer>,
-) -> Result<(Vec<DeviceColumn>, DeviceBuffer)> {
+) -> Result<(Vec<DeviceColumn>, Option<DeviceBuffer>)> {
     check_rows(n)?;
     program.validate(columns)?;
     if let Some(c) = columns
@@ -522,7 +524,7 @@ fn launch(
                 .into_iter()
                 .map(|(v, m, _, t)| DeviceColumn::from_parts(t, 0, v, None, Some(m)))
                 .collect(),
-            device.alloc(8)?,
+            None,
         ));
     }
     let mut col_table = Vec::with_capacity(3 * columns.len());
@@ -590,7 +592,7 @@ fn launch(
             DeviceColumn::from_parts(data_type, n, values, None, Some(validity))
         })
         .collect();
-    Ok((outputs, packed))
+    Ok((outputs, status.is_none().then_some(packed)))
 }
 
 #[cfg(test)]
