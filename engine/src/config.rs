@@ -98,9 +98,12 @@ pub struct FulmenConfig {
     /// `fulmen.gpu.min_rows`: in `auto` mode, inputs estimated below this many rows stay on
     /// the CPU, where the GPU's fixed costs would dominate.
     pub gpu_min_rows: usize,
-    /// Rows per device batch: smaller DataFusion batches are coalesced up to this many
-    /// rows before they are uploaded.
+    /// `fulmen.gpu.batch_rows`: the most rows per device batch (see `gpu_batch_bytes`).
     pub gpu_batch_rows: usize,
+    /// `fulmen.gpu.batch_bytes`: DataFusion's batches are coalesced into a device batch
+    /// until they hold this many bytes of column data or `gpu_batch_rows` rows, whichever
+    /// comes first.
+    pub gpu_batch_bytes: usize,
     /// Whether filters may run on a GPU.
     pub gpu_filter: bool,
     /// Whether projections may run on a GPU.
@@ -122,7 +125,8 @@ impl Default for FulmenConfig {
             devices: DeviceSelection::Auto,
             gpu_mode: GpuMode::Auto,
             gpu_min_rows: 100_000,
-            gpu_batch_rows: 1 << 20,
+            gpu_batch_rows: 1 << 22,
+            gpu_batch_bytes: 64 << 20,
             gpu_filter: true,
             gpu_projection: true,
             gpu_aggregate: true,
@@ -159,8 +163,15 @@ const SETTINGS: &[Setting] = &[
     },
     Setting {
         key: "gpu.batch_rows",
-        description: "Rows per device batch: smaller batches are coalesced up to this many \
-                      rows before they are uploaded to a GPU.",
+        description: "The most rows in a device batch: smaller batches are coalesced until \
+                      they reach this many rows or fulmen.gpu.batch_bytes, whichever comes \
+                      first, before they are uploaded to a GPU.",
+    },
+    Setting {
+        key: "gpu.batch_bytes",
+        description: "Bytes of column data in a device batch (suffixes K, M, G allowed): \
+                      smaller batches are coalesced until they hold this much or \
+                      fulmen.gpu.batch_rows rows, whichever comes first.",
     },
     Setting {
         key: "gpu.filter",
@@ -212,6 +223,7 @@ impl FulmenConfig {
             "gpu.mode" => self.gpu_mode.to_string(),
             "gpu.min_rows" => self.gpu_min_rows.to_string(),
             "gpu.batch_rows" => self.gpu_batch_rows.to_string(),
+            "gpu.batch_bytes" => self.gpu_batch_bytes.to_string(),
             "gpu.filter" => self.gpu_filter.to_string(),
             "gpu.projection" => self.gpu_projection.to_string(),
             "gpu.aggregate" => self.gpu_aggregate.to_string(),
@@ -270,13 +282,24 @@ impl ExtensionOptions for FulmenConfig {
                         ))
                     })?
             }
+            "gpu.batch_bytes" => {
+                let expected = "a positive number of bytes, such as 67108864 or 64M";
+                self.gpu_batch_bytes = Some(parse_bytes("gpu.batch_bytes", value, expected)?)
+                    .filter(|&b| b > 0)
+                    .ok_or_else(|| {
+                        DataFusionError::Configuration(format!(
+                            "invalid value '{value}' for fulmen.gpu.batch_bytes (expected \
+                             {expected})"
+                        ))
+                    })?
+            }
             "gpu.filter" => self.gpu_filter = parse_flag("gpu.filter", value)?,
             "gpu.projection" => self.gpu_projection = parse_flag("gpu.projection", value)?,
             "gpu.aggregate" => self.gpu_aggregate = parse_flag("gpu.aggregate", value)?,
             "gpu.join" => self.gpu_join = parse_flag("gpu.join", value)?,
             "gpu.memory_limit" => {
                 self.gpu_memory_limit =
-                    Some(parse_bytes("gpu.memory_limit", value)?).filter(|&b| b > 0)
+                    Some(parse_bytes("gpu.memory_limit", value, MEMORY_LIMIT)?).filter(|&b| b > 0)
             }
             "gpu.on_error" => self.gpu_on_error = value.parse()?,
             other => return Err(Self::unknown_key(other)),
@@ -296,6 +319,8 @@ impl ExtensionOptions for FulmenConfig {
     }
 }
 
+const MEMORY_LIMIT: &str = "bytes, such as 268435456, 256M or 0 for the whole device";
+
 fn parse_flag(key: &str, value: &str) -> Result<bool> {
     match value.trim().to_ascii_lowercase().as_str() {
         "true" | "on" | "1" => Ok(true),
@@ -308,7 +333,9 @@ fn parse_flag(key: &str, value: &str) -> Result<bool> {
 
 /// A byte count: a whole number with an optional K, M or G (powers of 1024; `KiB`, `MB`
 /// and the like are read the same way).
-fn parse_bytes(key: &str, value: &str) -> Result<usize> {
+/// A number of bytes, with an optional K, M or G suffix (`expected`: what the error says
+/// the setting takes).
+fn parse_bytes(key: &str, value: &str, expected: &str) -> Result<usize> {
     let v = value.trim().to_ascii_uppercase();
     let digits = v.trim_end_matches(|c: char| c.is_ascii_alphabetic());
     let unit = match v[digits.len()..]
@@ -325,8 +352,7 @@ fn parse_bytes(key: &str, value: &str) -> Result<usize> {
         .and_then(|(unit, n)| n.checked_mul(unit))
         .ok_or_else(|| {
             DataFusionError::Configuration(format!(
-                "invalid value '{value}' for fulmen.{key} (expected bytes, such as 268435456, \
-                 256M or 0 for the whole device)"
+                "invalid value '{value}' for fulmen.{key} (expected {expected})"
             ))
         })
 }
@@ -346,6 +372,7 @@ mod tests {
         c.set("gpu.mode", "FORCE").unwrap();
         c.set("gpu.min_rows", "10").unwrap();
         c.set("gpu.batch_rows", "4096").unwrap();
+        c.set("gpu.batch_bytes", "16M").unwrap();
         c.set("gpu.filter", "false").unwrap();
         c.set("gpu.projection", "off").unwrap();
         c.set("gpu.aggregate", "false").unwrap();
@@ -354,6 +381,7 @@ mod tests {
         c.set("gpu.on_error", "Fail").unwrap();
         assert_eq!(c.gpu_on_error, OnError::Fail);
         assert!(!c.gpu_filter && !c.gpu_projection && c.gpu_batch_rows == 4096);
+        assert_eq!(c.gpu_batch_bytes, 16 << 20);
         assert!(!c.gpu_aggregate && c.gpu_memory_limit == Some(1 << 30));
         assert_eq!(c.devices, DeviceSelection::Emulated(2));
         assert_eq!(c.gpu_mode, GpuMode::Force);
@@ -370,6 +398,7 @@ mod tests {
                 ("fulmen.gpu.mode".to_string(), "force".to_string()),
                 ("fulmen.gpu.min_rows".to_string(), "10".to_string()),
                 ("fulmen.gpu.batch_rows".to_string(), "4096".to_string()),
+                ("fulmen.gpu.batch_bytes".to_string(), "16777216".to_string()),
                 ("fulmen.gpu.filter".to_string(), "false".to_string()),
                 ("fulmen.gpu.projection".to_string(), "false".to_string()),
                 ("fulmen.gpu.aggregate".to_string(), "false".to_string()),
@@ -395,6 +424,14 @@ mod tests {
         assert!(e.contains("fulmen.gpu.min_rows"), "{e}");
         let e = c.set("gpu.batch_rows", "0").unwrap_err().to_string();
         assert!(e.contains("positive"), "{e}");
+        for bad in ["0", "0M", "-5", "big"] {
+            let e = c.set("gpu.batch_bytes", bad).unwrap_err().to_string();
+            assert!(
+                e.contains("fulmen.gpu.batch_bytes") && e.contains("positive"),
+                "{e}"
+            );
+        }
+        assert_eq!(c.gpu_batch_bytes, 64 << 20);
         c.set("gpu.memory_limit", "64M").unwrap();
         assert_eq!(c.gpu_memory_limit, Some(64 << 20));
         c.set("gpu.memory_limit", "0").unwrap();

@@ -23,6 +23,7 @@ use fulmen_kernels::{Device, DeviceSelection};
 
 use super::devices::{describe, devices_with_limit};
 use crate::config::{FulmenConfig, GpuMode};
+use crate::physical_plan::coalesce::BatchLimit;
 use crate::physical_plan::{GpuAggregateExec, GpuFilterExec, GpuHashJoinExec, GpuProjectionExec};
 
 /// Whether an operator can run on a GPU.
@@ -157,26 +158,21 @@ pub fn decide(
         ));
     }
     let node = Arc::clone(node);
+    let batch = BatchLimit::of(fulmen);
     let gpu: Result<Arc<dyn ExecutionPlan>, String> = match name {
-        "FilterExec" => GpuFilterExec::try_new(node, devices, fulmen.gpu_batch_rows)
+        "FilterExec" => GpuFilterExec::try_new(node, devices, batch)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
-        "ProjectionExec" => GpuProjectionExec::try_new(node, devices, fulmen.gpu_batch_rows)
+        "ProjectionExec" => GpuProjectionExec::try_new(node, devices, batch)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
         "AggregateExec" => super::fuse::fold_filter_into_aggregate(&node)
-            .and_then(|folded| {
-                GpuAggregateExec::try_new(folded, Arc::clone(&devices), fulmen.gpu_batch_rows).ok()
-            })
+            .and_then(|folded| GpuAggregateExec::try_new(folded, Arc::clone(&devices), batch).ok())
             .or_else(|| {
                 let folded = super::fuse::fold_filter_into_grouped_aggregate(&node)?;
-                GpuAggregateExec::try_fused(folded, Arc::clone(&devices), fulmen.gpu_batch_rows)
-                    .ok()
+                GpuAggregateExec::try_fused(folded, Arc::clone(&devices), batch).ok()
             })
-            .map_or_else(
-                || GpuAggregateExec::try_new(node, devices, fulmen.gpu_batch_rows),
-                Ok,
-            )
+            .map_or_else(|| GpuAggregateExec::try_new(node, devices, batch), Ok)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
-        _ => GpuHashJoinExec::try_new(node, devices, fulmen.gpu_batch_rows)
+        _ => GpuHashJoinExec::try_new(node, devices, batch)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
     };
     match gpu {

@@ -15,6 +15,7 @@ use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
 use fulmen_kernels::Device;
 use futures::StreamExt;
 
+use super::coalesce::BatchLimit;
 use super::gpu_stream::{
     BatchWork, Chunk, ChunkStream, DeviceResident, GpuMetrics, GpuStream, count_operator,
     device_for, input_chunks,
@@ -27,7 +28,7 @@ pub struct GpuBatchExec<W: BatchWork> {
     inner: Arc<dyn ExecutionPlan>,
     work: Arc<W>,
     devices: Arc<Vec<Device>>,
-    batch_rows: usize,
+    batch: BatchLimit,
     fetch: Option<usize>,
     metrics: ExecutionPlanMetricsSet,
     executed: AtomicBool,
@@ -38,7 +39,7 @@ impl<W: BatchWork> GpuBatchExec<W> {
     pub fn try_new(
         cpu: Arc<dyn ExecutionPlan>,
         devices: Arc<Vec<Device>>,
-        batch_rows: usize,
+        batch: BatchLimit,
     ) -> Result<Self, Reason> {
         if devices.is_empty() {
             return Err("no device".into());
@@ -49,7 +50,7 @@ impl<W: BatchWork> GpuBatchExec<W> {
             inner: cpu,
             work: Arc::new(work),
             devices,
-            batch_rows,
+            batch,
             metrics: ExecutionPlanMetricsSet::new(),
             executed: AtomicBool::new(false),
         })
@@ -91,7 +92,7 @@ impl<W: BatchWork> GpuBatchExec<W> {
             input,
             Arc::clone(&self.work),
             device,
-            self.batch_rows,
+            self.batch,
             context.session_config().batch_size(),
             self.fetch,
             resident,

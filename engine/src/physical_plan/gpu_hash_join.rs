@@ -2,10 +2,11 @@
 //!
 //! The build side (left) is collected once, its key columns are uploaded to the partition's
 //! device and a [`JoinTable`] is built there. Probe batches (right, coalesced to
-//! `fulmen.gpu.batch_rows`) upload their keys; the device hashes them, finds candidate
-//! pairs in the table, keeps the pairs whose keys are equal and returns them in probe
-//! order. The host then applies the residual filter (DataFusion's expression, when the
-//! join has one) and gathers the output columns with Arrow's `take`, per join type:
+//! `fulmen.gpu.batch_bytes` or `_rows`, see `coalesce.rs`) upload their keys; the device
+//! hashes them, finds candidate pairs in the table, keeps the pairs whose keys are equal and
+//! returns them in probe order. The host then applies the residual filter (DataFusion's
+//! expression, when the join has one) and gathers the output columns with Arrow's `take`,
+//! per join type:
 //!
 //! ```text
 //!   left (all) ─▶ upload keys ─▶ JoinTable::build
@@ -52,6 +53,7 @@ use fulmen_kernels::ops::join::{JoinTable, Matches};
 use fulmen_kernels::{Device, DeviceBuffer, DeviceColumn, KernelError};
 use futures::StreamExt;
 
+use super::coalesce::{BatchLimit, Coalescer};
 use super::gpu_stream::{
     BatchOn, Chunk, ChunkStream, Col, DeviceResident, GpuMetrics, OperatorKind, Output, Redo,
     count_batch, count_operator, device_for, input_chunks,
@@ -648,7 +650,7 @@ pub struct GpuHashJoinExec {
     inner: Arc<dyn ExecutionPlan>,
     work: Arc<JoinWork>,
     devices: Arc<Vec<Device>>,
-    batch_rows: usize,
+    batch: BatchLimit,
     metrics: ExecutionPlanMetricsSet,
     executed: AtomicBool,
     shared: Arc<SharedBuild>,
@@ -660,7 +662,7 @@ impl GpuHashJoinExec {
     pub fn try_new(
         cpu: Arc<dyn ExecutionPlan>,
         devices: Arc<Vec<Device>>,
-        batch_rows: usize,
+        batch: BatchLimit,
     ) -> Result<Self, Reason> {
         if devices.is_empty() {
             return Err("no device".into());
@@ -675,7 +677,7 @@ impl GpuHashJoinExec {
             work: Arc::new(work),
             probe_filter,
             devices,
-            batch_rows,
+            batch,
             metrics: ExecutionPlanMetricsSet::new(),
             executed: AtomicBool::new(false),
             shared: Arc::new(SharedBuild::default()),
@@ -716,7 +718,7 @@ impl ExecutionPlan for GpuHashJoinExec {
     /// the GPU join built on it fills none either; the collected build side goes too.
     fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
         let inner = Arc::clone(&self.inner).reset_state()?;
-        let gpu = Self::try_new(inner, Arc::clone(&self.devices), self.batch_rows)
+        let gpu = Self::try_new(inner, Arc::clone(&self.devices), self.batch)
             .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
         Ok(Arc::new(gpu))
     }
@@ -768,7 +770,7 @@ impl GpuHashJoinExec {
         let run = JoinRun {
             work: Arc::clone(&self.work),
             device,
-            batch_rows: self.batch_rows,
+            batch: self.batch,
             metrics,
             extra,
             shared: (self.work.mode == PartitionMode::CollectLeft)
@@ -821,7 +823,7 @@ struct JoinMetrics {
 struct JoinRun {
     work: Arc<JoinWork>,
     device: Device,
-    batch_rows: usize,
+    batch: BatchLimit,
     metrics: GpuMetrics,
     extra: JoinMetrics,
     shared: Option<(Arc<SharedBuild>, usize)>,
@@ -868,8 +870,7 @@ struct Probing {
     host: Option<HostIndex>,
     visited: Vec<bool>,
     probe: SendableRecordBatchStream,
-    pending: Vec<RecordBatch>,
-    pending_rows: usize,
+    pending: Coalescer<RecordBatch>,
     done: bool,
 }
 
@@ -890,6 +891,7 @@ impl JoinRun {
             }
         };
         let visited = vec![false; build.num_rows()];
+        let pending = Coalescer::new(self.batch);
         let state = Probing {
             run: self,
             build,
@@ -897,8 +899,7 @@ impl JoinRun {
             host: None,
             visited,
             probe,
-            pending: Vec::new(),
-            pending_rows: 0,
+            pending,
             done: false,
         };
         Ok(Box::pin(futures::stream::try_unfold(
@@ -1049,13 +1050,11 @@ impl Probing {
     /// One step: the output of the next device batch, or of the end (`None`: nothing to
     /// emit yet).
     async fn step(&mut self) -> Result<Option<RecordBatch>> {
-        while self.pending_rows < self.run.batch_rows {
+        // Every probe batch has the join's right schema (they are concatenated into one),
+        // so only the limit closes a device batch.
+        while !self.pending.is_full() {
             match self.probe.next().await {
-                Some(batch) => {
-                    let batch = batch?;
-                    self.pending_rows += batch.num_rows();
-                    self.pending.push(batch);
-                }
+                Some(batch) => self.pending.push(batch?),
                 None => break,
             }
         }
@@ -1063,8 +1062,7 @@ impl Probing {
             self.done = true;
             return self.finish();
         }
-        let pending = std::mem::take(&mut self.pending);
-        self.pending_rows = 0;
+        let pending = self.pending.take();
         let probe = concat_batches(&self.run.work.right_schema, &pending).map_err(arrow_err)?;
         let elapsed = self.run.metrics.baseline.elapsed_compute().clone();
         let timer = elapsed.timer();

@@ -5,7 +5,7 @@
 //! `gpu_metrics.rs`.
 //!
 //! ```text
-//!   Pull ─batch─▶ coalesce to fulmen.gpu.batch_rows ─full─▶ Process ─▶ Emit (up to fetch)
+//!   Pull ─batch─▶ coalesce to fulmen.gpu.batch_bytes/_rows ─full─▶ Process ─▶ Emit (≤ fetch)
 //!    └─input ends─▶ Flush (the last partial batch) ─▶ Process ─▶ Done
 //!   Process = device work; on Err or "leave to the CPU" → the operator's CPU twin
 //! ```
@@ -26,6 +26,7 @@ use datafusion::physical_plan::ExecutionPlan;
 use fulmen_kernels::{Device, DeviceBatch, DeviceColumn, KernelError};
 use futures::{Stream, StreamExt};
 
+use super::coalesce::{BatchLimit, Coalescer};
 pub use super::gpu_metrics::*;
 use crate::gpu::compile::Reason;
 
@@ -291,10 +292,8 @@ pub struct GpuStream<W: BatchWork> {
     input_done: bool,
     work: Arc<W>,
     device: Device,
-    /// Host batches waiting to make up a device batch, and their rows.
-    pending: Vec<RecordBatch>,
-    pending_rows: usize,
-    batch_rows: usize,
+    /// Host batches waiting to make up a device batch.
+    pending: Coalescer<RecordBatch>,
     /// DataFusion's batch size: outputs are cut to it, as operators downstream (and their
     /// memory accounting) expect.
     output_rows: usize,
@@ -313,7 +312,7 @@ impl<W: BatchWork> GpuStream<W> {
         input: ChunkStream,
         work: Arc<W>,
         device: Device,
-        batch_rows: usize,
+        batch: BatchLimit,
         output_rows: usize,
         fetch: Option<usize>,
         resident: bool,
@@ -326,9 +325,7 @@ impl<W: BatchWork> GpuStream<W> {
             input_done: false,
             work,
             device,
-            pending: Vec::new(),
-            pending_rows: 0,
-            batch_rows: batch_rows.max(1),
+            pending: Coalescer::new(batch),
             output_rows: output_rows.max(1),
             resident: resident && fetch.is_none(),
             ready: VecDeque::new(),
@@ -386,10 +383,8 @@ impl<W: BatchWork> GpuStream<W> {
         Ok(())
     }
 
-    /// Adds an input chunk. Host batches are coalesced until they reach `batch_rows` (a
-    /// batch whose schema differs from the pending ones' starts a new device batch:
-    /// DataFusion's streams may vary in field metadata or nullability); a device chunk is
-    /// processed as it is.
+    /// Adds an input chunk. Host batches are coalesced into device batches (see
+    /// `coalesce.rs`); a device chunk is processed as it is.
     fn push(&mut self, chunk: Chunk) -> Result<()> {
         let batch = match chunk {
             Chunk::Host(b) => b,
@@ -398,24 +393,18 @@ impl<W: BatchWork> GpuStream<W> {
                 return self.process(device);
             }
         };
-        if self
-            .pending
-            .first()
-            .is_some_and(|first| first.schema() != batch.schema())
-        {
+        if self.pending.closes_before(&batch) {
             self.flush()?;
         }
-        self.pending_rows += batch.num_rows();
         self.pending.push(batch);
-        if self.pending_rows >= self.batch_rows {
+        if self.pending.is_full() {
             self.flush()?;
         }
         Ok(())
     }
 
     fn flush(&mut self) -> Result<()> {
-        let mut pending = std::mem::take(&mut self.pending);
-        self.pending_rows = 0;
+        let mut pending = self.pending.take();
         let batch = match pending.len() {
             0 => return Ok(()),
             1 => pending.remove(0),

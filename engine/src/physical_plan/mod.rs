@@ -4,7 +4,7 @@
 /// The `ExecutionPlan` methods a GPU operator takes from the CPU operator it wraps (its
 /// `inner` field): plan properties, distribution and ordering, children, expressions and
 /// statistics; and `with_new_children`, which plans the GPU twin again (`Self::try_new(cpu,
-/// devices, batch_rows)`) over the CPU operator with the new children.
+/// devices, batch)`) over the CPU operator with the new children.
 macro_rules! delegate_to_cpu_operator {
     ($name:expr) => {
         delegate_to_cpu_operator!(@properties);
@@ -30,7 +30,7 @@ macro_rules! delegate_to_cpu_operator {
             };
             let recompute = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
             let inner = std::sync::Arc::clone(&self.inner).replace_children(children, recompute)?;
-            let gpu = Self::try_new(inner, std::sync::Arc::clone(&self.devices), self.batch_rows)
+            let gpu = Self::try_new(inner, std::sync::Arc::clone(&self.devices), self.batch)
                 .map_err(|reason| {
                 datafusion::common::internal_datafusion_err!("{}: {reason}", $name)
             })?;
@@ -113,6 +113,7 @@ pub(crate) fn fmt_gpu_operator(
     }
 }
 
+pub mod coalesce;
 pub mod gpu_aggregate;
 pub mod gpu_batch_exec;
 pub mod gpu_filter;

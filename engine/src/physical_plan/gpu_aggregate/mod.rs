@@ -6,10 +6,10 @@
 //! adds a batch to the device tables and `states.rs` brings their groups down.
 //!
 //! Each partition keeps one device [`GroupTable`] for its whole input: batches (coalesced
-//! to `fulmen.gpu.batch_rows`) are uploaded, computed keys, arguments and `FILTER` clauses
-//! run as one expression program, and the table finds or adds every row's group and
-//! updates the accumulators of all aggregates in one pass. When the input ends the table's
-//! keys and accumulator states come back once:
+//! to `fulmen.gpu.batch_bytes` or `_rows`, see `coalesce.rs`) are uploaded, computed keys,
+//! arguments and `FILTER` clauses run as one expression program, and the table finds or
+//! adds every row's group and updates the accumulators of all aggregates in one pass. When
+//! the input ends the table's keys and accumulator states come back once:
 //!
 //! ```text
 //!   input ─▶ coalesce ─▶ upload ─▶ program (keys, args, filters,  ─▶ GroupTable::update
@@ -68,6 +68,7 @@ use fulmen_kernels::ops::aggregate::GroupTable;
 use fulmen_kernels::{Device, KernelError};
 use futures::{StreamExt, TryStreamExt};
 
+use super::coalesce::{BatchLimit, Coalescer};
 use super::gpu_stream::{
     BatchOn, Chunk, ChunkStream, GpuMetrics, OperatorKind, count_batch, count_operator,
     device_error, device_for, input_chunks,
@@ -106,7 +107,7 @@ pub struct GpuAggregateExec {
     inner: Arc<dyn ExecutionPlan>,
     work: Arc<AggregateWork>,
     devices: Arc<Vec<Device>>,
-    batch_rows: usize,
+    batch: BatchLimit,
     metrics: ExecutionPlanMetricsSet,
     executed: AtomicBool,
 }
@@ -116,9 +117,9 @@ impl GpuAggregateExec {
     pub fn try_new(
         cpu: Arc<dyn ExecutionPlan>,
         devices: Arc<Vec<Device>>,
-        batch_rows: usize,
+        batch: BatchLimit,
     ) -> Result<Self, Reason> {
-        Self::planned(cpu, devices, batch_rows, false)
+        Self::planned(cpu, devices, batch, false)
     }
 
     /// A fused stage: the GPU twin of `cpu`, a grouped aggregate over rows whose input is a
@@ -128,15 +129,15 @@ impl GpuAggregateExec {
     pub fn try_fused(
         cpu: Arc<dyn ExecutionPlan>,
         devices: Arc<Vec<Device>>,
-        batch_rows: usize,
+        batch: BatchLimit,
     ) -> Result<Self, Reason> {
-        Self::planned(cpu, devices, batch_rows, true)
+        Self::planned(cpu, devices, batch, true)
     }
 
     fn planned(
         cpu: Arc<dyn ExecutionPlan>,
         devices: Arc<Vec<Device>>,
-        batch_rows: usize,
+        batch: BatchLimit,
         fused: bool,
     ) -> Result<Self, Reason> {
         if devices.is_empty() {
@@ -147,7 +148,7 @@ impl GpuAggregateExec {
             inner: cpu,
             work: Arc::new(work),
             devices,
-            batch_rows,
+            batch,
             metrics: ExecutionPlanMetricsSet::new(),
             executed: AtomicBool::new(false),
         })
@@ -229,7 +230,7 @@ impl ExecutionPlan for GpuAggregateExec {
             _ => children,
         };
         let inner = Arc::clone(&self.inner).replace_children(children, recompute())?;
-        let gpu = Self::planned(inner, Arc::clone(&self.devices), self.batch_rows, fused)
+        let gpu = Self::planned(inner, Arc::clone(&self.devices), self.batch, fused)
             .map_err(|reason| internal_datafusion_err!("GpuAggregateExec: {reason}"))?;
         Ok(Arc::new(gpu))
     }
@@ -258,7 +259,7 @@ impl ExecutionPlan for GpuAggregateExec {
             device,
             partition,
             retained: merging.then(|| std::sync::Mutex::new(Vec::new())),
-            batch_rows: self.batch_rows,
+            batch: self.batch,
             context,
             metrics,
             extra,
@@ -322,7 +323,7 @@ struct Run {
     /// groups can be merged again on the CPU should the device be lost with them (partial
     /// states are few next to raw rows; raw input is read again instead).
     retained: Option<std::sync::Mutex<Vec<Chunk>>>,
-    batch_rows: usize,
+    batch: BatchLimit,
     context: Arc<TaskContext>,
     metrics: GpuMetrics,
     extra: ExtraMetrics,
@@ -334,36 +335,28 @@ impl Run {
         // The device table comes with the first rows: a partition without input costs the
         // device nothing (unless the aggregate has no GROUP BY, whose one row it computes).
         let mut table: Option<Tables> = None;
-        // Host batches wait here to make up a device batch; a device chunk (from a GPU
-        // child) is added as it is.
-        let mut pending: Vec<Chunk> = Vec::new();
-        let mut pending_rows = 0;
+        // Host batches wait here to make up a device batch (see `coalesce.rs`); a device
+        // chunk (from a GPU child) is added as it is.
+        let mut pending = Coalescer::new(self.batch);
         loop {
             let Some(chunk) = input.next().await else {
-                if let Err(e) = self.flush(&mut table, &mut pending, &mut pending_rows) {
-                    return self.handle(e, table, pending, input);
+                if let Err(e) = self.flush(&mut table, &mut pending) {
+                    return self.handle(e, table, pending.take(), input);
                 }
                 break;
             };
             let chunk = chunk?;
-            // A device chunk, or a schema change (metadata, nullability), starts a new
-            // device batch.
-            let alone = matches!(chunk, Chunk::Device(..));
-            if (alone
-                || pending
-                    .first()
-                    .is_some_and(|p| p.schema() != chunk.schema()))
-                && let Err(e) = self.flush(&mut table, &mut pending, &mut pending_rows)
+            if pending.closes_before(&chunk)
+                && let Err(e) = self.flush(&mut table, &mut pending)
             {
                 pending.push(chunk);
-                return self.handle(e, table, pending, input);
+                return self.handle(e, table, pending.take(), input);
             }
-            pending_rows += chunk.num_rows();
             pending.push(chunk);
-            if (alone || pending_rows >= self.batch_rows)
-                && let Err(e) = self.flush(&mut table, &mut pending, &mut pending_rows)
+            if pending.is_full()
+                && let Err(e) = self.flush(&mut table, &mut pending)
             {
-                return self.handle(e, table, pending, input);
+                return self.handle(e, table, pending.take(), input);
             }
         }
         let table = match table {
@@ -457,22 +450,22 @@ impl Run {
     fn flush(
         &self,
         table: &mut Option<Tables>,
-        pending: &mut Vec<Chunk>,
-        pending_rows: &mut usize,
+        pending: &mut Coalescer<Chunk>,
     ) -> Result<(), UpdateError> {
-        if *pending_rows == 0 {
-            pending.clear();
+        if pending.rows() == 0 {
+            pending.take();
             return Ok(());
         }
         let table = match table {
             Some(table) => table,
             None => table.insert(self.work.new_tables(&self.device)?),
         };
-        let chunk = match pending.len() {
+        let waiting = pending.waiting();
+        let chunk = match waiting.len() {
             0 => return Ok(()),
-            1 => pending[0].clone(),
+            1 => waiting[0].clone(),
             _ => {
-                let batches = pending
+                let batches = waiting
                     .iter()
                     .map(|c| c.to_host(&self.metrics))
                     .collect::<Result<Vec<_>, _>>()?;
@@ -482,6 +475,7 @@ impl Run {
                 )
             }
         };
+        pending.take();
         let mut pieces = std::collections::VecDeque::from([chunk]);
         while let Some(piece) = pieces.pop_front() {
             let timer = self.metrics.baseline.elapsed_compute().timer();
@@ -510,14 +504,11 @@ impl Run {
                 }
                 (Err(e), _) => {
                     pieces.push_front(piece);
-                    *pending = pieces.into_iter().collect();
-                    *pending_rows = pending.iter().map(Chunk::num_rows).sum();
+                    pending.put_back(pieces.into_iter().collect());
                     return Err(e);
                 }
             }
         }
-        pending.clear();
-        *pending_rows = 0;
         Ok(())
     }
 
