@@ -1,7 +1,8 @@
 // Exclusive prefix sums of uint64_t values, in three launches:
 //   scan_tile_sums    (in, n, tile_sums):  sum of each tile of SCAN_TILE values
-//   scan_tile_offsets (tile_sums, tiles):  one block turns tile sums into exclusive offsets
-//                                          (in place) and writes the total at tile_sums[tiles]
+//   scan_tile_offsets (tile_sums, tiles, total_out):  one block turns tile sums into exclusive
+//                                          offsets (in place) and writes the total at
+//                                          tile_sums[tiles] (and at *total_out, when not null)
 //   scan_tiles        (in, n, tile_sums, out): each tile scanned in shared memory, plus its offset
 // Launch scan_tile_sums and scan_tiles with blockDim.x == SCAN_THREADS; any grid size works.
 #include "fulmen.cuh"
@@ -39,7 +40,7 @@ FULMEN_KERNEL scan_tile_sums(const uint64_t* in, uint64_t n, uint64_t* tile_sums
     }
 }
 
-FULMEN_KERNEL scan_tile_offsets(uint64_t* tile_sums, uint64_t tiles) {
+FULMEN_KERNEL scan_tile_offsets(uint64_t* tile_sums, uint64_t tiles, uint64_t* total_out) {
     __shared__ uint64_t buf[SCAN_THREADS];
     __shared__ uint64_t carry;
     if (blockIdx.x != 0) return;
@@ -55,7 +56,10 @@ FULMEN_KERNEL scan_tile_offsets(uint64_t* tile_sums, uint64_t tiles) {
         if (threadIdx.x == blockDim.x - 1) carry = start + inclusive;
         __syncthreads();
     }
-    if (threadIdx.x == 0) tile_sums[tiles] = carry;
+    if (threadIdx.x == 0) {
+        tile_sums[tiles] = carry;
+        if (total_out) *total_out = carry;
+    }
 }
 
 FULMEN_KERNEL scan_tiles(const uint64_t* in, uint64_t n, const uint64_t* tile_offsets, uint64_t* out) {

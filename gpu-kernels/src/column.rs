@@ -16,7 +16,7 @@
 use std::sync::Arc;
 
 use arrow::array::{Array, ArrayData, ArrayRef, RecordBatch, make_array};
-use arrow::buffer::{BooleanBuffer, NullBuffer};
+use arrow::buffer::{BooleanBuffer, MutableBuffer, NullBuffer};
 use arrow::compute::cast;
 use arrow::datatypes::{DataType, SchemaRef};
 
@@ -172,26 +172,12 @@ impl DeviceColumn {
         Ok(Self::from_parts(target, len, values, offsets, validity))
     }
 
-    /// Copies the column back into an Arrow array.
+    /// Copies the column back into an Arrow array (one host wait for all its buffers).
     pub fn to_arrow(&self) -> Result<ArrayRef> {
-        let nulls = match &self.validity {
-            Some(v) => {
-                let bits = NullBuffer::new(BooleanBuffer::new(v.to_arrow_buffer()?, 0, self.len));
-                (bits.null_count() > 0).then_some(bits)
-            }
-            None => None,
-        };
-        let mut builder = ArrayData::builder(self.data_type.clone())
-            .len(self.len)
-            .nulls(nulls);
-        if let Some(offsets) = &self.offsets {
-            builder = builder.add_buffer(offsets.to_arrow_buffer()?);
-        }
-        builder = builder.add_buffer(self.values.to_arrow_buffer()?);
-        let data = builder
-            .build()
-            .map_err(|e| KernelError::InvalidData(format!("{} column: {e}", self.data_type)))?;
-        Ok(make_array(data))
+        let mut arrays = download_columns(&[self])?;
+        arrays
+            .pop()
+            .ok_or_else(|| KernelError::InvalidData("a download of one column made none".into()))
     }
 
     /// The column's type on the device.
@@ -240,6 +226,63 @@ impl DeviceColumn {
     pub fn device(&self) -> &Device {
         self.values.device()
     }
+}
+
+/// Copies columns back into Arrow arrays, all their buffers in one host wait (one per
+/// 16 MiB of staging past that) when they are on one device.
+pub fn download_columns(columns: &[&DeviceColumn]) -> Result<Vec<ArrayRef>> {
+    let Some(first) = columns.first() else {
+        return Ok(Vec::new());
+    };
+    let device = first.device();
+    if columns.iter().any(|c| c.device() != device) {
+        return columns.iter().map(|c| c.to_arrow()).collect();
+    }
+    // A host buffer for every device buffer: validity, offsets, values.
+    let zeroed = |b: &DeviceBuffer| MutableBuffer::from_len_zeroed(b.len());
+    let mut host: Vec<(Option<MutableBuffer>, Option<MutableBuffer>, MutableBuffer)> = columns
+        .iter()
+        .map(|c| {
+            (
+                c.validity.as_deref().map(zeroed),
+                c.offsets.as_deref().map(zeroed),
+                zeroed(&c.values),
+            )
+        })
+        .collect();
+    {
+        let mut reads: Vec<(&DeviceBuffer, &mut [u8])> = Vec::new();
+        for (c, (validity, offsets, values)) in columns.iter().zip(host.iter_mut()) {
+            if let (Some(d), Some(h)) = (c.validity.as_deref(), validity.as_mut()) {
+                reads.push((d, h.as_slice_mut()));
+            }
+            if let (Some(d), Some(h)) = (c.offsets.as_deref(), offsets.as_mut()) {
+                reads.push((d, h.as_slice_mut()));
+            }
+            reads.push((&c.values, values.as_slice_mut()));
+        }
+        device.read_many(&mut reads)?;
+    }
+    columns
+        .iter()
+        .zip(host)
+        .map(|(c, (validity, offsets, values))| {
+            let nulls = validity
+                .map(|v| NullBuffer::new(BooleanBuffer::new(v.into(), 0, c.len)))
+                .filter(|n| n.null_count() > 0);
+            let mut builder = ArrayData::builder(c.data_type.clone())
+                .len(c.len)
+                .nulls(nulls);
+            if let Some(offsets) = offsets {
+                builder = builder.add_buffer(offsets.into());
+            }
+            let data = builder
+                .add_buffer(values.into())
+                .build()
+                .map_err(|e| KernelError::InvalidData(format!("{} column: {e}", c.data_type)))?;
+            Ok(make_array(data))
+        })
+        .collect()
 }
 
 /// A batch of columns on one device.
@@ -292,11 +335,7 @@ impl DeviceBatch {
 
     /// Copies the batch back to the host.
     pub fn to_record_batch(&self) -> Result<RecordBatch> {
-        let arrays = self
-            .columns
-            .iter()
-            .map(DeviceColumn::to_arrow)
-            .collect::<Result<Vec<_>>>()?;
+        let arrays = download_columns(&self.columns.iter().collect::<Vec<_>>())?;
         RecordBatch::try_new_with_options(
             Arc::clone(&self.schema),
             arrays,

@@ -269,6 +269,50 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Reads several buffers (their device addresses and host destinations) through the
+    /// staging buffer as `fills` packs them: each fill's copies queued back to back, one
+    /// wait, then the pieces copied out.
+    pub fn read_many(
+        &self,
+        fills: &[Vec<crate::device::stream::StagedPiece>],
+        reads: &mut [(&crate::memory::DeviceBuffer, &mut [u8])],
+    ) -> Result<()> {
+        self.bind()?;
+        let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        for fill in fills {
+            for piece in fill {
+                let (buffer, _) = &reads[piece.read];
+                // SAFETY: the piece lies inside its buffer (checked by the caller, as the
+                // whole buffer is read) and inside the pinned staging buffer (`staging_fills`
+                // keeps at + len within STAGING_BYTES, its length).
+                unsafe {
+                    let pinned =
+                        std::slice::from_raw_parts_mut(staging.ptr.add(piece.at), piece.len);
+                    result::memcpy_dtoh_async(
+                        pinned,
+                        buffer.addr() + piece.from as u64,
+                        self.stream.cu_stream(),
+                    )
+                    .map_err(|e| self.failed("copying from the device", e))?;
+                }
+            }
+            self.sync()?;
+            for piece in fill {
+                let (_, out) = &mut reads[piece.read];
+                // SAFETY: the stream has finished the copy into the staging range, and the
+                // destination range lies inside `out` (from + len ≤ its length).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        staging.ptr.add(piece.at),
+                        out[piece.from..piece.from + piece.len].as_mut_ptr(),
+                        piece.len,
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Queues a copy of `len` bytes between two device buffers.
     pub fn copy(&self, dst: u64, src: u64, len: usize) -> Result<()> {
         self.bind()?;

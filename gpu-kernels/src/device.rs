@@ -23,7 +23,7 @@ use crate::cuda_backend::CudaBackend;
 use crate::emu::{EmuLaunchConfig, EmuMemory};
 use crate::emu_queue::{EmuQueue, Op};
 
-mod stream;
+pub(crate) mod stream;
 use crate::kernels::Kernel;
 use crate::memory::{DeviceBuffer, Pool, size_class};
 use crate::selection::DeviceSelection;

@@ -1,6 +1,8 @@
 //! `GpuFilterExec`: DataFusion's `FilterExec` on a GPU. The predicate runs as one
 //! expression program, the selection is compacted into row indices on the device, and the
-//! kept rows are gathered there; only the filter's output comes back.
+//! kept rows are gathered there; only the filter's output comes back. The host waits once
+//! per batch, for the program's error word and the selection's count together (and once
+//! more per string column it gathers, for the column's byte total).
 //!
 //! The plan node is the shared [`GpuBatchExec`] and the stream the shared
 //! [`GpuStream`](super::gpu_stream::GpuStream); this file holds the filter's work.
@@ -13,7 +15,7 @@ use datafusion::error::Result;
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::filter::{FilterExec, batch_filter};
-use fulmen_kernels::ops::{compact, expr, gather};
+use fulmen_kernels::ops::{STATUS_BYTES, compact, expr, gather, read_status};
 use fulmen_kernels::{Device, DeviceColumn, KernelError};
 
 use super::gpu_batch_exec::GpuBatchExec;
@@ -85,13 +87,28 @@ impl BatchWork for FilterWork {
         }
         let inputs: Vec<&DeviceColumn> =
             self.program.inputs.iter().map(|c| &on_device[c]).collect();
+        // One host wait per batch (more only for string columns' byte totals): the
+        // program's error word and the selection's count come up together.
         let kept = metrics.kernel(|| -> Result<_, KernelError> {
-            let Some(mut predicate) = expr::evaluate(device, &program, &inputs, n)? else {
-                return Ok(None);
-            };
+            let status = device.upload(&[0; STATUS_BYTES])?;
+            let mut predicate = expr::evaluate_unchecked(device, &program, &inputs, n, &status)?;
             let predicate = predicate.remove(0);
-            let indices =
-                compact::selection_indices(device, predicate.values(), predicate.validity(), n)?;
+            let selection = compact::selection_indices_queued(
+                device,
+                predicate.values(),
+                predicate.validity(),
+                n,
+                &status,
+            )?;
+            // Over no rows nothing was launched: nothing to wait for.
+            let count = match n {
+                0 => 0,
+                _ => match read_status(&status)? {
+                    Some(count) => count,
+                    None => return Ok(None),
+                },
+            };
+            let indices = selection.with_count(count)?;
             let columns = self
                 .outputs
                 .iter()

@@ -141,21 +141,27 @@ impl GpuMetrics {
         Ok(column)
     }
 
-    /// Downloads a column as an array of `data_type` (converting back what the device
-    /// holds in another layout, such as string views), counting its bytes and time.
+    /// Downloads device columns (timed), all in one host wait, cast to the host types the
+    /// schema expects (strings come back as Utf8 where the plan wants Utf8View).
     pub fn download(
         &self,
-        column: &DeviceColumn,
-        data_type: &datafusion::arrow::datatypes::DataType,
-    ) -> Result<ArrayRef, KernelError> {
+        columns: &[(&DeviceColumn, &datafusion::arrow::datatypes::DataType)],
+    ) -> Result<Vec<ArrayRef>, KernelError> {
         let start = Instant::now();
-        let array = column.to_arrow()?;
+        let device: Vec<&DeviceColumn> = columns.iter().map(|(c, _)| *c).collect();
+        let arrays = fulmen_kernels::column::download_columns(&device)?;
         self.d2h_time.add_duration(start.elapsed());
-        if array.data_type() == data_type {
-            Ok(array)
-        } else {
-            cast(&array, data_type).map_err(|e| KernelError::Unsupported(e.to_string()))
-        }
+        arrays
+            .into_iter()
+            .zip(columns)
+            .map(|(array, (_, data_type))| {
+                if array.data_type() == *data_type {
+                    Ok(array)
+                } else {
+                    cast(&array, data_type).map_err(|e| KernelError::Unsupported(e.to_string()))
+                }
+            })
+            .collect()
     }
 
     /// Counts an output chunk as DataFusion's operators count a batch: its rows, one

@@ -99,8 +99,9 @@ impl Chunk {
             Self::Device(b, ..) if b.columns()[i].device() == device => Ok(b.columns()[i].clone()),
             Self::Device(b, schema, _) => {
                 // Another device: through the host.
-                let array = metrics.download(&b.columns()[i], schema.field(i).data_type())?;
-                metrics.upload(device, array.as_ref())
+                let field = schema.field(i);
+                let array = metrics.download(&[(&b.columns()[i], field.data_type())])?;
+                metrics.upload(device, array[0].as_ref())
             }
         }
     }
@@ -137,12 +138,13 @@ impl Chunk {
         match self {
             Self::Host(b) => Ok(b.clone()),
             Self::Device(b, schema, _) => {
-                let columns = b
+                let wanted: Vec<_> = b
                     .columns()
                     .iter()
                     .zip(schema.fields())
-                    .map(|(c, f)| metrics.download(c, f.data_type()))
-                    .collect::<Result<Vec<_>, _>>()?;
+                    .map(|(c, f)| (c, f.data_type()))
+                    .collect();
+                let columns = metrics.download(&wanted)?;
                 make_batch(schema, columns, b.num_rows())
                     .map_err(|e| KernelError::InvalidData(e.to_string()))
             }
@@ -188,13 +190,25 @@ impl Output {
         schema: &SchemaRef,
         metrics: &GpuMetrics,
     ) -> Result<RecordBatch, KernelError> {
-        let columns = self
+        // The device columns come down together, in one host wait.
+        let wanted: Vec<_> = self
             .columns
             .iter()
             .zip(schema.fields())
-            .map(|(c, f)| match c {
+            .filter_map(|(c, f)| match c {
+                Col::Device(d) => Some((d, f.data_type())),
+                Col::Host(_) => None,
+            })
+            .collect();
+        let mut downloaded = metrics.download(&wanted)?.into_iter();
+        let columns = self
+            .columns
+            .iter()
+            .map(|c| match c {
                 Col::Host(a) => Ok(Arc::clone(a)),
-                Col::Device(d) => metrics.download(d, f.data_type()),
+                Col::Device(_) => downloaded
+                    .next()
+                    .ok_or_else(|| KernelError::InvalidData("a column did not come down".into())),
             })
             .collect::<Result<Vec<_>, _>>()?;
         make_batch(schema, columns, self.rows).map_err(|e| KernelError::InvalidData(e.to_string()))

@@ -175,6 +175,56 @@ impl Device {
         Ok(())
     }
 
+    /// Reads several buffers (the first `out.len()` bytes of each) in as few host waits as the staging buffer
+    /// allows: the copies are queued back to back into it and the host waits once per
+    /// [`STAGING_BYTES`] they fill (a read larger than what is left of a fill goes on into
+    /// the next), so the columns of a batch come down in one wait. Counted as the pieces
+    /// copied and the waits.
+    pub(crate) fn read_many(&self, reads: &mut [(&DeviceBuffer, &mut [u8])]) -> Result<()> {
+        for (buffer, out) in reads.iter() {
+            if buffer.device() != self {
+                return Err(KernelError::Unsupported(format!(
+                    "a read on {self} of a buffer on {}",
+                    buffer.device()
+                )));
+            }
+            Self::within(buffer, 0, out.len(), "out of")?;
+        }
+        self.usable()?;
+        let fills = staging_fills(reads.iter().map(|(_, out)| out.len()));
+        if fills.is_empty() {
+            // No copy, so no wait: nothing may be taken as passed.
+            return Ok(());
+        }
+        self.record(DeviceCounts {
+            d2h_copies: fills.iter().map(|f| f.len() as u64).sum(),
+            d2h_bytes: reads.iter().map(|(_, out)| out.len() as u64).sum(),
+            syncs: fills.len() as u64,
+            ..DeviceCounts::default()
+        });
+        let through = self.uploads().enqueued;
+        match &self.inner.backend {
+            // The host reads once the stream has run everything queued before the reads.
+            Backend::Emulated(memory) => self
+                .inner
+                .queue
+                .run_then(memory, &self.to_string(), || {
+                    for (buffer, out) in reads.iter_mut() {
+                        if !out.is_empty() {
+                            memory.read(buffer.addr, 0, out)?;
+                        }
+                    }
+                    Ok(())
+                })
+                .map_err(|e| self.sticky(e)),
+            Backend::Cuda(cuda) => cuda.read_many(&fills, reads),
+        }
+        .map_err(|e| self.lost(e))?;
+        let mut ring = self.uploads();
+        ring.passed = ring.passed.max(through);
+        Ok(())
+    }
+
     /// Copies all of `src` into the start of `dst` (both on this device).
     pub fn copy(&self, dst: &DeviceBuffer, src: &DeviceBuffer) -> Result<()> {
         if dst.len < src.len {
@@ -199,5 +249,106 @@ impl Device {
                 .copy(dst.addr, src.addr, src.len)
                 .map_err(|e| self.lost(e)),
         }
+    }
+}
+
+/// A piece of a read staged in one fill of the staging buffer: which read, from where in
+/// it, how many bytes, and where in the staging buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StagedPiece {
+    pub read: usize,
+    pub from: usize,
+    pub len: usize,
+    pub at: usize,
+}
+
+/// How reads of these lengths pack into fills of the staging buffer, in order (empty
+/// reads take no piece; no fill is empty).
+pub(crate) fn staging_fills(lens: impl Iterator<Item = usize>) -> Vec<Vec<StagedPiece>> {
+    let mut fills: Vec<Vec<StagedPiece>> = Vec::new();
+    let mut used = STAGING_BYTES;
+    for (read, len) in lens.enumerate() {
+        let mut from = 0;
+        while from < len {
+            if used == STAGING_BYTES {
+                fills.push(Vec::new());
+                used = 0;
+            }
+            let take = (len - from).min(STAGING_BYTES - used);
+            let fill = fills.last_mut().expect("a fill was just started");
+            fill.push(StagedPiece {
+                read,
+                from,
+                len: take,
+                at: used,
+            });
+            from += take;
+            used += take;
+        }
+    }
+    fills
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_pack_into_as_few_fills_as_the_staging_buffer_allows() {
+        assert!(staging_fills([0, 0].into_iter()).is_empty());
+        let small = staging_fills([100, 0, 28].into_iter());
+        assert_eq!(small.len(), 1);
+        assert_eq!(small[0].len(), 2);
+        assert_eq!(
+            small[0][1],
+            StagedPiece {
+                read: 2,
+                from: 0,
+                len: 28,
+                at: 100
+            }
+        );
+        // A read that does not fit what is left goes on into the next fill.
+        let s = STAGING_BYTES;
+        let big = staging_fills([s - 10, 30, 2 * s].into_iter());
+        assert_eq!(big.len(), 4);
+        assert_eq!(
+            big[0][1],
+            StagedPiece {
+                read: 1,
+                from: 0,
+                len: 10,
+                at: s - 10
+            }
+        );
+        assert_eq!(
+            big[1][0],
+            StagedPiece {
+                read: 1,
+                from: 10,
+                len: 20,
+                at: 0
+            }
+        );
+        assert_eq!(
+            big[1][1],
+            StagedPiece {
+                read: 2,
+                from: 0,
+                len: s - 20,
+                at: 20
+            }
+        );
+        assert_eq!(
+            big[3][0],
+            StagedPiece {
+                read: 2,
+                from: 2 * s - 20,
+                len: 20,
+                at: 0
+            }
+        );
+        let total: usize = big.iter().flatten().map(|p| p.len).sum();
+        assert_eq!(total, 3 * s + 20);
     }
 }

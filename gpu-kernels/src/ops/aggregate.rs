@@ -192,9 +192,9 @@ struct Grown {
     capacity: usize,
 }
 
-/// Bytes of the status buffer [`UpdateWith::status`] names: word 0 the table's own count
-/// of new groups, word 1 the upstream work's error word.
-pub const STATUS_BYTES: usize = 16;
+/// Bytes of the status buffer [`UpdateWith::status`] names (see [`super::STATUS_BYTES`]):
+/// word 0 the table's own count of new groups, word 1 the upstream work's error word.
+pub use super::STATUS_BYTES;
 
 /// Rows of a keyed batch: `agg.cu` numbers a pending group PENDING | row (bit 31), which
 /// must never read as its SKIP id (all ones).
@@ -569,14 +569,7 @@ impl GroupTable {
             if with.status.is_none() {
                 return inserted.read_u64(0).map(Some);
             }
-            let words = inserted.prefix_to_host(STATUS_BYTES)?;
-            let word = |k: usize| -> Result<u64> {
-                let bytes = words.get(8 * k..8 * k + 8).and_then(|b| b.try_into().ok());
-                bytes
-                    .map(u64::from_le_bytes)
-                    .ok_or_else(|| KernelError::InvalidData("a short status read".into()))
-            };
-            Ok((word(1)? == 0).then_some(word(0)?))
+            super::read_status(inserted)
         };
         let inserted_count = loop {
             let wanted = ((g0 as u64) * 2).max(2048).next_power_of_two();
@@ -918,13 +911,14 @@ impl GroupTable {
 
     /// The key columns of the groups, in group order (first seen first).
     pub fn keys(&self) -> Result<Vec<ArrayRef>> {
+        // Every chunk of every key column comes down in one host wait.
+        let columns: Vec<&DeviceColumn> = (0..self.key_types.len())
+            .flat_map(|k| self.chunks.iter().map(move |chunk| &chunk[k]))
+            .collect();
+        let mut arrays = crate::column::download_columns(&columns)?.into_iter();
         (0..self.key_types.len())
             .map(|k| {
-                let parts = self
-                    .chunks
-                    .iter()
-                    .map(|chunk| chunk[k].to_arrow())
-                    .collect::<Result<Vec<_>>>()?;
+                let parts: Vec<ArrayRef> = arrays.by_ref().take(self.chunks.len()).collect();
                 if parts.is_empty() {
                     return Ok(new_empty_array(&self.key_types[k]));
                 }

@@ -10,13 +10,73 @@ use crate::{KernelError, Result};
 
 /// The indices of the rows a selection keeps, in row order.
 /// Row i is kept when bit i of `values` is set and, if `validity` is given, bit i of it
-/// too: a NULL predicate keeps no row, as in SQL.
+/// too: a NULL predicate keeps no row, as in SQL. One host wait, for the count.
 pub fn selection_indices(
     device: &Device,
     values: &DeviceBuffer,
     validity: Option<&DeviceBuffer>,
     n: usize,
 ) -> Result<RowIndices> {
+    check_selection(values, validity, n)?;
+    let words = n.div_ceil(32);
+    let counts = word_counts(device, values, validity, n)?;
+    let (offsets, total) = scan::exclusive_scan(device, &counts, words)?;
+    let out = device.alloc(total as usize * 4)?;
+    scatter(device, values, validity, n, &offsets, &out)?;
+    Ok(RowIndices::new(out, total as usize, n, false))
+}
+
+/// A selection compacted on the device whose count the host has not read yet: its indices
+/// fill the start of a buffer of `n` (the most a selection of `n` rows keeps), so nothing
+/// waited for the count before the scatter was queued.
+#[derive(Debug)]
+pub struct QueuedSelection {
+    indices: DeviceBuffer,
+    n: usize,
+}
+
+impl QueuedSelection {
+    /// The indices, given the count the host read from word 0 of the status buffer (see
+    /// [`selection_indices_queued`]).
+    pub fn with_count(self, count: u64) -> Result<RowIndices> {
+        if count > self.n as u64 {
+            return Err(KernelError::InvalidData(format!(
+                "a selection of {} rows kept {count}",
+                self.n
+            )));
+        }
+        Ok(RowIndices::new(self.indices, count as usize, self.n, false))
+    }
+}
+
+/// Queues the same compaction as [`selection_indices`] without a host wait: the count
+/// goes to word 0 of `status` (a [`STATUS_BYTES`](super::STATUS_BYTES) buffer the caller
+/// zeroed, whose word 1 an expression program before it may set), which the caller reads
+/// with [`read_status`](super::read_status) in its one wait for the batch.
+pub fn selection_indices_queued(
+    device: &Device,
+    values: &DeviceBuffer,
+    validity: Option<&DeviceBuffer>,
+    n: usize,
+    status: &DeviceBuffer,
+) -> Result<QueuedSelection> {
+    check_selection(values, validity, n)?;
+    if status.len() < super::STATUS_BYTES {
+        return Err(KernelError::Unsupported(
+            "a status buffer too short for a selection's count".into(),
+        ));
+    }
+    let indices = device.alloc((n * 4).max(1))?;
+    if n > 0 {
+        let words = n.div_ceil(32);
+        let counts = word_counts(device, values, validity, n)?;
+        let offsets = scan::exclusive_scan_queued(device, &counts, words, status)?;
+        scatter(device, values, validity, n, &offsets, &indices)?;
+    }
+    Ok(QueuedSelection { indices, n })
+}
+
+fn check_selection(values: &DeviceBuffer, validity: Option<&DeviceBuffer>, n: usize) -> Result<()> {
     check_rows(n)?;
     let bitmap = n.div_ceil(8);
     if values.len() < bitmap || validity.is_some_and(|v| v.len() < bitmap) {
@@ -24,11 +84,21 @@ pub fn selection_indices(
             "a selection of {n} rows needs {bitmap} bitmap bytes"
         )));
     }
+    Ok(())
+}
+
+/// The kept rows of each 32-row word, one u64 per word.
+fn word_counts(
+    device: &Device,
+    values: &DeviceBuffer,
+    validity: Option<&DeviceBuffer>,
+    n: usize,
+) -> Result<DeviceBuffer> {
     let words = n.div_ceil(32);
     let counts = device.alloc(words * 8)?;
     let cfg = LaunchConfig::for_items(device, words as u64, BLOCK);
-    // SAFETY: the bitmaps hold ceil(n/8) bytes (checked; the kernel reads no further) and
-    // `counts` holds one u64 per 32-row word.
+    // SAFETY: the bitmaps hold ceil(n/8) bytes (checked by `check_selection`; the kernel
+    // reads no further) and `counts` holds one u64 per 32-row word.
     unsafe {
         device.launch(
             Kernel::select_word_counts,
@@ -41,10 +111,23 @@ pub fn selection_indices(
             ],
         )?;
     }
-    let (offsets, total) = scan::exclusive_scan(device, &counts, words)?;
-    let out = device.alloc(total as usize * 4)?;
-    // SAFETY: as above; `offsets` holds one u64 per word and `out` the total count of u32
-    // indices the scan returned, which is exactly what the scatter writes.
+    Ok(counts)
+}
+
+/// Writes the index of every kept row at its word's offset plus its rank in the word.
+fn scatter(
+    device: &Device,
+    values: &DeviceBuffer,
+    validity: Option<&DeviceBuffer>,
+    n: usize,
+    offsets: &DeviceBuffer,
+    out: &DeviceBuffer,
+) -> Result<()> {
+    let words = n.div_ceil(32);
+    let cfg = LaunchConfig::for_items(device, words as u64, BLOCK);
+    // SAFETY: as in `word_counts`; `offsets` holds one u64 per word, the exclusive scan of
+    // the word counts, so the indices written number the kept rows, and `out` holds at
+    // least that many u32 (the total for `selection_indices`, n for the queued form).
     unsafe {
         device.launch(
             Kernel::select_scatter,
@@ -53,12 +136,12 @@ pub fn selection_indices(
                 Arg::buf(values),
                 Arg::opt(validity),
                 Arg::U64(n as u64),
-                Arg::buf(&offsets),
-                Arg::buf(&out),
+                Arg::buf(offsets),
+                Arg::buf(out),
             ],
         )?;
     }
-    Ok(RowIndices::new(out, total as usize, n, false))
+    Ok(())
 }
 
 /// Keeps the rows of `batch` where the boolean column `predicate` is true.

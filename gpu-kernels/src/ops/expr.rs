@@ -468,10 +468,11 @@ pub fn evaluate(
 }
 
 /// Queues `program` over `n` rows of `columns` without waiting for it: the kernel sets
-/// word 1 of `status` (a [`STATUS_BYTES`](super::aggregate::STATUS_BYTES) buffer the
+/// word 1 of `status` (a [`STATUS_BYTES`](super::STATUS_BYTES) buffer the
 /// caller zeroed) when some row met a case it leaves to the CPU, and the outputs are then
 /// not to be used. The consumer checks the word in its own host wait
-/// ([`GroupTable::update_with`](super::aggregate::GroupTable::update_with)). Reading the
+/// ([`GroupTable::update_with`](super::aggregate::GroupTable::update_with), or
+/// [`read_status`](super::read_status) after a queued selection). Reading the
 /// outputs before that is safe, never right: they are fixed-width values and validity
 /// bits, always within their buffers, but a failed program's values are not its answer,
 /// so whatever was made of them must be undone.
@@ -482,7 +483,7 @@ pub fn evaluate_unchecked(
     n: usize,
     status: &DeviceBuffer,
 ) -> Result<Vec<DeviceColumn>> {
-    if status.len() < super::aggregate::STATUS_BYTES {
+    if status.len() < super::STATUS_BYTES {
         return Err(KernelError::Unsupported(
             "a status buffer too short for an error word".into(),
         ));

@@ -88,8 +88,11 @@ impl JoinTable {
             return Ok(Matches::default());
         };
         let total = build_rows.len();
-        let mut build = build_rows.to_host()?;
-        let probe = probe_rows.to_host()?;
+        let mut both = RowIndices::all_to_host(&[&build_rows, &probe_rows])?;
+        let (probe, mut build) = (
+            both.pop().unwrap_or_default(),
+            both.pop().unwrap_or_default(),
+        );
         // The device sorts short runs; a longer one (a hot key) is sorted here.
         let mut start = 0;
         while start < total {

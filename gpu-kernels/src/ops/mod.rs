@@ -28,6 +28,26 @@ pub const MAX_ROWS: usize = u32::MAX as usize - 1;
 /// An index meaning "no row": gathering it gives NULL.
 pub const NULL_INDEX: u32 = u32::MAX;
 
+/// Bytes of a status buffer, which lets a stage wait for the host once per batch: word 0 a
+/// count the host needs (a table's new groups, a selection's rows), word 1 the error word of
+/// an expression program queued before it ([`expr::evaluate_unchecked`]), non-zero when some
+/// row met a case the program leaves to the CPU. The caller zeroes the buffer (an upload of
+/// [`STATUS_BYTES`] zeros queues no wait) and reads both words with [`read_status`].
+pub const STATUS_BYTES: usize = 16;
+
+/// The two words of a status buffer, in one host wait: `Some(word 0)` when word 1 is
+/// clear, `None` when the program before left the batch to the CPU.
+pub fn read_status(status: &DeviceBuffer) -> Result<Option<u64>> {
+    let words = status.prefix_to_host(STATUS_BYTES)?;
+    let word = |k: usize| -> Result<u64> {
+        let bytes = words.get(8 * k..8 * k + 8).and_then(|b| b.try_into().ok());
+        bytes
+            .map(u64::from_le_bytes)
+            .ok_or_else(|| KernelError::InvalidData("a short status read".into()))
+    };
+    Ok((word(1)? == 0).then_some(word(0)?))
+}
+
 pub(crate) fn check_rows(n: usize) -> Result<()> {
     if n > MAX_ROWS {
         return Err(KernelError::Unsupported(format!(
@@ -104,12 +124,33 @@ impl RowIndices {
         &self.buffer
     }
 
-    /// Copies the indices to the host.
+    /// Copies the indices to the host (only its `len()` indices, whatever the buffer's
+    /// capacity).
     pub fn to_host(&self) -> Result<Vec<u32>> {
-        let bytes = self.buffer.to_host()?;
-        Ok(bytes[..self.count * 4]
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        Self::all_to_host(&[self]).map(|mut all| all.remove(0))
+    }
+
+    /// Copies several index lists to the host in one host wait.
+    pub fn all_to_host(lists: &[&RowIndices]) -> Result<Vec<Vec<u32>>> {
+        let Some(first) = lists.first() else {
+            return Ok(Vec::new());
+        };
+        let mut bytes: Vec<Vec<u8>> = lists.iter().map(|l| vec![0u8; l.count * 4]).collect();
+        {
+            let mut reads: Vec<(&DeviceBuffer, &mut [u8])> = lists
+                .iter()
+                .zip(bytes.iter_mut())
+                .map(|(l, b)| (&l.buffer, b.as_mut_slice()))
+                .collect();
+            first.buffer.device().read_many(&mut reads)?;
+        }
+        Ok(bytes
+            .iter()
+            .map(|b| {
+                b.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            })
             .collect())
     }
 }

@@ -10,12 +10,45 @@ use crate::{KernelError, Result};
 const TILE: u64 = 1024;
 
 /// The exclusive prefix sum of the first `n` u64 values of `input`: a buffer of `n`
-/// offsets, and the total.
+/// offsets, and the total (a host wait).
 pub fn exclusive_scan(
     device: &Device,
     input: &DeviceBuffer,
     n: usize,
 ) -> Result<(DeviceBuffer, u64)> {
+    let (out, sums) = queue(device, input, n, None)?;
+    let total = match sums {
+        Some((sums, tiles)) => sums.read_u64(tiles)?,
+        None => 0,
+    };
+    Ok((out, total))
+}
+
+/// Queues the exclusive prefix sum of the first `n` u64 values of `input` without waiting:
+/// the offsets, with the total written to word 0 of `total_to` once the scan has run (over
+/// no values nothing is written: the caller zeroes the word).
+pub fn exclusive_scan_queued(
+    device: &Device,
+    input: &DeviceBuffer,
+    n: usize,
+    total_to: &DeviceBuffer,
+) -> Result<DeviceBuffer> {
+    if total_to.len() < 8 {
+        return Err(KernelError::Unsupported(
+            "a scan total needs 8 bytes to go to".into(),
+        ));
+    }
+    queue(device, input, n, Some(total_to)).map(|(out, _)| out)
+}
+
+/// Launches the scan; the tile sums (and their count: the total is at that index) unless
+/// there were no values.
+fn queue(
+    device: &Device,
+    input: &DeviceBuffer,
+    n: usize,
+    total_to: Option<&DeviceBuffer>,
+) -> Result<(DeviceBuffer, Option<(DeviceBuffer, usize)>)> {
     if input.len() < n * 8 {
         return Err(KernelError::Unsupported(format!(
             "scan of {n} values from a {} byte buffer",
@@ -24,7 +57,7 @@ pub fn exclusive_scan(
     }
     let out = device.alloc(n * 8)?;
     if n == 0 {
-        return Ok((out, 0));
+        return Ok((out, None));
     }
     let tiles = (n as u64).div_ceil(TILE);
     let sums = device.alloc((tiles as usize + 1) * 8)?;
@@ -40,8 +73,9 @@ pub fn exclusive_scan(
         shared_bytes: 0,
     };
     // SAFETY: `input` holds n u64 (checked above), `sums` tiles + 1 u64 and `out` n u64,
-    // all on `device`; the kernels are launched with blockDim.x == SCAN_THREADS (256) as
-    // scan.cu requires, and the argument lists follow its signatures.
+    // `total_to` (when given) at least one u64 (checked by the caller), all on `device`;
+    // the kernels are launched with blockDim.x == SCAN_THREADS (256) as scan.cu requires,
+    // and the argument lists follow its signatures.
     unsafe {
         device.launch(
             Kernel::scan_tile_sums,
@@ -51,7 +85,7 @@ pub fn exclusive_scan(
         device.launch(
             Kernel::scan_tile_offsets,
             single,
-            &[Arg::buf(&sums), Arg::U64(tiles)],
+            &[Arg::buf(&sums), Arg::U64(tiles), Arg::opt(total_to)],
         )?;
         device.launch(
             Kernel::scan_tiles,
@@ -64,6 +98,5 @@ pub fn exclusive_scan(
             ],
         )?;
     }
-    let total = sums.read_u64(tiles as usize)?;
-    Ok((out, total))
+    Ok((out, Some((sums, tiles as usize))))
 }

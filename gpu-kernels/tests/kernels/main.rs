@@ -242,6 +242,55 @@ fn filter_keeps_the_rows_arrow_keeps_in_order() {
 }
 
 #[test]
+fn a_queued_selection_keeps_what_arrow_keeps_and_waits_once_for_its_count() {
+    let d = device();
+    for &n in SIZES {
+        for (keep, nulls) in [(50, 10), (0, 0), (100, 0), (3, 40)] {
+            let seed = n as u64 * 17 + keep;
+            let predicate = selection(n, seed, keep, nulls);
+            let rows: Int64Array = (0..n as i64).map(Some).collect();
+            let device_rows = DeviceColumn::upload(&d, &rows).unwrap();
+            let p = DeviceColumn::upload(&d, &predicate).unwrap();
+            let status = d.upload(&[0; fulmen_kernels::ops::STATUS_BYTES]).unwrap();
+            let before = d.counts();
+            let queued =
+                compact::selection_indices_queued(&d, p.values(), p.validity(), n, &status)
+                    .unwrap();
+            assert_eq!(d.counts().syncs, before.syncs, "queueing waits for nothing");
+            let count = fulmen_kernels::ops::read_status(&status).unwrap().unwrap();
+            assert_eq!(
+                d.counts().syncs,
+                before.syncs + 1,
+                "one wait, for the count"
+            );
+            let indices = queued.with_count(count).unwrap();
+            let got = gather::gather_column(&device_rows, &indices)
+                .unwrap()
+                .to_arrow()
+                .unwrap();
+            let expected = filter(&rows, &predicate).unwrap();
+            assert_eq!(
+                got.as_ref(),
+                expected.as_ref(),
+                "n={n} keep={keep}% nulls={nulls}%"
+            );
+        }
+    }
+    // The error word of a program queued before (word 1) makes the status read say so,
+    // and a count above the rows is refused, not trusted.
+    let n = 1000;
+    let p = DeviceColumn::upload(&d, &selection(n, 5, 50, 0)).unwrap();
+    let status = d.upload(&[0; fulmen_kernels::ops::STATUS_BYTES]).unwrap();
+    status.write(8, &1u64.to_le_bytes()).unwrap();
+    let queued =
+        compact::selection_indices_queued(&d, p.values(), p.validity(), n, &status).unwrap();
+    assert_eq!(fulmen_kernels::ops::read_status(&status).unwrap(), None);
+    assert!(queued.with_count(n as u64 + 1).is_err());
+    let short = d.upload(&[0; 8]).unwrap();
+    assert!(compact::selection_indices_queued(&d, p.values(), None, n, &short).is_err());
+}
+
+#[test]
 fn filter_of_a_million_rows() {
     let d = device();
     let n = 1 << 20;

@@ -4,8 +4,8 @@
 //! and every device fault survived.
 
 use super::{
-    Work, answer, devices_of, fail_each_in_turn, gpu_config, metric_sum, plan_has, run, session,
-    tpch_contexts, tpch_run,
+    Work, answer, devices_of, fail_each_in_turn, gpu_config, metric_sum, plan_has, plan_of,
+    rows_of, run, session, tpch_contexts, tpch_run,
 };
 
 /// A session forcing the GPU on `set` with device batches of `batch_rows`, TPC-H SF 0.01
@@ -105,13 +105,24 @@ async fn work_per_batch(
     sets: [&str; 3],
     check: impl Fn(&str, &std::sync::Arc<dyn datafusion::physical_plan::ExecutionPlan>),
 ) -> (f64, f64) {
+    work_per_batch_of(&format!("Q{q}"), crate::tpch::QUERIES[q - 1], sets, check).await
+}
+
+/// [`work_per_batch`] of any query over TPC-H's tables (`label` names it in messages).
+async fn work_per_batch_of(
+    label: &str,
+    sql: &str,
+    sets: [&str; 3],
+    check: impl Fn(&str, &std::sync::Arc<dyn datafusion::physical_plan::ExecutionPlan>),
+) -> (f64, f64) {
     let (_, cpu) = tpch_contexts(sets[0], 1, None);
-    let (_, want) = run(&cpu, crate::tpch::QUERIES[q - 1]).await;
+    let (_, want) = run(&cpu, sql).await;
     let mut runs = Vec::new();
     for (set, rows) in [(sets[1], 1 << 20), (sets[2], 4096)] {
         let gpu = fused_session(set, rows);
-        let (got, plan) = tpch_run(&gpu, q).await;
-        assert_eq!(got, want, "Q{q}, batches of {rows} rows");
+        let plan = plan_of(&gpu, sql).await;
+        let got = rows_of(&gpu, &plan).await;
+        assert_eq!(got, want, "{label}, batches of {rows} rows");
         let work = Work::of(&plan);
         assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
         let text = datafusion::physical_plan::displayable(plan.as_ref())
@@ -133,7 +144,7 @@ async fn work_per_batch(
         (s2 - s1) as f64 / (b2 - b1) as f64,
     );
     println!(
-        "Q{q} fused, per device batch: {} launches, {} host syncs ({runs:?})",
+        "{label}, per device batch: {} launches, {} host syncs ({runs:?})",
         per_batch.0, per_batch.1
     );
     per_batch
@@ -160,6 +171,35 @@ async fn a_grouped_aggregate_takes_its_filter_into_one_device_stage() {
     .await;
     assert!(
         launches <= 6.0 && syncs <= 1.0,
+        "{launches} launches, {syncs} syncs"
+    );
+}
+
+/// A filter whose output goes to the host waits twice per device batch: once for its
+/// program's error word and its selection's count together, once for its output columns
+/// (all of them in one download); its launches are the program, the compaction (count,
+/// three-step scan, scatter) and a gather per output column.
+#[tokio::test]
+async fn a_filter_waits_once_for_its_count_and_once_for_its_output() {
+    let sql = "SELECT l_orderkey, l_linenumber, l_extendedprice, l_shipdate FROM lineitem \
+               WHERE l_shipdate > DATE '1998-09-01' AND l_discount >= 0.05 \
+               ORDER BY l_orderkey, l_linenumber";
+    let (launches, syncs) = work_per_batch_of(
+        "a numeric filter",
+        sql,
+        [
+            "emulated:1/filter-waits-cpu",
+            "emulated:1/filter-waits-a",
+            "emulated:1/filter-waits-b",
+        ],
+        |text, plan| {
+            assert!(plan_has(plan, "GpuFilterExec"), "{text}");
+            assert!(!plan_has(plan, "GpuProjectionExec"), "{text}");
+        },
+    )
+    .await;
+    assert!(
+        launches <= 10.0 && syncs <= 2.0,
         "{launches} launches, {syncs} syncs"
     );
 }
