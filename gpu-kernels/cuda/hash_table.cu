@@ -7,9 +7,10 @@
 //                           keys) are left out
 //   hash_table_probe_count (keys, mask, hashes, valid, n, counts) candidates per probe row
 //   — scan.cu turns counts into exclusive offsets —
-//   hash_table_probe_emit  (keys, rows, mask, hashes, valid, n, offsets, out_build, out_probe)
-//                           each probe row's candidates at its offset, in build-row order
-//                           when there are at most SORT_RUN_MAX of them
+//   hash_table_probe_emit  (keys, rows, mask, hashes, valid, n, offsets, out_build, out_probe,
+//                           cap) each probe row's candidates at its offset, in build-row
+//                           order when there are at most SORT_RUN_MAX of them; pairs at or
+//                           past `cap` (the outputs' capacity) are not written
 // capacity is a power of two and mask == capacity - 1; the table must keep a free slot, so
 // the host sizes it above the row count (load factor at most 1/2).
 #include "fulmen.cuh"
@@ -60,21 +61,26 @@ FULMEN_KERNEL hash_table_probe_count(const uint64_t* keys, uint64_t mask, const 
 
 FULMEN_KERNEL hash_table_probe_emit(const uint64_t* keys, const uint32_t* rows, uint64_t mask,
                                     const uint64_t* hashes, const uint8_t* valid, uint64_t n,
-                                    const uint64_t* offsets, uint32_t* out_build, uint32_t* out_probe) {
+                                    const uint64_t* offsets, uint32_t* out_build, uint32_t* out_probe,
+                                    uint64_t cap) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         if (!bit_is_set(valid, i)) continue;
         uint64_t key = slot_key(hashes[i]);
         uint64_t first = offsets[i], at = first;
         for (uint64_t slot = key & mask; keys[slot] != EMPTY_SLOT; slot = (slot + 1) & mask) {
             if (keys[slot] == key) {
-                out_build[at] = rows[slot];
-                out_probe[at] = (uint32_t)i;
+                // Past the outputs' capacity the pairs are dropped: the host sees the total
+                // above it and probes again with room for all.
+                if (at < cap) {
+                    out_build[at] = rows[slot];
+                    out_probe[at] = (uint32_t)i;
+                }
                 ++at;
             }
         }
         // A probe row's candidates in build order (the table holds them in the order the
         // inserts won their slots): insertion sort of this thread's own short run.
-        if (at - first <= SORT_RUN_MAX) {
+        if (at - first <= SORT_RUN_MAX && at <= cap) {
             for (uint64_t a = first + 1; a < at; ++a) {
                 uint32_t v = out_build[a];
                 uint64_t b = a;

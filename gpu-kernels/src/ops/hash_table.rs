@@ -80,13 +80,55 @@ impl HashTable {
     }
 
     /// Finds, for each of the `n` probe rows, every build row with the same hash. Probe rows
-    /// whose bit in `valid` is clear find nothing.
+    /// whose bit in `valid` is clear find nothing. One host wait, for the number of pairs.
     pub fn probe(
         &self,
         hashes: &DeviceBuffer,
         valid: Option<&DeviceBuffer>,
         n: usize,
     ) -> Result<ProbeResult> {
+        let device = self.keys.device();
+        let (offsets, total) = self.probe_offsets(hashes, valid, n, None)?;
+        let total = total.unwrap_or_default() as usize;
+        check_rows(total)?;
+        let out_build = device.alloc(total * 4)?;
+        let out_probe = device.alloc(total * 4)?;
+        self.emit(hashes, valid, n, &offsets, &out_build, &out_probe, total)?;
+        Ok(ProbeResult {
+            build: RowIndices::new(out_build, total, self.build_rows, false),
+            probe: RowIndices::new(out_probe, total, n, false),
+        })
+    }
+
+    /// As [`Self::probe`] without a host wait: the pairs go into outputs of `cap` slots (a
+    /// guess), their total to word 0 of `total_to`; when the total is above `cap` the pairs
+    /// past it were dropped and the caller probes again with [`Self::probe`].
+    pub fn probe_bounded(
+        &self,
+        hashes: &DeviceBuffer,
+        valid: Option<&DeviceBuffer>,
+        n: usize,
+        cap: usize,
+        total_to: &DeviceBuffer,
+    ) -> Result<(DeviceBuffer, DeviceBuffer)> {
+        check_rows(cap)?;
+        let device = self.keys.device();
+        let (offsets, _) = self.probe_offsets(hashes, valid, n, Some(total_to))?;
+        let out_build = device.alloc((cap * 4).max(1))?;
+        let out_probe = device.alloc((cap * 4).max(1))?;
+        self.emit(hashes, valid, n, &offsets, &out_build, &out_probe, cap)?;
+        Ok((out_build, out_probe))
+    }
+
+    /// The candidates of each probe row counted and scanned into offsets, with their total
+    /// read by the host (a wait), or queued to `total_to` instead (`None`).
+    fn probe_offsets(
+        &self,
+        hashes: &DeviceBuffer,
+        valid: Option<&DeviceBuffer>,
+        n: usize,
+        total_to: Option<&DeviceBuffer>,
+    ) -> Result<(DeviceBuffer, Option<u64>)> {
         check_hashes(hashes, valid, n)?;
         let device = self.keys.device();
         let cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
@@ -107,17 +149,37 @@ impl HashTable {
                 ],
             )?;
         }
-        let (offsets, total) = scan::exclusive_scan(device, &counts, n)?;
-        let total = total as usize;
-        check_rows(total)?;
-        let out_build = device.alloc(total * 4)?;
-        let out_probe = device.alloc(total * 4)?;
+        match total_to {
+            Some(to) => Ok((scan::exclusive_scan_queued(device, &counts, n, to)?, None)),
+            None => scan::exclusive_scan(device, &counts, n).map(|(o, t)| (o, Some(t))),
+        }
+    }
+
+    /// Writes each probe row's candidates at its offset into outputs of `cap` slots.
+    #[allow(clippy::too_many_arguments)]
+    fn emit(
+        &self,
+        hashes: &DeviceBuffer,
+        valid: Option<&DeviceBuffer>,
+        n: usize,
+        offsets: &DeviceBuffer,
+        out_build: &DeviceBuffer,
+        out_probe: &DeviceBuffer,
+        cap: usize,
+    ) -> Result<()> {
+        let device = self.keys.device();
+        if out_build.len() < cap * 4 || out_probe.len() < cap * 4 {
+            return Err(KernelError::Unsupported(format!(
+                "probe outputs too small for {cap} pairs"
+            )));
+        }
         // SAFETY: `offsets` is the exclusive scan of the counts, so row i writes its
-        // counts[i] pairs inside the `total` slots of each output.
+        // counts[i] pairs from offsets[i] on, and the kernel writes none at or past `cap`,
+        // which both outputs hold (checked).
         unsafe {
             device.launch(
                 Kernel::hash_table_probe_emit,
-                cfg,
+                LaunchConfig::for_items(device, n as u64, BLOCK),
                 &[
                     Arg::buf(&self.keys),
                     Arg::buf(&self.rows),
@@ -125,16 +187,14 @@ impl HashTable {
                     Arg::buf(hashes),
                     Arg::opt(valid),
                     Arg::U64(n as u64),
-                    Arg::buf(&offsets),
-                    Arg::buf(&out_build),
-                    Arg::buf(&out_probe),
+                    Arg::buf(offsets),
+                    Arg::buf(out_build),
+                    Arg::buf(out_probe),
+                    Arg::U64(cap as u64),
                 ],
             )?;
         }
-        Ok(ProbeResult {
-            build: RowIndices::new(out_build, total, self.build_rows, false),
-            probe: RowIndices::new(out_probe, total, n, false),
-        })
+        Ok(())
     }
 
     /// Slots in the table.

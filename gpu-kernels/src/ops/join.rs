@@ -4,6 +4,8 @@
 //! pairs in probe order. Rows with a NULL key are left out on both sides (SQL's `=`); the
 //! caller passes their validity.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use super::hash_table::HashTable;
 use super::{BLOCK, RowIndices, check_rows, hash, key_descriptors, scan};
 use crate::column::DeviceColumn;
@@ -20,6 +22,9 @@ pub struct JoinTable {
     keys: Vec<DeviceColumn>,
     descriptors: DeviceBuffer,
     rows: usize,
+    /// The most candidate pairs per probe row seen so far, in 1/1024ths: it sizes the next
+    /// probe's outputs, so that the host waits once per probe (see `probe_on_device`).
+    candidates_per_row: AtomicU64,
 }
 
 /// Matching row pairs of a probe: in probe order, and within one probe row in build order
@@ -59,6 +64,7 @@ impl JoinTable {
             keys,
             descriptors,
             rows,
+            candidates_per_row: AtomicU64::new(1024),
         })
     }
 
@@ -129,60 +135,142 @@ impl JoinTable {
         }
         let device = self.keys[0].device();
         let hashes = hash::hash_columns(device, keys)?;
-        let candidates = self.table.probe(&hashes, valid, n)?;
-        let pairs = candidates.build.len();
-        if pairs == 0 {
+        let probe_descriptors = key_descriptors(device, keys)?;
+        // Everything is queued with outputs sized by the most candidates per probe row seen
+        // so far, and the host waits once, for the candidates' and the matches' totals
+        // together. More candidates than that (a build key more duplicated than in earlier
+        // batches) are probed again with exact sizes, waiting for each total.
+        let per_row = self.candidates_per_row.load(Ordering::Relaxed) as usize;
+        let cap = (n.saturating_mul(per_row) / 1024 + n / 8 + 1024).min(super::MAX_ROWS);
+        let totals = [device.upload(&[0; 8])?, device.upload(&[0; 8])?];
+        let (cand_build, cand_probe) = self
+            .table
+            .probe_bounded(&hashes, valid, n, cap, &totals[0])?;
+        let bounded = self.matched(
+            &probe_descriptors,
+            keys.len(),
+            (&cand_build, &cand_probe),
+            cap,
+            Some(&totals[0]),
+            Some(&totals[1]),
+        )?;
+        let mut words = [[0u8; 8]; 2];
+        {
+            let [a, b] = &mut words;
+            device.read_many(&mut [
+                (&totals[0], a.as_mut_slice()),
+                (&totals[1], b.as_mut_slice()),
+            ])?;
+        }
+        let [pairs, total] = words.map(|w| u64::from_le_bytes(w) as usize);
+        let seen = (pairs.saturating_mul(1024)).div_ceil(n) as u64;
+        self.candidates_per_row.fetch_max(seen, Ordering::Relaxed);
+        let (out_build, out_probe, total) = if pairs <= cap {
+            if total > pairs {
+                return Err(KernelError::InvalidData(format!(
+                    "{total} matches among {pairs} candidate pairs"
+                )));
+            }
+            (bounded.0, bounded.1, total)
+        } else {
+            drop((bounded, cand_build, cand_probe));
+            let candidates = self.table.probe(&hashes, valid, n)?;
+            let pairs = candidates.build.len();
+            if pairs == 0 {
+                return Ok(None);
+            }
+            let (out_build, out_probe, total) = self.matched(
+                &probe_descriptors,
+                keys.len(),
+                (candidates.build.buffer(), candidates.probe.buffer()),
+                pairs,
+                None,
+                None,
+            )?;
+            (out_build, out_probe, total.unwrap_or_default() as usize)
+        };
+        if total == 0 {
             return Ok(None);
         }
-        let probe_descriptors = key_descriptors(device, keys)?;
-        let flags = device.alloc(pairs * 8)?;
-        let cfg = LaunchConfig::for_items(device, pairs as u64, BLOCK);
-        // SAFETY: the candidate indices are below the build rows and n (RowIndices), and
-        // both descriptor tables hold `keys.len()` columns of those lengths; `flags` holds
-        // one u64 per pair.
+        Ok(Some((
+            RowIndices::new(out_build, total, self.rows, false),
+            RowIndices::new(out_probe, total, n, false),
+        )))
+    }
+
+    /// Keeps the candidate pairs (`slots` of them; only the first `*pairs` real when
+    /// given) whose keys are equal, in order: the matches' build and probe rows, and their
+    /// count when the host waited for it. With `total_to` the count is queued to its word 0
+    /// instead, and the outputs have room for `slots` matches.
+    fn matched(
+        &self,
+        probe_descriptors: &DeviceBuffer,
+        ncols: usize,
+        (build, probe): (&DeviceBuffer, &DeviceBuffer),
+        slots: usize,
+        pairs: Option<&DeviceBuffer>,
+        total_to: Option<&DeviceBuffer>,
+    ) -> Result<(DeviceBuffer, DeviceBuffer, Option<u64>)> {
+        let device = self.keys[0].device();
+        if build.len() < slots * 4 || probe.len() < slots * 4 {
+            return Err(KernelError::Unsupported(format!(
+                "candidate lists too short for {slots} pairs"
+            )));
+        }
+        let flags = device.alloc((slots * 8).max(1))?;
+        let cfg = LaunchConfig::for_items(device, slots as u64, BLOCK);
+        // SAFETY: the real candidate indices (the first min(*pairs, slots), or all `slots`)
+        // are below the build rows and the probe rows, and both descriptor tables hold
+        // `ncols` columns of those lengths; the lists hold `slots` u32 (checked) and `flags`
+        // one u64 per slot.
         unsafe {
             device.launch(
                 Kernel::join_verify,
                 cfg,
                 &[
                     Arg::buf(&self.descriptors),
-                    Arg::buf(&probe_descriptors),
-                    Arg::U32(keys.len() as u32),
-                    Arg::buf(candidates.build.buffer()),
-                    Arg::buf(candidates.probe.buffer()),
-                    Arg::U64(pairs as u64),
+                    Arg::buf(probe_descriptors),
+                    Arg::U32(ncols as u32),
+                    Arg::buf(build),
+                    Arg::buf(probe),
+                    Arg::U64(slots as u64),
                     Arg::U32(u32::from(self.nulls_match)),
                     Arg::buf(&flags),
+                    Arg::opt(pairs),
                 ],
             )?;
         }
-        let (offsets, total) = scan::exclusive_scan(device, &flags, pairs)?;
-        let total = total as usize;
-        if total == 0 {
-            return Ok(None);
-        }
-        let out_build = device.alloc(total * 4)?;
-        let out_probe = device.alloc(total * 4)?;
-        // SAFETY: offsets are the exclusive scan of the 0/1 flags, so flagged pair i lands
-        // at offsets[i] < total in each output.
+        let (offsets, total, room) = match total_to {
+            Some(to) => (
+                scan::exclusive_scan_queued(device, &flags, slots, to)?,
+                None,
+                slots,
+            ),
+            None => {
+                let (offsets, total) = scan::exclusive_scan(device, &flags, slots)?;
+                (offsets, Some(total), total as usize)
+            }
+        };
+        let out_build = device.alloc((room * 4).max(1))?;
+        let out_probe = device.alloc((room * 4).max(1))?;
+        // SAFETY: offsets are the exclusive scan of the 0/1 flags, so flagged slot i lands
+        // at offsets[i] < the flags' total ≤ `room` in each output; unflagged slots (those
+        // past the real pairs among them) are not read.
         unsafe {
             device.launch(
                 Kernel::join_compact,
                 cfg,
                 &[
-                    Arg::buf(candidates.build.buffer()),
-                    Arg::buf(candidates.probe.buffer()),
+                    Arg::buf(build),
+                    Arg::buf(probe),
                     Arg::buf(&flags),
                     Arg::buf(&offsets),
-                    Arg::U64(pairs as u64),
+                    Arg::U64(slots as u64),
                     Arg::buf(&out_build),
                     Arg::buf(&out_probe),
                 ],
             )?;
         }
-        Ok(Some((
-            RowIndices::new(out_build, total, self.rows, false),
-            RowIndices::new(out_probe, total, n, false),
-        )))
+        Ok((out_build, out_probe, total))
     }
 }

@@ -1049,3 +1049,49 @@ fn join_table_matches_like_a_nested_loop() {
         assert_eq!(pairs, want, "{n_build} build rows, {n_probe} probe rows");
     }
 }
+
+/// A probe waits once for its totals (and once more for the pairs it brings to the host)
+/// when its candidates fit the room it guessed; a build key more duplicated than the guess
+/// overflows it, the probe is done again with exact sizes (the same pairs), and the next
+/// probe of the table guesses from what it saw.
+#[test]
+fn a_join_probe_waits_once_unless_its_candidates_outgrow_the_guess() {
+    use fulmen_kernels::ops::join::JoinTable;
+    let d = device();
+    // 3000 build rows, each key 30 times; 2000 probe rows, each key once or absent.
+    let build: Int64Array = (0..3000).map(|i| Some(i % 100)).collect();
+    let probe: Int64Array = (0..2000).map(|i| Some(i * 7 % 150)).collect();
+    let table = JoinTable::build(
+        &d,
+        vec![DeviceColumn::upload(&d, &build).unwrap()],
+        None,
+        3000,
+        false,
+    )
+    .unwrap();
+    let keys = DeviceColumn::upload(&d, &probe).unwrap();
+    let mut want = Vec::new();
+    for p in 0..2000u32 {
+        for b in 0..3000u32 {
+            if probe.value(p as usize) == build.value(b as usize) {
+                want.push((p, b));
+            }
+        }
+    }
+    let mut syncs = Vec::new();
+    for _ in 0..2 {
+        let before = d.counts().syncs;
+        let got = table.probe(&[&keys], None, 2000).unwrap();
+        syncs.push(d.counts().syncs - before);
+        let pairs: Vec<(u32, u32)> = got.probe.iter().copied().zip(got.build).collect();
+        assert_eq!(pairs, want);
+    }
+    assert!(
+        syncs[0] > 2,
+        "the first probe overflowed its guess: {syncs:?}"
+    );
+    assert_eq!(
+        syncs[1], 2,
+        "then one wait for the totals, one for the pairs: {syncs:?}"
+    );
+}
