@@ -332,9 +332,7 @@ fn parse_flag(key: &str, value: &str) -> Result<bool> {
 }
 
 /// A byte count: a whole number with an optional K, M or G (powers of 1024; `KiB`, `MB`
-/// and the like are read the same way).
-/// A number of bytes, with an optional K, M or G suffix (`expected`: what the error says
-/// the setting takes).
+/// and the like are read the same way). `expected`: what the error says the setting takes.
 fn parse_bytes(key: &str, value: &str, expected: &str) -> Result<usize> {
     let v = value.trim().to_ascii_uppercase();
     let digits = v.trim_end_matches(|c: char| c.is_ascii_alphabetic());

@@ -282,10 +282,10 @@ impl CudaBackend {
         for fill in fills {
             for piece in fill {
                 let (buffer, _) = &reads[piece.read];
-                // SAFETY: the piece lies inside its buffer (checked by the caller, as the
-                // whole buffer is read) and inside the pinned staging buffer (`staging_fills`
-                // keeps at + len within STAGING_BYTES, its length).
-                unsafe {
+                // SAFETY: the piece lies inside its buffer's first `out.len()` bytes (checked
+                // by the caller) and inside the pinned staging buffer (`staging_fills` keeps
+                // at + len within STAGING_BYTES, its length).
+                let queued = unsafe {
                     let pinned =
                         std::slice::from_raw_parts_mut(staging.ptr.add(piece.at), piece.len);
                     result::memcpy_dtoh_async(
@@ -293,7 +293,13 @@ impl CudaBackend {
                         buffer.addr() + piece.from as u64,
                         self.stream.cu_stream(),
                     )
-                    .map_err(|e| self.failed("copying from the device", e))?;
+                };
+                if let Err(e) = queued {
+                    // The copies queued before may still be writing the staging buffer:
+                    // they finish before it is let go (the wait's own error is the
+                    // device's, reported by the copy's).
+                    let _ = self.stream.synchronize();
+                    return Err(self.failed("copying from the device", e));
                 }
             }
             self.sync()?;

@@ -8,11 +8,12 @@
 //!
 //! A batch whose schema differs from the waiting ones' (DataFusion's streams may vary in
 //! field metadata or nullability) closes the waiting batch first; a device chunk (a GPU
-//! child's output) goes on alone; one host batch larger than the limit is not cut here (a
-//! device that runs out of memory for it splits it where the operator can).
+//! child's output) goes on alone; one host batch larger than the limit is not cut here (an
+//! aggregate whose device runs out of memory for a batch splits it in halves; the other
+//! operators redo that batch on the CPU).
 
-use datafusion::arrow::array::{Array, RecordBatch};
-use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch};
+use datafusion::arrow::datatypes::{DataType, SchemaRef};
 
 use super::gpu_stream::Chunk;
 use crate::FulmenConfig;
@@ -58,15 +59,30 @@ pub trait Pending {
 /// The bytes of a batch's column data: the slices of the buffers its rows use (a slice of a
 /// larger batch counts its own rows, not the whole buffers).
 pub fn host_bytes(batch: &RecordBatch) -> usize {
-    batch
-        .columns()
-        .iter()
-        .map(|c| {
-            c.to_data()
-                .get_slice_memory_size()
-                .unwrap_or_else(|_| c.get_array_memory_size())
-        })
-        .sum()
+    batch.columns().iter().map(column_bytes).sum()
+}
+
+/// The bytes of one column's rows. A string or binary view counts its 16-byte views and the
+/// bytes of the values longer than 12 (kept out of line), which Arrow's slice size leaves
+/// out but an upload moves.
+pub fn column_bytes(column: &ArrayRef) -> usize {
+    let slice = column
+        .to_data()
+        .get_slice_memory_size()
+        .unwrap_or_else(|_| column.get_array_memory_size());
+    let out_of_line = |views: &[u128]| -> usize {
+        views
+            .iter()
+            .map(|&v| v as u32 as usize)
+            .filter(|&len| len > 12)
+            .sum()
+    };
+    slice
+        + match column.data_type() {
+            DataType::Utf8View => out_of_line(column.as_string_view().views()),
+            DataType::BinaryView => out_of_line(column.as_binary_view().views()),
+            _ => 0,
+        }
 }
 
 impl Pending for RecordBatch {
@@ -80,6 +96,37 @@ impl Pending for RecordBatch {
 
     fn schema(&self) -> SchemaRef {
         RecordBatch::schema(self)
+    }
+}
+
+/// A host batch of which only some columns go to the device (a join's probe keys): sized
+/// by those.
+#[derive(Debug)]
+pub struct PartlyUploaded {
+    /// The batch.
+    pub batch: RecordBatch,
+    bytes: usize,
+}
+
+impl PartlyUploaded {
+    /// `batch`, of which `columns` go to the device.
+    pub fn new(batch: RecordBatch, columns: &[usize]) -> Self {
+        let bytes = columns.iter().map(|&c| column_bytes(batch.column(c))).sum();
+        Self { batch, bytes }
+    }
+}
+
+impl Pending for PartlyUploaded {
+    fn rows(&self) -> usize {
+        self.batch.num_rows()
+    }
+
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn schema(&self) -> SchemaRef {
+        self.batch.schema()
     }
 }
 
@@ -184,7 +231,7 @@ impl<T: Pending> Coalescer<T> {
 mod tests {
     use std::sync::Arc;
 
-    use datafusion::arrow::array::{Int32Array, Int64Array, StringArray};
+    use datafusion::arrow::array::{Int32Array, Int64Array, StringArray, StringViewArray};
     use datafusion::arrow::datatypes::{DataType, Field, Schema};
 
     use super::*;
@@ -210,6 +257,11 @@ mod tests {
         let batch = RecordBatch::try_new(schema, vec![Arc::new(s), Arc::new(i)]).unwrap();
         // Strings: 4 offsets, 5 bytes, a validity byte; ints: 12 bytes and a validity byte.
         assert_eq!(host_bytes(&batch), 16 + 5 + 1 + 12 + 1);
+        // Views: 16 bytes each, and the values longer than 12 bytes, which live apart.
+        let long = "a string longer than twelve bytes";
+        let views: ArrayRef = Arc::new(StringViewArray::from(vec![long, "short", long]));
+        assert_eq!(column_bytes(&views), 3 * 16 + 2 * long.len());
+        assert_eq!(column_bytes(&views.slice(1, 1)), 16);
     }
 
     #[test]

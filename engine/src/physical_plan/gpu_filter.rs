@@ -1,8 +1,9 @@
 //! `GpuFilterExec`: DataFusion's `FilterExec` on a GPU. The predicate runs as one
 //! expression program, the selection is compacted into row indices on the device, and the
 //! kept rows are gathered there; only the filter's output comes back. The host waits once
-//! per batch, for the program's error word and the selection's count together (and once
-//! more per string column it gathers, for the column's byte total).
+//! per batch for the program's error word and the selection's count together, once more
+//! per string column it gathers (for the column's byte total), and, when its output goes
+//! to the host, once for the download of all its columns.
 //!
 //! The plan node is the shared [`GpuBatchExec`] and the stream the shared
 //! [`GpuStream`](super::gpu_stream::GpuStream); this file holds the filter's work.

@@ -53,7 +53,7 @@ use fulmen_kernels::ops::join::{JoinTable, Matches};
 use fulmen_kernels::{Device, DeviceBuffer, DeviceColumn, KernelError};
 use futures::StreamExt;
 
-use super::coalesce::{BatchLimit, Coalescer};
+use super::coalesce::{BatchLimit, Coalescer, PartlyUploaded};
 use super::gpu_stream::{
     BatchOn, Chunk, ChunkStream, Col, DeviceResident, GpuMetrics, OperatorKind, Output, Redo,
     count_batch, count_operator, device_for, input_chunks,
@@ -870,7 +870,9 @@ struct Probing {
     host: Option<HostIndex>,
     visited: Vec<bool>,
     probe: SendableRecordBatchStream,
-    pending: Coalescer<RecordBatch>,
+    /// Probe batches waiting to make up a device batch, sized by their key columns (only
+    /// those go to the device).
+    pending: Coalescer<PartlyUploaded>,
     done: bool,
 }
 
@@ -975,6 +977,7 @@ impl JoinRun {
                 }
             }
         }
+        let pending = Coalescer::new(self.batch);
         let state = DeviceProbing {
             run: self,
             build,
@@ -982,12 +985,14 @@ impl JoinRun {
             build_columns,
             host: None,
             probe,
+            pending,
+            held: None,
         };
         Ok(Box::pin(futures::stream::try_unfold(
             state,
             |mut state| async move {
-                while let Some(chunk) = state.probe.next().await {
-                    if let Some(out) = state.step(chunk?)? {
+                while let Some(chunk) = state.next_batch().await? {
+                    if let Some(out) = state.step(chunk)? {
                         return Ok(Some((out, state)));
                     }
                 }
@@ -1054,7 +1059,9 @@ impl Probing {
         // so only the limit closes a device batch.
         while !self.pending.is_full() {
             match self.probe.next().await {
-                Some(batch) => self.pending.push(batch?),
+                Some(batch) => self
+                    .pending
+                    .push(PartlyUploaded::new(batch?, &self.run.work.right_keys)),
                 None => break,
             }
         }
@@ -1062,7 +1069,7 @@ impl Probing {
             self.done = true;
             return self.finish();
         }
-        let pending = self.pending.take();
+        let pending: Vec<RecordBatch> = self.pending.take().into_iter().map(|p| p.batch).collect();
         let probe = concat_batches(&self.run.work.right_schema, &pending).map_err(arrow_err)?;
         let elapsed = self.run.metrics.baseline.elapsed_compute().clone();
         let timer = elapsed.timer();
@@ -1142,9 +1149,52 @@ struct DeviceProbing {
     build_columns: HashMap<usize, DeviceColumn>,
     host: Option<HostIndex>,
     probe: ChunkStream,
+    /// Host probe chunks waiting to make up a device batch (a device chunk goes alone), and
+    /// a chunk that closed the last one.
+    pending: Coalescer<Chunk>,
+    held: Option<Chunk>,
 }
 
 impl DeviceProbing {
+    /// The next device batch of probe rows: host chunks coalesced (see `coalesce.rs`), a
+    /// device chunk as it is; `None` once the probe side has ended.
+    async fn next_batch(&mut self) -> Result<Option<Chunk>> {
+        loop {
+            if let Some(held) = self.held.take() {
+                self.pending.push(held);
+            }
+            if self.pending.is_full() {
+                break;
+            }
+            match self.probe.next().await {
+                Some(chunk) => {
+                    let chunk = chunk?;
+                    if self.pending.closes_before(&chunk) {
+                        self.held = Some(chunk);
+                        break;
+                    }
+                    self.pending.push(chunk);
+                }
+                None => break,
+            }
+        }
+        let mut waiting = self.pending.take();
+        if waiting.len() <= 1 {
+            return Ok(waiting.pop());
+        }
+        let batches = waiting
+            .iter()
+            .map(|c| match c {
+                Chunk::Host(b) => Ok(b.clone()),
+                Chunk::Device(..) => Err(internal_datafusion_err!(
+                    "a device chunk was coalesced with others"
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let probe = concat_batches(&batches[0].schema(), &batches).map_err(arrow_err)?;
+        Ok(Some(Chunk::Host(probe)))
+    }
+
     /// The output for one probe chunk (`None`: nothing matched).
     fn step(&mut self, chunk: Chunk) -> Result<Option<Chunk>> {
         if self.build.num_rows() == 0 || chunk.num_rows() == 0 {

@@ -135,6 +135,10 @@ impl RowIndices {
         let Some(first) = lists.first() else {
             return Ok(Vec::new());
         };
+        let device = first.buffer.device();
+        if lists.iter().any(|l| l.buffer.device() != device) {
+            return lists.iter().map(|l| l.to_host()).collect();
+        }
         let mut bytes: Vec<Vec<u8>> = lists.iter().map(|l| vec![0u8; l.count * 4]).collect();
         {
             let mut reads: Vec<(&DeviceBuffer, &mut [u8])> = lists
@@ -142,7 +146,7 @@ impl RowIndices {
                 .zip(bytes.iter_mut())
                 .map(|(l, b)| (&l.buffer, b.as_mut_slice()))
                 .collect();
-            first.buffer.device().read_many(&mut reads)?;
+            device.read_many(&mut reads)?;
         }
         Ok(bytes
             .iter()
