@@ -251,46 +251,33 @@ impl CudaBackend {
         }
     }
 
-    pub fn read(&self, addr: u64, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.bind()?;
-        let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        let piece_len = staging.len;
-        for (k, piece) in out.chunks_mut(piece_len).enumerate() {
-            // SAFETY: as in `write`, in the other direction.
-            unsafe {
-                let pinned = std::slice::from_raw_parts_mut(staging.ptr, piece.len());
-                let src = addr + (offset + k * piece_len) as u64;
-                result::memcpy_dtoh_async(pinned, src, self.stream.cu_stream())
-                    .map_err(|e| self.failed("copying from the device", e))?;
-                self.sync()?;
-                std::ptr::copy_nonoverlapping(staging.ptr, piece.as_mut_ptr(), piece.len());
-            }
-        }
-        Ok(())
-    }
-
-    /// Reads several buffers (their device addresses and host destinations) through the
-    /// staging buffer as `fills` packs them: each fill's copies queued back to back, one
+    /// Reads from several buffers (each from its offset, into its host destination) through
+    /// the staging buffer as `fills` packs them: each fill's copies queued back to back, one
     /// wait, then the pieces copied out.
     pub fn read_many(
         &self,
         fills: &[Vec<crate::device::stream::StagedPiece>],
-        reads: &mut [(&crate::memory::DeviceBuffer, &mut [u8])],
+        reads: &mut [(&crate::memory::DeviceBuffer, usize, &mut [u8])],
     ) -> Result<()> {
         self.bind()?;
         let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if fills.iter().flatten().any(|p| p.at + p.len > staging.len) {
+            return Err(KernelError::Unsupported(
+                "a read piece past the staging buffer".into(),
+            ));
+        }
         for fill in fills {
             for piece in fill {
-                let (buffer, _) = &reads[piece.read];
-                // SAFETY: the piece lies inside its buffer's first `out.len()` bytes (checked
-                // by the caller) and inside the pinned staging buffer (`staging_fills` keeps
+                let (buffer, offset, _) = &reads[piece.read];
+                // SAFETY: the piece lies inside the `out.len()` bytes of its buffer from its
+                // offset (checked by the caller) and inside the pinned staging buffer (`staging_fills` keeps
                 // at + len within STAGING_BYTES, its length).
                 let queued = unsafe {
                     let pinned =
                         std::slice::from_raw_parts_mut(staging.ptr.add(piece.at), piece.len);
                     result::memcpy_dtoh_async(
                         pinned,
-                        buffer.addr() + piece.from as u64,
+                        buffer.addr() + (offset + piece.from) as u64,
                         self.stream.cu_stream(),
                     )
                 };
@@ -304,7 +291,7 @@ impl CudaBackend {
             }
             self.sync()?;
             for piece in fill {
-                let (_, out) = &mut reads[piece.read];
+                let (_, _, out) = &mut reads[piece.read];
                 // SAFETY: the stream has finished the copy into the staging range, and the
                 // destination range lies inside `out` (from + len ≤ its length).
                 unsafe {

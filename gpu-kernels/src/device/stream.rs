@@ -24,11 +24,6 @@ pub(super) struct UploadRing {
 }
 
 impl Device {
-    /// A copy of `len` bytes through the staging buffer: a driver copy and a wait per piece.
-    fn staged(len: usize) -> (u64, u64) {
-        (len.div_ceil(STAGING_BYTES) as u64, len as u64)
-    }
-
     /// Queues work on the emulated device's stream (which may run it, if it has grown
     /// past its bounds: a failure then loses the device, see `emu_queue.rs`).
     pub(super) fn enqueue(&self, op: Op) -> Result<()> {
@@ -142,76 +137,59 @@ impl Device {
         Ok(())
     }
 
+    /// Reads `out.len()` bytes of `buffer` from `offset` (see [`Self::read_at`]).
     pub(crate) fn read(&self, buffer: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
-        Self::within(buffer, offset, out.len(), "out of")?;
-        self.usable()?;
-        if out.is_empty() {
-            // No copy, so no wait: nothing may be taken as passed.
-            return Ok(());
-        }
-        let (pieces, len) = Self::staged(out.len());
-        self.record(DeviceCounts {
-            d2h_copies: pieces,
-            d2h_bytes: len,
-            syncs: pieces,
-            ..DeviceCounts::default()
-        });
-        let through = self.uploads().enqueued;
-        match &self.inner.backend {
-            // The host reads once the stream has run everything queued before the read,
-            // and before anything queued after it.
-            Backend::Emulated(memory) => self
-                .inner
-                .queue
-                .run_then(memory, &self.to_string(), || {
-                    memory.read(buffer.addr, offset, out)
-                })
-                .map_err(|e| self.sticky(e)),
-            Backend::Cuda(cuda) => cuda.read(buffer.addr, offset, out),
-        }
-        .map_err(|e| self.lost(e))?;
-        let mut ring = self.uploads();
-        ring.passed = ring.passed.max(through);
-        Ok(())
+        self.read_at(&mut [(buffer, offset, out)])
     }
 
-    /// Reads several buffers (the first `out.len()` bytes of each) in as few host waits as the staging buffer
-    /// allows: the copies are queued back to back into it and the host waits once per
-    /// [`STAGING_BYTES`] they fill (a read larger than what is left of a fill goes on into
-    /// the next), so the columns of a batch come down in one wait. Counted as the pieces
-    /// copied and the waits.
+    /// Reads several buffers (the first `out.len()` bytes of each) in as few host waits as
+    /// the staging buffer allows (see [`Self::read_at`]): the columns of a batch come down
+    /// in one wait.
     pub(crate) fn read_many(&self, reads: &mut [(&DeviceBuffer, &mut [u8])]) -> Result<()> {
-        for (buffer, out) in reads.iter() {
+        let mut at: Vec<(&DeviceBuffer, usize, &mut [u8])> = reads
+            .iter_mut()
+            .map(|(b, out)| (*b, 0, &mut **out))
+            .collect();
+        self.read_at(&mut at)
+    }
+
+    /// Reads `out.len()` bytes of each buffer from its offset: the copies are queued back
+    /// to back into the staging buffer and the host waits once per [`STAGING_BYTES`] they
+    /// fill (a read larger than what is left of a fill goes on into the next), once the
+    /// stream has run everything queued before. Counted as the pieces copied and the waits.
+    fn read_at(&self, reads: &mut [(&DeviceBuffer, usize, &mut [u8])]) -> Result<()> {
+        for (buffer, offset, out) in reads.iter() {
             if buffer.device() != self {
                 return Err(KernelError::Unsupported(format!(
                     "a read on {self} of a buffer on {}",
                     buffer.device()
                 )));
             }
-            Self::within(buffer, 0, out.len(), "out of")?;
+            Self::within(buffer, *offset, out.len(), "out of")?;
         }
         self.usable()?;
-        let fills = staging_fills(reads.iter().map(|(_, out)| out.len()));
+        let fills = staging_fills(reads.iter().map(|(_, _, out)| out.len()));
         if fills.is_empty() {
             // No copy, so no wait: nothing may be taken as passed.
             return Ok(());
         }
         self.record(DeviceCounts {
             d2h_copies: fills.iter().map(|f| f.len() as u64).sum(),
-            d2h_bytes: reads.iter().map(|(_, out)| out.len() as u64).sum(),
+            d2h_bytes: reads.iter().map(|(_, _, out)| out.len() as u64).sum(),
             syncs: fills.len() as u64,
             ..DeviceCounts::default()
         });
         let through = self.uploads().enqueued;
         match &self.inner.backend {
-            // The host reads once the stream has run everything queued before the reads.
+            // The host reads once the stream has run everything queued before the reads,
+            // and before anything queued after them.
             Backend::Emulated(memory) => self
                 .inner
                 .queue
                 .run_then(memory, &self.to_string(), || {
-                    for (buffer, out) in reads.iter_mut() {
+                    for (buffer, offset, out) in reads.iter_mut() {
                         if !out.is_empty() {
-                            memory.read(buffer.addr, 0, out)?;
+                            memory.read(buffer.addr, *offset, out)?;
                         }
                     }
                     Ok(())

@@ -1,0 +1,237 @@
+//! `GpuHashJoinExec`: DataFusion's `HashJoinExec` with its matching on a GPU.
+//!
+//! The build side (left) is collected once, its key columns are uploaded to the partition's
+//! device and a [`JoinTable`] is built there. Probe batches (right, coalesced to
+//! `fulmen.gpu.batch_bytes` or `_rows`, see `coalesce.rs`) upload their keys; the device
+//! hashes them, finds candidate pairs in the table, keeps the pairs whose keys are equal and
+//! returns them in probe order. The host then applies the residual filter (DataFusion's
+//! expression, when the join has one) and gathers the output columns with Arrow's `take`,
+//! per join type:
+//!
+//! ```text
+//!   left (all) ─▶ upload keys ─▶ JoinTable::build
+//!   right batch ─▶ upload keys ─▶ hash ─▶ probe ─▶ verify keys ─▶ pairs ─▶ (filter) ─▶ take
+//!   right ends ─▶ build rows never matched (left, full, left anti) or matched (left semi)
+//!   device error ─▶ that batch (or, for the build, the whole partition) is matched on the
+//!                   host instead, with the same rules
+//! ```
+//!
+//! Inner, left, right, full, left/right semi and left/right anti joins, on one or more
+//! column keys, with NULL keys matching nothing (or, with `NullEqualsNull`, each other), in
+//! CollectLeft (the build side shared by all probe partitions: the last partition to finish
+//! emits the unmatched build rows) and Partitioned modes.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use datafusion::arrow::array::{
+    Array, ArrayRef, BooleanArray, RecordBatch, RecordBatchOptions, UInt32Array,
+};
+use datafusion::arrow::compute::{concat_batches, take};
+use datafusion::arrow::datatypes::{DataType, SchemaRef};
+use datafusion::arrow::row::{RowConverter, SortField};
+use datafusion::common::ScalarValue;
+use datafusion::common::{JoinSide, JoinType, NullEquality, internal_datafusion_err};
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::functions_aggregate::min_max::{MaxAccumulator, MinAccumulator};
+use datafusion::logical_expr::{Accumulator, Operator};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_expr::expressions::{BinaryExpr, Column, DynamicFilterPhysicalExpr, lit};
+use datafusion::physical_plan::joins::utils::JoinFilter;
+use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::metrics::{
+    Count, ExecutionPlanMetricsSet, Label, MetricBuilder, MetricsSet,
+};
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties,
+};
+use fulmen_kernels::ops::gather;
+use fulmen_kernels::ops::join::{JoinTable, Matches};
+use fulmen_kernels::{Device, DeviceBuffer, DeviceColumn, KernelError};
+use futures::StreamExt;
+
+use super::coalesce::{BatchLimit, Coalescer, PartlyUploaded};
+use super::gpu_stream::{
+    BatchOn, Chunk, ChunkStream, Col, DeviceResident, GpuMetrics, OperatorKind, Output, Redo,
+    count_batch, count_operator, device_for, input_chunks,
+};
+use crate::gpu::compile::Reason;
+
+mod probe_filter;
+mod run;
+mod work;
+
+use probe_filter::*;
+use run::*;
+use work::*;
+
+/// A hash join whose matching runs on a GPU.
+#[derive(Debug)]
+pub struct GpuHashJoinExec {
+    inner: Arc<dyn ExecutionPlan>,
+    work: Arc<JoinWork>,
+    devices: Arc<Vec<Device>>,
+    batch: BatchLimit,
+    metrics: ExecutionPlanMetricsSet,
+    executed: AtomicBool,
+    shared: Arc<SharedBuild>,
+    probe_filter: Option<Arc<ProbeFilter>>,
+}
+
+impl GpuHashJoinExec {
+    /// The GPU twin of `cpu`, or why there is none.
+    pub fn try_new(
+        cpu: Arc<dyn ExecutionPlan>,
+        devices: Arc<Vec<Device>>,
+        batch: BatchLimit,
+    ) -> Result<Self, Reason> {
+        if devices.is_empty() {
+            return Err("no device".into());
+        }
+        let work = JoinWork::plan(&cpu)?;
+        let probe_filter = cpu
+            .downcast_ref::<HashJoinExec>()
+            .and_then(|join| ProbeFilter::plan(join, &work))
+            .map(Arc::new);
+        Ok(Self {
+            inner: cpu,
+            work: Arc::new(work),
+            probe_filter,
+            devices,
+            batch,
+            metrics: ExecutionPlanMetricsSet::new(),
+            executed: AtomicBool::new(false),
+            shared: Arc::new(SharedBuild::default()),
+        })
+    }
+
+    /// The devices its partitions run on.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// The join type.
+    pub fn join_type(&self) -> JoinType {
+        self.work.join_type
+    }
+
+    /// Whether a residual filter runs (on the host) over the matched pairs.
+    pub fn has_filter(&self) -> bool {
+        self.work.filter.is_some()
+    }
+}
+
+impl DisplayAs for GpuHashJoinExec {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        super::fmt_gpu_operator("GpuHashJoinExec", &self.inner, &self.devices, t, f)
+    }
+}
+
+impl ExecutionPlan for GpuHashJoinExec {
+    fn name(&self) -> &str {
+        "GpuHashJoinExec"
+    }
+
+    delegate_to_cpu_operator!("GpuHashJoinExec");
+
+    /// A fresh join for executing the plan again: DataFusion's reset drops the
+    /// HashJoinExec's dynamic filter (a plan that is run again must not fill it twice), so
+    /// the GPU join built on it fills none either; the collected build side goes too.
+    fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
+        let inner = Arc::clone(&self.inner).reset_state()?;
+        let gpu = Self::try_new(inner, Arc::clone(&self.devices), self.batch)
+            .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
+        Ok(Arc::new(gpu))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let (run, right) = self.run(partition, &context)?;
+        let work = run.metrics.work();
+        let probe = right.execute(partition, context)?;
+        let schema = self.schema();
+        let stream = futures::stream::once(run.start(probe)).flat_map(|r| match r {
+            Ok(s) => s,
+            Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
+        });
+        Ok(work.batches(schema, stream))
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
+    }
+}
+
+impl GpuHashJoinExec {
+    fn run(
+        &self,
+        partition: usize,
+        context: &Arc<TaskContext>,
+    ) -> Result<(JoinRun, Arc<dyn ExecutionPlan>)> {
+        let device = device_for(&self.devices, partition)
+            .ok_or_else(|| internal_datafusion_err!("GpuHashJoinExec without a device"))?;
+        let children = self.inner.children();
+        let (left, right) = (Arc::clone(children[0]), Arc::clone(children[1]));
+        let probe_partitions = right.output_partitioning().partition_count();
+        let metrics = GpuMetrics::new(&self.metrics, partition, &device, context);
+        let label = || Label::new("device", device.to_string());
+        let extra = JoinMetrics {
+            build_rows: MetricBuilder::new(&self.metrics)
+                .with_label(label())
+                .counter("build_rows", partition),
+            cpu_fallback: MetricBuilder::new(&self.metrics)
+                .with_label(label())
+                .counter("cpu_fallback", partition),
+        };
+        count_operator(&self.executed, OperatorKind::Join);
+        super::gpu_stream::count_partition();
+        let run = JoinRun {
+            work: Arc::clone(&self.work),
+            device,
+            batch: self.batch,
+            metrics,
+            extra,
+            shared: (self.work.mode == PartitionMode::CollectLeft)
+                .then(|| (Arc::clone(&self.shared), probe_partitions)),
+            probe_filter: self.probe_filter.clone().filter(|_| {
+                context
+                    .session_config()
+                    .options()
+                    .optimizer
+                    .enable_join_dynamic_filter_pushdown
+            }),
+            left,
+            partition,
+            context: Arc::clone(context),
+        };
+        Ok((run, right))
+    }
+}
+
+impl DeviceResident for GpuHashJoinExec {
+    fn execute_chunks(&self, partition: usize, context: Arc<TaskContext>) -> Result<ChunkStream> {
+        if !self.work.device_output() {
+            let batches = self.execute(partition, context)?;
+            return Ok(Box::pin(batches.map(|b| b.map(Chunk::Host))));
+        }
+        let (run, right) = self.run(partition, &context)?;
+        let work = run.metrics.work();
+        // The probe side straight from a GPU child on the same devices, when it is one.
+        let probe = input_chunks(&right, partition, context, &self.devices)?;
+        let stream = futures::stream::once(run.start_device(probe)).flat_map(|r| match r {
+            Ok(s) => s,
+            Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
+        });
+        Ok(work.chunks(Box::pin(stream)))
+    }
+
+    fn resident_devices(&self) -> &Arc<Vec<Device>> {
+        &self.devices
+    }
+}

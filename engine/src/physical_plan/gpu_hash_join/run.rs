@@ -1,0 +1,494 @@
+//! A partition's run: the build side collected (once, for CollectLeft), its table built
+//! on the device, each coalesced probe batch matched there (or on the host), and the build
+//! rows the join type emits at the end.
+
+use super::*;
+
+/// The build side shared by the partitions of a CollectLeft join, and the build rows they
+/// matched; the last partition to finish emits the build rows the join type keeps.
+#[derive(Debug, Default)]
+pub(super) struct SharedBuild {
+    pub(super) batch: tokio::sync::OnceCell<Result<RecordBatch, Arc<DataFusionError>>>,
+    pub(super) state: Mutex<(Vec<bool>, usize)>,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct JoinMetrics {
+    pub(super) build_rows: Count,
+    /// 1 when the build side did not fit on the device and the partition matched on the
+    /// host.
+    pub(super) cpu_fallback: Count,
+}
+
+pub(super) struct JoinRun {
+    pub(super) work: Arc<JoinWork>,
+    pub(super) device: Device,
+    pub(super) batch: BatchLimit,
+    pub(super) metrics: GpuMetrics,
+    pub(super) extra: JoinMetrics,
+    pub(super) shared: Option<(Arc<SharedBuild>, usize)>,
+    pub(super) probe_filter: Option<Arc<ProbeFilter>>,
+    pub(super) left: Arc<dyn ExecutionPlan>,
+    pub(super) partition: usize,
+    pub(super) context: Arc<TaskContext>,
+}
+
+/// Reports a build side to the probe filter; a failure only costs the pruning.
+pub(super) fn fill_probe_filter(
+    filter: Option<&ProbeFilter>,
+    partition: usize,
+    build: &RecordBatch,
+    keys: &[usize],
+) {
+    if let Some(filter) = filter
+        && let Err(e) = filter.report(partition, build, keys)
+    {
+        log::warn!("the probe side's dynamic filter stays empty: {e}");
+    }
+}
+
+pub(super) type BatchStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<RecordBatch>> + Send>>;
+
+pub(super) async fn collect_side(
+    plan: &Arc<dyn ExecutionPlan>,
+    partition: usize,
+    context: Arc<TaskContext>,
+) -> Result<RecordBatch> {
+    let mut stream = plan.execute(partition, context)?;
+    let mut batches = Vec::new();
+    while let Some(b) = stream.next().await {
+        batches.push(b?);
+    }
+    concat_batches(&plan.schema(), &batches).map_err(arrow_err)
+}
+
+/// A partition's state while it probes.
+pub(super) struct Probing {
+    pub(super) run: JoinRun,
+    pub(super) build: RecordBatch,
+    pub(super) table: Option<JoinTable>,
+    pub(super) host: Option<HostIndex>,
+    pub(super) visited: Vec<bool>,
+    pub(super) probe: SendableRecordBatchStream,
+    /// Probe batches waiting to make up a device batch, sized by their key columns (only
+    /// those go to the device).
+    pub(super) pending: Coalescer<PartlyUploaded>,
+    pub(super) done: bool,
+}
+
+impl JoinRun {
+    pub(super) async fn start(self, probe: SendableRecordBatchStream) -> Result<BatchStream> {
+        let build = self.build_side().await?;
+        // An empty build side matches nothing: no device work.
+        let table = if build.num_rows() == 0 {
+            None
+        } else {
+            match self.build_table(&build) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    self.metrics.recover(&e, "matching the join on the host")?;
+                    self.extra.cpu_fallback.add(1);
+                    None
+                }
+            }
+        };
+        let visited = vec![false; build.num_rows()];
+        let pending = Coalescer::new(self.batch);
+        let state = Probing {
+            run: self,
+            build,
+            table,
+            host: None,
+            visited,
+            probe,
+            pending,
+            done: false,
+        };
+        Ok(Box::pin(futures::stream::try_unfold(
+            state,
+            |mut state| async move {
+                loop {
+                    if state.done {
+                        return Ok(None);
+                    }
+                    if let Some(batch) = state.step().await? {
+                        return Ok(Some((batch, state)));
+                    }
+                }
+            },
+        )))
+    }
+
+    /// The build side, collected once (shared by the partitions of a CollectLeft join).
+    pub(super) async fn build_side(&self) -> Result<RecordBatch> {
+        let build = match &self.shared {
+            Some((shared, _)) => {
+                let left = Arc::clone(&self.left);
+                let context = Arc::clone(&self.context);
+                let filter = self.probe_filter.clone();
+                let keys = self.work.left_keys.clone();
+                shared
+                    .batch
+                    .get_or_init(|| async move {
+                        let build = collect_side(&left, 0, context).await.map_err(Arc::new)?;
+                        fill_probe_filter(filter.as_deref(), 0, &build, &keys);
+                        Ok(build)
+                    })
+                    .await
+                    .clone()
+                    .map_err(DataFusionError::Shared)?
+            }
+            None => {
+                let build =
+                    collect_side(&self.left, self.partition, Arc::clone(&self.context)).await?;
+                let filter = self.probe_filter.as_deref();
+                fill_probe_filter(filter, self.partition, &build, &self.work.left_keys);
+                build
+            }
+        };
+        self.extra.build_rows.add(build.num_rows());
+        Ok(build)
+    }
+
+    /// An inner join whose output stays on the device: the build side's keys and output
+    /// columns go up once, each probe chunk's matches are gathered there.
+    pub(super) async fn start_device(self, probe: ChunkStream) -> Result<ChunkStream> {
+        let build = self.build_side().await?;
+        let mut table = None;
+        let mut build_columns = HashMap::new();
+        if build.num_rows() > 0 {
+            let on_device = self.build_table(&build).and_then(|t| {
+                for (from_build, c) in self.work.output_sources() {
+                    if from_build && !build_columns.contains_key(&c) {
+                        let column = self
+                            .metrics
+                            .upload(&self.device, build.column(c).as_ref())?;
+                        build_columns.insert(c, column);
+                    }
+                }
+                Ok(t)
+            });
+            match on_device {
+                Ok(t) => table = Some(t),
+                Err(e) => {
+                    self.metrics.recover(&e, "matching the join on the host")?;
+                    self.extra.cpu_fallback.add(1);
+                    build_columns.clear();
+                }
+            }
+        }
+        let pending = Coalescer::new(self.batch);
+        let state = DeviceProbing {
+            run: self,
+            build,
+            table,
+            build_columns,
+            host: None,
+            probe,
+            pending,
+            held: None,
+        };
+        Ok(Box::pin(futures::stream::try_unfold(
+            state,
+            |mut state| async move {
+                while let Some(chunk) = state.next_batch().await? {
+                    if let Some(out) = state.step(chunk)? {
+                        return Ok(Some((out, state)));
+                    }
+                }
+                state.run.metrics.baseline.done();
+                Ok(None)
+            },
+        )))
+    }
+
+    pub(super) fn build_table(&self, build: &RecordBatch) -> Result<JoinTable, KernelError> {
+        let keys: Vec<ArrayRef> = self
+            .work
+            .left_keys
+            .iter()
+            .map(|&c| Arc::clone(build.column(c)))
+            .collect();
+        let valid = key_validity(&keys, self.work.null_equals_null);
+        let columns = keys
+            .iter()
+            .map(|k| self.metrics.upload(&self.device, k.as_ref()))
+            .collect::<Result<Vec<DeviceColumn>, _>>()?;
+        let valid = upload_validity(&self.device, &valid)?;
+        self.metrics.kernel(|| {
+            JoinTable::build(
+                &self.device,
+                columns,
+                valid.as_ref(),
+                build.num_rows(),
+                self.work.null_equals_null,
+            )
+        })
+    }
+
+    pub(super) fn device_matches(
+        &self,
+        table: &JoinTable,
+        probe: &RecordBatch,
+    ) -> Result<Matches, KernelError> {
+        let keys: Vec<ArrayRef> = self
+            .work
+            .right_keys
+            .iter()
+            .map(|&c| Arc::clone(probe.column(c)))
+            .collect();
+        let valid = key_validity(&keys, self.work.null_equals_null);
+        let columns = keys
+            .iter()
+            .map(|k| self.metrics.upload(&self.device, k.as_ref()))
+            .collect::<Result<Vec<DeviceColumn>, _>>()?;
+        let valid = upload_validity(&self.device, &valid)?;
+        let refs: Vec<&DeviceColumn> = columns.iter().collect();
+        let matches = self
+            .metrics
+            .kernel(|| table.probe(&refs, valid.as_ref(), probe.num_rows()))?;
+        Ok(matches)
+    }
+}
+
+impl Probing {
+    /// One step: the output of the next device batch, or of the end (`None`: nothing to
+    /// emit yet).
+    pub(super) async fn step(&mut self) -> Result<Option<RecordBatch>> {
+        // Every probe batch has the join's right schema (they are concatenated into one),
+        // so only the limit closes a device batch.
+        while !self.pending.is_full() {
+            match self.probe.next().await {
+                Some(batch) => self
+                    .pending
+                    .push(PartlyUploaded::new(batch?, &self.run.work.right_keys)),
+                None => break,
+            }
+        }
+        if self.pending.is_empty() {
+            self.done = true;
+            return self.finish();
+        }
+        let pending: Vec<RecordBatch> = self.pending.take().into_iter().map(|p| p.batch).collect();
+        let probe = concat_batches(&self.run.work.right_schema, &pending).map_err(arrow_err)?;
+        let elapsed = self.run.metrics.baseline.elapsed_compute().clone();
+        let timer = elapsed.timer();
+        let matches = self.matches(&probe)?;
+        let matches = self.run.work.filter_pairs(&self.build, &probe, matches)?;
+        let out = self
+            .run
+            .work
+            .probe_output(&self.build, &probe, &matches, &mut self.visited);
+        timer.done();
+        let out = out?;
+        if let Some(b) = &out {
+            self.run.metrics.record_batch(b);
+        }
+        Ok(out)
+    }
+
+    pub(super) fn matches(&mut self, probe: &RecordBatch) -> Result<Matches> {
+        if self.build.num_rows() == 0 || probe.num_rows() == 0 {
+            return Ok(Matches::default());
+        }
+        if let Some(table) = &self.table {
+            match self.run.device_matches(table, probe) {
+                Ok(m) => {
+                    count_batch(&self.run.metrics, BatchOn::Device);
+                    return Ok(m);
+                }
+                Err(e) => self
+                    .run
+                    .metrics
+                    .recover(&e, "matching a batch on the host")?,
+            }
+        }
+        count_batch(&self.run.metrics, BatchOn::Fallback);
+        host_matches(&mut self.host, &self.run.work, &self.build, probe)
+    }
+
+    /// The build rows the join type emits once this partition (or, for CollectLeft, the
+    /// last partition) has probed everything.
+    pub(super) fn finish(&mut self) -> Result<Option<RecordBatch>> {
+        let work = &self.run.work;
+        if !work.emits_build_rows() {
+            return Ok(None);
+        }
+        let visited = match &self.run.shared {
+            None => std::mem::take(&mut self.visited),
+            Some((shared, partitions)) => {
+                let mut state = shared.state.lock().unwrap_or_else(|p| p.into_inner());
+                let (seen, finished) = &mut *state;
+                if seen.len() < self.visited.len() {
+                    seen.resize(self.visited.len(), false);
+                }
+                for (s, v) in seen.iter_mut().zip(&self.visited) {
+                    *s |= *v;
+                }
+                *finished += 1;
+                if *finished < *partitions {
+                    return Ok(None);
+                }
+                std::mem::take(seen)
+            }
+        };
+        let out = work.final_output(&self.build, &visited)?;
+        if let Some(b) = &out {
+            self.run.metrics.record_batch(b);
+        }
+        Ok(out)
+    }
+}
+
+/// A partition of an inner join whose output stays on the device.
+pub(super) struct DeviceProbing {
+    pub(super) run: JoinRun,
+    pub(super) build: RecordBatch,
+    pub(super) table: Option<JoinTable>,
+    /// Build-side output columns on the device.
+    pub(super) build_columns: HashMap<usize, DeviceColumn>,
+    pub(super) host: Option<HostIndex>,
+    pub(super) probe: ChunkStream,
+    /// Host probe chunks waiting to make up a device batch (a device chunk goes alone), and
+    /// a chunk that closed the last one.
+    pub(super) pending: Coalescer<Chunk>,
+    pub(super) held: Option<Chunk>,
+}
+
+impl DeviceProbing {
+    /// The next device batch of probe rows: host chunks coalesced (see `coalesce.rs`), a
+    /// device chunk as it is; `None` once the probe side has ended.
+    pub(super) async fn next_batch(&mut self) -> Result<Option<Chunk>> {
+        loop {
+            if let Some(held) = self.held.take() {
+                self.pending.push(held);
+            }
+            if self.pending.is_full() {
+                break;
+            }
+            match self.probe.next().await {
+                Some(chunk) => {
+                    let chunk = chunk?;
+                    if self.pending.closes_before(&chunk) {
+                        self.held = Some(chunk);
+                        break;
+                    }
+                    self.pending.push(chunk);
+                }
+                None => break,
+            }
+        }
+        let mut waiting = self.pending.take();
+        if waiting.len() <= 1 {
+            return Ok(waiting.pop());
+        }
+        let batches = waiting
+            .iter()
+            .map(|c| match c {
+                Chunk::Host(b) => Ok(b.clone()),
+                Chunk::Device(..) => Err(internal_datafusion_err!(
+                    "a device chunk was coalesced with others"
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let probe = concat_batches(&batches[0].schema(), &batches).map_err(arrow_err)?;
+        Ok(Some(Chunk::Host(probe)))
+    }
+
+    /// The output for one probe chunk (`None`: nothing matched).
+    pub(super) fn step(&mut self, chunk: Chunk) -> Result<Option<Chunk>> {
+        if self.build.num_rows() == 0 || chunk.num_rows() == 0 {
+            return Ok(None);
+        }
+        let elapsed = self.run.metrics.baseline.elapsed_compute().clone();
+        let _timer = elapsed.timer();
+        if let Some(table) = &self.table {
+            match self.on_device(table, &chunk) {
+                Ok(out) => {
+                    count_batch(&self.run.metrics, BatchOn::Device);
+                    if let Some(out) = &out {
+                        self.run.metrics.record_chunk(out);
+                    }
+                    return Ok(out);
+                }
+                Err(e) => self
+                    .run
+                    .metrics
+                    .recover(&e, "matching a batch on the host")?,
+            }
+        }
+        count_batch(&self.run.metrics, BatchOn::Fallback);
+        let probe = chunk.host_for_cpu(&self.run.metrics)?;
+        let out = host_probe(&mut self.host, &self.run.work, &self.build, &probe)?;
+        if let Some(out) = &out {
+            self.run.metrics.record_batch(out);
+        }
+        Ok(out.map(Chunk::Host))
+    }
+
+    pub(super) fn on_device(
+        &self,
+        table: &JoinTable,
+        chunk: &Chunk,
+    ) -> Result<Option<Chunk>, KernelError> {
+        let run = &self.run;
+        let (device, metrics) = (&run.device, &run.metrics);
+        let n = chunk.num_rows();
+        let mut probe_columns: HashMap<usize, DeviceColumn> = HashMap::new();
+        for &c in &run.work.right_keys {
+            if let std::collections::hash_map::Entry::Vacant(slot) = probe_columns.entry(c) {
+                slot.insert(chunk.device_column(c, device, metrics)?);
+            }
+        }
+        let keys: Vec<&DeviceColumn> = run
+            .work
+            .right_keys
+            .iter()
+            .map(|c| &probe_columns[c])
+            .collect();
+        // NULL probe keys need no validity here: the verification rejects them.
+        let Some((build_rows, probe_rows)) =
+            metrics.kernel(|| table.probe_on_device(&keys, None, n))?
+        else {
+            return Ok(None);
+        };
+        let rows = build_rows.len();
+        let mut columns = Vec::new();
+        for (from_build, c) in run.work.output_sources() {
+            let column = if from_build {
+                let source = self.build_columns.get(&c).ok_or_else(|| {
+                    KernelError::InvalidData(format!("build column {c} is not on the device"))
+                })?;
+                metrics.kernel(|| gather::gather_column(source, &build_rows))?
+            } else {
+                if let std::collections::hash_map::Entry::Vacant(slot) = probe_columns.entry(c) {
+                    slot.insert(chunk.device_column(c, device, metrics)?);
+                }
+                metrics.kernel(|| gather::gather_column(&probe_columns[&c], &probe_rows))?
+            };
+            columns.push(Col::Device(column));
+        }
+        let (work, build, probe) = (Arc::clone(&run.work), self.build.clone(), chunk.lineage());
+        let redo = Redo::new(move || {
+            let probe = probe.run()?;
+            let out = host_probe(&mut None, &work, &build, &probe)?;
+            Ok(out.unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(&work.schema))))
+        });
+        Output { columns, rows }
+            .to_device(&run.work.schema, device, metrics, redo)
+            .map(Some)
+    }
+}
+
+/// An inner join's output for one probe batch, matched on the host.
+pub(super) fn host_probe(
+    host: &mut Option<HostIndex>,
+    work: &JoinWork,
+    build: &RecordBatch,
+    probe: &RecordBatch,
+) -> Result<Option<RecordBatch>> {
+    let matches = host_matches(host, work, build, probe)?;
+    let mut visited = vec![false; build.num_rows()];
+    work.probe_output(build, probe, &matches, &mut visited)
+}
