@@ -203,19 +203,24 @@ impl JoinRun {
         )))
     }
 
-    pub(super) fn build_table(&self, build: &RecordBatch) -> Result<JoinTable, KernelError> {
-        let keys: Vec<ArrayRef> = self
-            .work
-            .left_keys
-            .iter()
-            .map(|&c| Arc::clone(build.column(c)))
-            .collect();
-        let valid = key_validity(&keys, self.work.null_equals_null);
-        let columns = keys
+    /// Uploads the `keys` columns of `batch`, and the bitmap of the rows whose keys can
+    /// match (none when all can).
+    fn upload_keys(
+        &self,
+        batch: &RecordBatch,
+        keys: &[usize],
+    ) -> Result<(Vec<DeviceColumn>, Option<DeviceBuffer>), KernelError> {
+        let arrays: Vec<ArrayRef> = keys.iter().map(|&c| Arc::clone(batch.column(c))).collect();
+        let valid = key_validity(&arrays, self.work.null_equals_null);
+        let columns = arrays
             .iter()
             .map(|k| self.metrics.upload(&self.device, k.as_ref()))
             .collect::<Result<Vec<DeviceColumn>, _>>()?;
-        let valid = upload_validity(&self.device, &valid)?;
+        Ok((columns, upload_validity(&self.device, &valid)?))
+    }
+
+    pub(super) fn build_table(&self, build: &RecordBatch) -> Result<JoinTable, KernelError> {
+        let (columns, valid) = self.upload_keys(build, &self.work.left_keys)?;
         self.metrics.kernel(|| {
             JoinTable::build(
                 &self.device,
@@ -232,18 +237,7 @@ impl JoinRun {
         table: &JoinTable,
         probe: &RecordBatch,
     ) -> Result<Matches, KernelError> {
-        let keys: Vec<ArrayRef> = self
-            .work
-            .right_keys
-            .iter()
-            .map(|&c| Arc::clone(probe.column(c)))
-            .collect();
-        let valid = key_validity(&keys, self.work.null_equals_null);
-        let columns = keys
-            .iter()
-            .map(|k| self.metrics.upload(&self.device, k.as_ref()))
-            .collect::<Result<Vec<DeviceColumn>, _>>()?;
-        let valid = upload_validity(&self.device, &valid)?;
+        let (columns, valid) = self.upload_keys(probe, &self.work.right_keys)?;
         let refs: Vec<&DeviceColumn> = columns.iter().collect();
         let matches = self
             .metrics
