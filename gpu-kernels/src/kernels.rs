@@ -94,6 +94,8 @@ kernels! {
     gather_validity => fulmen_emu_launch_gather_validity in "gather.cu",
     gather_string_lengths_o32 => fulmen_emu_launch_gather_string_lengths_o32 in "gather.cu",
     gather_string_lengths_o64 => fulmen_emu_launch_gather_string_lengths_o64 in "gather.cu",
+    gather_string_lengths_flagged_o32 => fulmen_emu_launch_gather_string_lengths_flagged_o32 in "gather.cu",
+    gather_string_lengths_flagged_o64 => fulmen_emu_launch_gather_string_lengths_flagged_o64 in "gather.cu",
     gather_string_copy_o32 => fulmen_emu_launch_gather_string_copy_o32 in "gather.cu",
     gather_string_copy_o64 => fulmen_emu_launch_gather_string_copy_o64 in "gather.cu",
     hash_fixed_1 => fulmen_emu_launch_hash_fixed_1 in "hash.cu",

@@ -1,9 +1,10 @@
 //! `GpuFilterExec`: DataFusion's `FilterExec` on a GPU. The predicate runs as one
 //! expression program, the selection is compacted into row indices on the device, and the
 //! kept rows are gathered there; only the filter's output comes back. The host waits once
-//! per batch for the program's error word and the selection's count together, once more
-//! per string column it gathers (for the column's byte total), and, when its output goes
-//! to the host, once for the download of all its columns.
+//! per batch for the program's error word, the selection's count and the byte totals of
+//! the string columns it gathers together (those gathers' lengths are queued over the
+//! selection before its count is known), and, when its output goes to the host, once for
+//! the download of all its columns.
 //!
 //! The plan node is the shared [`GpuBatchExec`] and the stream the shared
 //! [`GpuStream`](super::gpu_stream::GpuStream); this file holds the filter's work.
@@ -16,7 +17,7 @@ use datafusion::error::Result;
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::filter::{FilterExec, batch_filter};
-use fulmen_kernels::ops::{STATUS_BYTES, compact, expr, gather, read_status};
+use fulmen_kernels::ops::{Word, compact, expr, gather, read_status_words, status_bytes};
 use fulmen_kernels::{Device, DeviceColumn, KernelError};
 
 use super::gpu_batch_exec::GpuBatchExec;
@@ -88,10 +89,16 @@ impl BatchWork for FilterWork {
         }
         let inputs: Vec<&DeviceColumn> =
             self.program.inputs.iter().map(|c| &on_device[c]).collect();
-        // One host wait per batch (more only for string columns' byte totals): the
-        // program's error word and the selection's count come up together.
+        // One host wait per batch: the program's error word, the selection's count and
+        // the byte totals of the string columns to gather come up together.
+        let mut strings: Vec<usize> = Vec::new();
+        for &c in &self.outputs {
+            if on_device[&c].offsets().is_some() && !strings.contains(&c) {
+                strings.push(c);
+            }
+        }
         let kept = metrics.kernel(|| -> Result<_, KernelError> {
-            let status = device.upload(&[0; STATUS_BYTES])?;
+            let status = device.upload(&vec![0; status_bytes(strings.len())])?;
             let mut predicate = expr::evaluate_unchecked(device, &program, &inputs, n, &status)?;
             let predicate = predicate.remove(0);
             let selection = compact::selection_indices_queued(
@@ -101,19 +108,39 @@ impl BatchWork for FilterWork {
                 n,
                 &status,
             )?;
+            let mut starts = HashMap::new();
+            for (k, &c) in strings.iter().enumerate() {
+                let started = gather::queue_string_starts(
+                    &on_device[&c],
+                    selection.pending(&status)?,
+                    Word::of(&status, 2 + k)?,
+                )?;
+                starts.insert(c, started);
+            }
             // Over no rows nothing was launched: nothing to wait for.
-            let count = match n {
-                0 => 0,
-                _ => match read_status(&status)? {
-                    Some(count) => count,
+            let (count, totals) = match n {
+                0 => (0, vec![0; strings.len()]),
+                _ => match read_status_words(&status, strings.len())? {
+                    Some(words) => words,
                     None => return Ok(None),
                 },
             };
+            let totals: HashMap<usize, u64> = strings.iter().copied().zip(totals).collect();
             let indices = selection.with_count(count)?;
             let columns = self
                 .outputs
                 .iter()
-                .map(|c| gather::gather_column(&on_device[c], &indices).map(Col::Device))
+                .map(|c| {
+                    let column = &on_device[c];
+                    match starts.remove(c) {
+                        Some(started) => {
+                            gather::gather_column_started(column, &indices, started, totals[c])
+                        }
+                        // A column output twice gathers its strings again.
+                        None => gather::gather_column(column, &indices),
+                    }
+                    .map(Col::Device)
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             Ok(Some(Output {
                 columns,

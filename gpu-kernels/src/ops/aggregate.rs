@@ -11,7 +11,7 @@
 use arrow::array::{ArrayRef, new_empty_array};
 use arrow::datatypes::DataType;
 
-use super::{BLOCK, RowIndices, check_rows, gather, hash, key_descriptors, scan};
+use super::{BLOCK, RowIndices, Word, check_rows, gather, hash, key_descriptors, scan};
 use crate::column::{DeviceColumn, Layout};
 use crate::device::{Arg, Device, LaunchConfig};
 use crate::kernels::Kernel;
@@ -224,6 +224,8 @@ pub struct GroupTable {
     group_capacity: usize,
     slots: Option<DeviceBuffer>,
     capacity: u64,
+    /// New groups per row of the last batch, in 1/1024ths: the slots are sized by it.
+    new_per_row: u64,
     /// Row hash of each group (to rebuild the slots when the table grows).
     group_hashes: Option<DeviceBuffer>,
     /// Key columns of the groups, one chunk per batch that added groups, and the first
@@ -256,6 +258,7 @@ impl GroupTable {
             group_capacity: 0,
             slots: None,
             capacity: 0,
+            new_per_row: 0,
             group_hashes: None,
             chunks: Vec::new(),
             starts: Vec::new(),
@@ -571,8 +574,13 @@ impl GroupTable {
             }
             super::read_status(inserted)
         };
+        // Room for the groups there are and, with an eighth to spare, as many new ones per
+        // row as the last batch brought: a batch that brings more than there is room for
+        // is undone and done again, which costs another wait.
+        let expected = (n as u64).saturating_mul(self.new_per_row) / 1024;
+        let expected = expected + expected / 8;
         let inserted_count = loop {
-            let wanted = ((g0 as u64) * 2).max(2048).next_power_of_two();
+            let wanted = ((g0 as u64 + expected) * 2).max(2048).next_power_of_two();
             if self.slots.is_none() || self.capacity < wanted {
                 let slots = self.rebuilt_slots(wanted)?;
                 self.slots = Some(slots);
@@ -635,6 +643,7 @@ impl GroupTable {
             self.slots = Some(slots);
             self.capacity = grown;
         };
+        self.new_per_row = (inserted_count.saturating_mul(1024)).div_ceil(n.max(1) as u64);
         if inserted_count == 0 {
             // No new group: every ref is a committed group id (or SKIP), the table's slots
             // are unchanged, and the accumulators are updated by the refs at once.
@@ -699,8 +708,43 @@ impl GroupTable {
                 ],
             )?;
         }
-        let (ranks, new) = scan::exclusive_scan(&device, &flags, n)?;
-        let new = new as usize;
+        // One wait for the count of new groups and the byte totals of their string keys
+        // together: the keys' lengths at the leader rows are queued over the flags.
+        let strings: Vec<usize> = (0..keys.len())
+            .filter(|&k| keys[k].offsets().is_some())
+            .collect();
+        // n > 0 here (a batch adds groups), so every scan writes its total: no zeroing.
+        let totals = device.alloc(8 * (1 + strings.len()))?;
+        let ranks = scan::exclusive_scan_queued(&device, &flags, n, Word::of(&totals, 0)?)?;
+        let mut starts: Vec<Option<gather::QueuedStarts>> = (0..keys.len()).map(|_| None).collect();
+        for (w, &k) in strings.iter().enumerate() {
+            starts[k] = Some(gather::queue_flagged_string_starts(
+                keys[k],
+                &flags,
+                Word::of(&totals, 1 + w)?,
+            )?);
+        }
+        let words: Vec<u64> = totals
+            .to_host()?
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+            .collect();
+        if words.len() != 1 + strings.len() {
+            return Err(KernelError::InvalidData(
+                "a short read of new groups".into(),
+            ));
+        }
+        let word = |w: usize| words[w];
+        let new = word(0) as usize;
+        if new > n {
+            return Err(KernelError::InvalidData(format!(
+                "{new} new groups in a batch of {n} rows"
+            )));
+        }
+        let mut byte_totals = vec![0u64; keys.len()];
+        for (w, &k) in strings.iter().enumerate() {
+            byte_totals[k] = word(1 + w);
+        }
         let total = g0 + new;
         let grown = if total > self.group_capacity {
             Some(self.grown(total.max(self.group_capacity * 2))?)
@@ -737,7 +781,12 @@ impl GroupTable {
         let leaders = RowIndices::new(leaders, new, n, false);
         let chunk = keys
             .iter()
-            .map(|k| gather::gather_column(k, &leaders))
+            .zip(starts)
+            .zip(byte_totals)
+            .map(|((k, started), total)| match started {
+                Some(started) => gather::gather_column_started(k, &leaders, started, total),
+                None => gather::gather_column(k, &leaders),
+            })
             .collect::<Result<Vec<_>>>()?;
         let accs = grown.as_ref().map_or(&self.accs, |g| &g.accs);
         let descriptors = self.accumulator_descriptors(accs, inputs)?;

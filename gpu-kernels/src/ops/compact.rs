@@ -1,7 +1,7 @@
 //! Stream compaction (`cuda/compact.cu`): a boolean selection → the indices of the rows it
 //! keeps, in order → columns gathered at those indices.
 
-use super::{BLOCK, RowIndices, check_rows, gather, scan};
+use super::{BLOCK, PendingIndices, RowIndices, Word, check_rows, gather, scan};
 use crate::column::{DeviceBatch, DeviceColumn, Layout};
 use crate::device::{Arg, Device, LaunchConfig};
 use crate::kernels::Kernel;
@@ -33,6 +33,8 @@ pub fn selection_indices(
 pub struct QueuedSelection {
     indices: DeviceBuffer,
     n: usize,
+    /// The status buffer whose word 0 receives the count.
+    status: u64,
 }
 
 impl QueuedSelection {
@@ -46,6 +48,23 @@ impl QueuedSelection {
             )));
         }
         Ok(RowIndices::new(self.indices, count as usize, self.n, false))
+    }
+
+    /// The indices while the scatter may still be writing them, for kernels queued
+    /// before the host reads the count: `status` is the buffer given to
+    /// [`selection_indices_queued`].
+    pub fn pending<'a>(&'a self, status: &'a DeviceBuffer) -> Result<PendingIndices<'a>> {
+        if status.addr() != self.status {
+            return Err(KernelError::Unsupported(
+                "a selection's indices read with another status buffer than its count's".into(),
+            ));
+        }
+        Ok(PendingIndices::new(
+            &self.indices,
+            self.n,
+            self.n,
+            Word::of(status, 0)?,
+        ))
     }
 }
 
@@ -66,14 +85,19 @@ pub fn selection_indices_queued(
             "a status buffer too short for a selection's count".into(),
         ));
     }
+    let count = Word::of(status, 0)?;
     let indices = device.alloc((n * 4).max(1))?;
     if n > 0 {
         let words = n.div_ceil(32);
         let counts = word_counts(device, values, validity, n)?;
-        let offsets = scan::exclusive_scan_queued(device, &counts, words, status)?;
+        let offsets = scan::exclusive_scan_queued(device, &counts, words, count)?;
         scatter(device, values, validity, n, &offsets, &indices)?;
     }
-    Ok(QueuedSelection { indices, n })
+    Ok(QueuedSelection {
+        indices,
+        n,
+        status: status.addr(),
+    })
 }
 
 fn check_selection(values: &DeviceBuffer, validity: Option<&DeviceBuffer>, n: usize) -> Result<()> {

@@ -1,15 +1,186 @@
 //! Gather by an index column (`cuda/gather.cu`): `out[i] = column[indices[i]]`, where an
 //! index of [`NULL_INDEX`](super::NULL_INDEX) gives NULL.
+//!
+//! A string column's gather needs its byte total before it can allocate the bytes: either
+//! the host waits for it ([`gather_column`]), or the lengths and their scan are queued
+//! before the host knows even how many indices there are ([`queue_string_starts`]), the
+//! total goes to a word the stage reads in its one wait, and the copy follows
+//! ([`gather_column_started`]).
 
-use super::{BLOCK, RowIndices, scan};
+use super::{BLOCK, PendingIndices, RowIndices, Word, scan};
 use crate::column::{DeviceColumn, Layout};
 use crate::device::{Arg, LaunchConfig};
 use crate::kernels::Kernel;
+use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
 
 /// Gathers the rows of `column` at `indices`; NULL_INDEX gives NULL (outer joins), and the
-/// result then has a validity bitmap.
+/// result then has a validity bitmap. A string column's gather waits for its byte total.
 pub fn gather_column(column: &DeviceColumn, indices: &RowIndices) -> Result<DeviceColumn> {
+    gather(column, indices, None)
+}
+
+/// The output starts of a string column's gather, queued over indices whose count the host
+/// has not read ([`queue_string_starts`]); the byte total is in the word it was given.
+#[derive(Debug)]
+pub struct QueuedStarts {
+    starts: DeviceBuffer,
+    slots: usize,
+    /// What they were computed from: the index buffer (`None`: starts by source row, of
+    /// flagged rows) and the column's offsets.
+    indices: Option<u64>,
+    offsets: u64,
+}
+
+/// Queues the lengths of the strings of `column` at `indices` and their exclusive scan,
+/// without a host wait: the output starts, and the byte total written to `total_to` (which
+/// the caller zeroed) for the host to read with the indices' count, in one wait. Work over
+/// all the indices' slots, of which only the real ones count.
+pub fn queue_string_starts(
+    column: &DeviceColumn,
+    indices: PendingIndices<'_>,
+    total_to: Word<'_>,
+) -> Result<QueuedStarts> {
+    let (Layout::Var(width), Some(offsets)) = (column.layout(), column.offsets()) else {
+        return Err(KernelError::Unsupported(format!(
+            "string starts of a {} column",
+            column.data_type()
+        )));
+    };
+    if indices.bound() > column.len() {
+        return Err(KernelError::Unsupported(format!(
+            "indices into {} rows used on a column of {}",
+            indices.bound(),
+            column.len()
+        )));
+    }
+    let device = column.device();
+    let slots = indices.slots();
+    if indices.buffer.len() < slots * 4 {
+        return Err(KernelError::Unsupported(format!(
+            "{slots} pending indices in a {}-byte buffer",
+            indices.buffer.len()
+        )));
+    }
+    let lengths = device.alloc((slots * 8).max(1))?;
+    if slots > 0 {
+        let kernel = if width == 4 {
+            Kernel::gather_string_lengths_o32
+        } else {
+            Kernel::gather_string_lengths_o64
+        };
+        // SAFETY: `offsets` holds column.len() + 1 offsets of `width` bytes; the kernel
+        // reads only the first min(*count, slots) indices, which the producer of the
+        // pending indices wrote before its count, each below the bound ≤ column.len() (or
+        // NULL_INDEX); `lengths` holds `slots` u64.
+        unsafe {
+            device.launch(
+                kernel,
+                LaunchConfig::for_items(device, slots as u64, BLOCK),
+                &[
+                    Arg::buf(offsets),
+                    Arg::buf(indices.buffer),
+                    Arg::U64(slots as u64),
+                    indices.count.arg(),
+                    Arg::buf(&lengths),
+                ],
+            )?;
+        }
+    }
+    let starts = scan::exclusive_scan_queued(device, &lengths, slots, total_to)?;
+    Ok(QueuedStarts {
+        starts,
+        slots,
+        indices: Some(indices.buffer.addr()),
+        offsets: offsets.addr(),
+    })
+}
+
+/// Queues, without a host wait, the starts of the strings of the rows of `column` that
+/// `flags` marks (one u64 per row, non-zero for a marked row), by row: for gathering the
+/// marked rows in row order (the indices a compaction of the flags gives), each at the sum
+/// of the lengths of the marked rows before it. The byte total goes to `total_to`.
+pub fn queue_flagged_string_starts(
+    column: &DeviceColumn,
+    flags: &DeviceBuffer,
+    total_to: Word<'_>,
+) -> Result<QueuedStarts> {
+    let (Layout::Var(width), Some(offsets)) = (column.layout(), column.offsets()) else {
+        return Err(KernelError::Unsupported(format!(
+            "string starts of a {} column",
+            column.data_type()
+        )));
+    };
+    let n = column.len();
+    if flags.len() < n * 8 {
+        return Err(KernelError::Unsupported(format!(
+            "flags of {n} rows in a {}-byte buffer",
+            flags.len()
+        )));
+    }
+    let device = column.device();
+    let lengths = device.alloc((n * 8).max(1))?;
+    if n > 0 {
+        let kernel = if width == 4 {
+            Kernel::gather_string_lengths_flagged_o32
+        } else {
+            Kernel::gather_string_lengths_flagged_o64
+        };
+        // SAFETY: `offsets` holds n + 1 offsets of `width` bytes, `flags` and `lengths`
+        // n u64 (checked).
+        unsafe {
+            device.launch(
+                kernel,
+                LaunchConfig::for_items(device, n as u64, BLOCK),
+                &[
+                    Arg::buf(offsets),
+                    Arg::buf(flags),
+                    Arg::U64(n as u64),
+                    Arg::buf(&lengths),
+                ],
+            )?;
+        }
+    }
+    let starts = scan::exclusive_scan_queued(device, &lengths, n, total_to)?;
+    Ok(QueuedStarts {
+        starts,
+        slots: n,
+        indices: None,
+        offsets: offsets.addr(),
+    })
+}
+
+/// Gathers a string column with starts queued by [`queue_string_starts`] over the same
+/// indices (now counted), or by [`queue_flagged_string_starts`] over the flags these
+/// indices are the compaction of, and the byte total the host read: no wait. Other
+/// columns gather as [`gather_column`] does.
+pub fn gather_column_started(
+    column: &DeviceColumn,
+    indices: &RowIndices,
+    started: QueuedStarts,
+    total: u64,
+) -> Result<DeviceColumn> {
+    let fits = match started.indices {
+        Some(addr) => addr == indices.buffer().addr() && indices.len() <= started.slots,
+        None => indices.bound() <= started.slots,
+    };
+    if !fits || Some(started.offsets) != column.offsets().map(DeviceBuffer::addr) {
+        return Err(KernelError::Unsupported(
+            "string starts queued for other indices or another column".into(),
+        ));
+    }
+    let by_source = started.indices.is_none();
+    gather(column, indices, Some((started.starts, total, by_source)))
+}
+
+/// Starts queued before, their byte total, and whether they are by source row.
+type Started = (DeviceBuffer, u64, bool);
+
+fn gather(
+    column: &DeviceColumn,
+    indices: &RowIndices,
+    started: Option<Started>,
+) -> Result<DeviceColumn> {
     if indices.bound() > column.len() {
         return Err(KernelError::Unsupported(format!(
             "indices into {} rows used on a column of {}",
@@ -110,17 +281,29 @@ pub fn gather_column(column: &DeviceColumn, indices: &RowIndices) -> Result<Devi
                     Kernel::gather_string_copy_o64,
                 )
             };
-            let lengths = device.alloc(count * 8)?;
-            // SAFETY: `offsets` holds column.len() + 1 offsets of `width` bytes; `lengths`
-            // holds `count` u64.
-            unsafe {
-                device.launch(
-                    lengths_kernel,
-                    cfg,
-                    &[Arg::buf(offsets), Arg::buf(indices), n, Arg::buf(&lengths)],
-                )?;
-            }
-            let (starts, total) = scan::exclusive_scan(device, &lengths, count)?;
+            let (starts, total, by_source) = match started {
+                Some(started) => started,
+                None => {
+                    let lengths = device.alloc(count * 8)?;
+                    // SAFETY: `offsets` holds column.len() + 1 offsets of `width` bytes;
+                    // `lengths` holds `count` u64; no count word: every index is read.
+                    unsafe {
+                        device.launch(
+                            lengths_kernel,
+                            cfg,
+                            &[
+                                Arg::buf(offsets),
+                                Arg::buf(indices),
+                                n,
+                                Arg::Ptr(0),
+                                Arg::buf(&lengths),
+                            ],
+                        )?;
+                    }
+                    let (starts, total) = scan::exclusive_scan(device, &lengths, count)?;
+                    (starts, total, false)
+                }
+            };
             if width == 4 && total > i32::MAX as u64 {
                 return Err(KernelError::Unsupported(format!(
                     "a string column of {total} bytes in 32-bit offsets"
@@ -131,9 +314,11 @@ pub fn gather_column(column: &DeviceColumn, indices: &RowIndices) -> Result<Devi
             if count == 0 {
                 out_offsets.write(0, &vec![0u8; width])?;
             }
-            // SAFETY: `starts` holds the exclusive scan of the lengths, so each row's bytes
-            // land inside `out_bytes` (total bytes); `out_offsets` holds count + 1 offsets,
-            // the last written by the kernel's final row.
+            // SAFETY: `starts` holds the exclusive scan of the lengths, at least `count` of
+            // them (by source row: one per source row, every index being below the bound
+            // checked against them), so each row's bytes land inside `out_bytes` (total
+            // bytes), and the kernel writes none at or past its size whatever the starts;
+            // `out_offsets` holds count + 1 offsets, the last written by the final row.
             unsafe {
                 device.launch(
                     copy_kernel,
@@ -144,8 +329,10 @@ pub fn gather_column(column: &DeviceColumn, indices: &RowIndices) -> Result<Devi
                         Arg::buf(indices),
                         n,
                         Arg::buf(&starts),
+                        Arg::U32(u32::from(by_source)),
                         Arg::buf(&out_offsets),
                         Arg::buf(&out_bytes),
+                        Arg::U64(out_bytes.len() as u64),
                     ],
                 )?;
             }

@@ -1,7 +1,7 @@
 //! The device hash table (`cuda/hash_table.cu`): a multimap from row hashes to build-side
 //! rows, built with atomicCAS and probed in two passes (count, then emit).
 
-use super::{BLOCK, RowIndices, check_rows, scan};
+use super::{BLOCK, RowIndices, Word, check_rows, scan};
 use crate::device::{Arg, Device, LaunchConfig};
 use crate::kernels::Kernel;
 use crate::memory::DeviceBuffer;
@@ -101,7 +101,7 @@ impl HashTable {
     }
 
     /// As [`Self::probe`] without a host wait: the pairs go into outputs of `cap` slots (a
-    /// guess), their total to word 0 of `total_to`; when the total is above `cap` the pairs
+    /// guess), their total to the word `total_to`; when the total is above `cap` the pairs
     /// past it were dropped and the caller probes again with [`Self::probe`].
     pub fn probe_bounded(
         &self,
@@ -109,7 +109,7 @@ impl HashTable {
         valid: Option<&DeviceBuffer>,
         n: usize,
         cap: usize,
-        total_to: &DeviceBuffer,
+        total_to: Word<'_>,
     ) -> Result<(DeviceBuffer, DeviceBuffer)> {
         check_rows(cap)?;
         let device = self.keys.device();
@@ -127,7 +127,7 @@ impl HashTable {
         hashes: &DeviceBuffer,
         valid: Option<&DeviceBuffer>,
         n: usize,
-        total_to: Option<&DeviceBuffer>,
+        total_to: Option<Word<'_>>,
     ) -> Result<(DeviceBuffer, Option<u64>)> {
         check_hashes(hashes, valid, n)?;
         let device = self.keys.device();

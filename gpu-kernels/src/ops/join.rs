@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::hash_table::HashTable;
-use super::{BLOCK, RowIndices, check_rows, hash, key_descriptors, scan};
+use super::{BLOCK, PendingIndices, RowIndices, Word, check_rows, hash, key_descriptors, scan};
 use crate::column::DeviceColumn;
 use crate::device::{Arg, Device, LaunchConfig};
 use crate::kernels::Kernel;
@@ -114,13 +114,32 @@ impl JoinTable {
 
     /// The matching pairs left on the device as row indices (build rows into the build
     /// side, probe rows into the probe batch), in probe order and, within a probe row of
-    /// at most 64 matches, in build order; `None` when nothing matches.
+    /// at most 64 matches, in build order; `None` when nothing matches. One host wait (more
+    /// when a build key is more duplicated than in earlier probes).
     pub fn probe_on_device(
         &self,
         keys: &[&DeviceColumn],
         valid: Option<&DeviceBuffer>,
         n: usize,
     ) -> Result<Option<(RowIndices, RowIndices)>> {
+        match self.probe_queued(keys, valid, n, 0)? {
+            Some(queued) => Ok(queued.finish()?.pairs),
+            None => Ok(None),
+        }
+    }
+
+    /// Queues a probe without waiting for the host (`None`: no probe row or no build row,
+    /// so nothing can match): its matches go into outputs sized by the most candidates per
+    /// probe row seen so far, and the host waits once, in [`QueuedProbe::finish`], for the
+    /// candidates' and the matches' totals and `extra` words of the caller's (the byte
+    /// totals of string gathers queued over the pending matches) together.
+    pub fn probe_queued<'a>(
+        &'a self,
+        keys: &[&DeviceColumn],
+        valid: Option<&'a DeviceBuffer>,
+        n: usize,
+        extra: usize,
+    ) -> Result<Option<QueuedProbe<'a>>> {
         if keys.len() != self.keys.len()
             || keys.iter().zip(&self.keys).any(|(p, b)| {
                 p.len() != n || p.data_type() != b.data_type() || p.device() != b.device()
@@ -136,66 +155,34 @@ impl JoinTable {
         let device = self.keys[0].device();
         let hashes = hash::hash_columns(device, keys)?;
         let probe_descriptors = key_descriptors(device, keys)?;
-        // Everything is queued with outputs sized by the most candidates per probe row seen
-        // so far, and the host waits once, for the candidates' and the matches' totals
-        // together. More candidates than that (a build key more duplicated than in earlier
-        // batches) are probed again with exact sizes, waiting for each total.
         let per_row = self.candidates_per_row.load(Ordering::Relaxed) as usize;
         let cap = (n.saturating_mul(per_row) / 1024 + n / 8 + 1024).min(super::MAX_ROWS);
-        let totals = [device.upload(&[0; 8])?, device.upload(&[0; 8])?];
-        let (cand_build, cand_probe) = self
-            .table
-            .probe_bounded(&hashes, valid, n, cap, &totals[0])?;
-        let bounded = self.matched(
+        // Word 0 the candidate pairs, word 1 the matches, then the caller's.
+        let totals = device.upload(&vec![0; 16 + 8 * extra])?;
+        let (cand_build, cand_probe) =
+            self.table
+                .probe_bounded(&hashes, valid, n, cap, Word::of(&totals, 0)?)?;
+        let (out_build, out_probe, _) = self.matched(
             &probe_descriptors,
             keys.len(),
             (&cand_build, &cand_probe),
             cap,
-            Some(&totals[0]),
-            Some(&totals[1]),
+            Some(Word::of(&totals, 0)?),
+            Some(Word::of(&totals, 1)?),
         )?;
-        let mut words = [[0u8; 8]; 2];
-        {
-            let [a, b] = &mut words;
-            device.read_many(&mut [
-                (&totals[0], a.as_mut_slice()),
-                (&totals[1], b.as_mut_slice()),
-            ])?;
-        }
-        let [pairs, total] = words.map(|w| u64::from_le_bytes(w) as usize);
-        let seen = (pairs.saturating_mul(1024)).div_ceil(n) as u64;
-        self.candidates_per_row.fetch_max(seen, Ordering::Relaxed);
-        let (out_build, out_probe, total) = if pairs <= cap {
-            if total > pairs {
-                return Err(KernelError::InvalidData(format!(
-                    "{total} matches among {pairs} candidate pairs"
-                )));
-            }
-            (bounded.0, bounded.1, total)
-        } else {
-            drop((bounded, cand_build, cand_probe));
-            let candidates = self.table.probe(&hashes, valid, n)?;
-            let pairs = candidates.build.len();
-            if pairs == 0 {
-                return Ok(None);
-            }
-            let (out_build, out_probe, total) = self.matched(
-                &probe_descriptors,
-                keys.len(),
-                (candidates.build.buffer(), candidates.probe.buffer()),
-                pairs,
-                None,
-                None,
-            )?;
-            (out_build, out_probe, total.unwrap_or_default() as usize)
-        };
-        if total == 0 {
-            return Ok(None);
-        }
-        Ok(Some((
-            RowIndices::new(out_build, total, self.rows, false),
-            RowIndices::new(out_probe, total, n, false),
-        )))
+        Ok(Some(QueuedProbe {
+            table: self,
+            n,
+            cap,
+            valid,
+            extra,
+            hashes,
+            probe_descriptors,
+            ncols: keys.len(),
+            totals,
+            candidates: (cand_build, cand_probe),
+            matches: (out_build, out_probe),
+        }))
     }
 
     /// Keeps the candidate pairs (`slots` of them; only the first `*pairs` real when
@@ -208,8 +195,8 @@ impl JoinTable {
         ncols: usize,
         (build, probe): (&DeviceBuffer, &DeviceBuffer),
         slots: usize,
-        pairs: Option<&DeviceBuffer>,
-        total_to: Option<&DeviceBuffer>,
+        pairs: Option<Word<'_>>,
+        total_to: Option<Word<'_>>,
     ) -> Result<(DeviceBuffer, DeviceBuffer, Option<u64>)> {
         let device = self.keys[0].device();
         if build.len() < slots * 4 || probe.len() < slots * 4 {
@@ -236,7 +223,7 @@ impl JoinTable {
                     Arg::U64(slots as u64),
                     Arg::U32(u32::from(self.nulls_match)),
                     Arg::buf(&flags),
-                    Arg::opt(pairs),
+                    pairs.map_or(Arg::Ptr(0), Word::arg),
                 ],
             )?;
         }
@@ -272,5 +259,126 @@ impl JoinTable {
             )?;
         }
         Ok((out_build, out_probe, total))
+    }
+}
+
+/// A probe queued on the device ([`JoinTable::probe_queued`]) whose totals the host has
+/// not read: its matches are pending indices that kernels queued now may read.
+#[derive(Debug)]
+pub struct QueuedProbe<'a> {
+    table: &'a JoinTable,
+    n: usize,
+    cap: usize,
+    valid: Option<&'a DeviceBuffer>,
+    extra: usize,
+    hashes: DeviceBuffer,
+    probe_descriptors: DeviceBuffer,
+    ncols: usize,
+    totals: DeviceBuffer,
+    candidates: (DeviceBuffer, DeviceBuffer),
+    matches: (DeviceBuffer, DeviceBuffer),
+}
+
+/// What a queued probe found.
+#[derive(Debug)]
+pub struct Probed {
+    /// The matching build and probe rows (`None`: nothing matched).
+    pub pairs: Option<(RowIndices, RowIndices)>,
+    /// The caller's extra words, read in the probe's wait; `None` when the probe had more
+    /// candidates than its outputs had room for and ran again with exact sizes: the work
+    /// queued over the pending matches then counts for nothing.
+    pub words: Option<Vec<u64>>,
+}
+
+impl QueuedProbe<'_> {
+    /// The build rows of the matches, while they are being written.
+    pub fn pending_build(&self) -> PendingIndices<'_> {
+        self.pending(&self.matches.0, self.table.rows)
+    }
+
+    /// The probe rows of the matches, while they are being written.
+    pub fn pending_probe(&self) -> PendingIndices<'_> {
+        self.pending(&self.matches.1, self.n)
+    }
+
+    fn pending<'b>(&'b self, buffer: &'b DeviceBuffer, bound: usize) -> PendingIndices<'b> {
+        // Word 1 is the matches' count: the compaction writes the first `count` slots,
+        // each a verified pair of the first min(pairs, cap) candidates, all of whose slots
+        // the probe wrote with rows below the bounds.
+        let count = Word {
+            buffer: &self.totals,
+            index: 1,
+        };
+        PendingIndices::new(buffer, self.cap, bound, count)
+    }
+
+    /// Word `k` of the caller's `extra` words: where work queued over the pending matches
+    /// leaves a value for the probe's wait.
+    pub fn extra_word(&self, k: usize) -> Result<Word<'_>> {
+        if k >= self.extra {
+            return Err(KernelError::Unsupported(format!(
+                "extra word {k} of a probe queued with {}",
+                self.extra
+            )));
+        }
+        Word::of(&self.totals, 2 + k)
+    }
+
+    /// Waits once for the probe's totals and the caller's words; a probe whose candidates
+    /// overflowed the outputs runs again with exact sizes (waiting for each total).
+    pub fn finish(self) -> Result<Probed> {
+        let words = self.totals.prefix_to_host(16 + 8 * self.extra)?;
+        let words: Vec<u64> = words
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+            .collect();
+        let (pairs, total) = match words[..] {
+            [pairs, total, ..] => (pairs as usize, total as usize),
+            _ => return Err(KernelError::InvalidData("a short probe status read".into())),
+        };
+        let table = self.table;
+        let seen = (pairs.saturating_mul(1024)).div_ceil(self.n) as u64;
+        table.candidates_per_row.fetch_max(seen, Ordering::Relaxed);
+        let rows = |build: DeviceBuffer, probe: DeviceBuffer, total: usize| {
+            (total > 0).then(|| {
+                (
+                    RowIndices::new(build, total, table.rows, false),
+                    RowIndices::new(probe, total, self.n, false),
+                )
+            })
+        };
+        if pairs <= self.cap {
+            if total > pairs {
+                return Err(KernelError::InvalidData(format!(
+                    "{total} matches among {pairs} candidate pairs"
+                )));
+            }
+            let (build, probe) = self.matches;
+            return Ok(Probed {
+                pairs: rows(build, probe, total),
+                words: Some(words[2..].to_vec()),
+            });
+        }
+        drop((self.matches, self.candidates));
+        let candidates = table.table.probe(&self.hashes, self.valid, self.n)?;
+        let pairs = candidates.build.len();
+        if pairs == 0 {
+            return Ok(Probed {
+                pairs: None,
+                words: None,
+            });
+        }
+        let (build, probe, total) = table.matched(
+            &self.probe_descriptors,
+            self.ncols,
+            (candidates.build.buffer(), candidates.probe.buffer()),
+            pairs,
+            None,
+            None,
+        )?;
+        Ok(Probed {
+            pairs: rows(build, probe, total.unwrap_or_default() as usize),
+            words: None,
+        })
     }
 }

@@ -15,7 +15,7 @@ pub mod selftest;
 use arrow::datatypes::DataType;
 
 use crate::column::{DeviceColumn, Layout};
-use crate::device::Device;
+use crate::device::{Arg, Device};
 use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
 
@@ -32,20 +32,102 @@ pub const NULL_INDEX: u32 = u32::MAX;
 /// count the host needs (a table's new groups, a selection's rows), word 1 the error word of
 /// an expression program queued before it ([`expr::evaluate_unchecked`]), non-zero when some
 /// row met a case the program leaves to the CPU. The caller zeroes the buffer (an upload of
-/// [`STATUS_BYTES`] zeros queues no wait) and reads both words with [`read_status`].
+/// [`STATUS_BYTES`] zeros queues no wait) and reads both words with [`read_status`]. A stage
+/// that needs more values from the same wait (the byte totals of string gathers) gives the
+/// buffer more words ([`status_bytes`]) and reads them with [`read_status_words`].
 pub const STATUS_BYTES: usize = 16;
+
+/// Bytes of a status buffer with `extra` words after the two of [`STATUS_BYTES`].
+pub fn status_bytes(extra: usize) -> usize {
+    STATUS_BYTES + 8 * extra
+}
 
 /// The two words of a status buffer, in one host wait: `Some(word 0)` when word 1 is
 /// clear, `None` when the program before left the batch to the CPU.
 pub fn read_status(status: &DeviceBuffer) -> Result<Option<u64>> {
-    let words = status.prefix_to_host(STATUS_BYTES)?;
+    Ok(read_status_words(status, 0)?.map(|(count, _)| count))
+}
+
+/// As [`read_status`], with the `extra` words after the first two (see [`status_bytes`]),
+/// all in one host wait: `Some((word 0, words 2..2 + extra))` when word 1 is clear.
+pub fn read_status_words(status: &DeviceBuffer, extra: usize) -> Result<Option<(u64, Vec<u64>)>> {
+    let words = status.prefix_to_host(status_bytes(extra))?;
     let word = |k: usize| -> Result<u64> {
         let bytes = words.get(8 * k..8 * k + 8).and_then(|b| b.try_into().ok());
         bytes
             .map(u64::from_le_bytes)
             .ok_or_else(|| KernelError::InvalidData("a short status read".into()))
     };
-    Ok((word(1)? == 0).then_some(word(0)?))
+    if word(1)? != 0 {
+        return Ok(None);
+    }
+    let rest = (2..2 + extra).map(word).collect::<Result<Vec<_>>>()?;
+    Ok(Some((word(0)?, rest)))
+}
+
+/// Word `index` (8 bytes) of a device buffer: where a queued kernel leaves a count or a
+/// total for the host to read later, or reads one an earlier kernel left there.
+#[derive(Debug, Clone, Copy)]
+pub struct Word<'a> {
+    buffer: &'a DeviceBuffer,
+    index: usize,
+}
+
+impl<'a> Word<'a> {
+    /// Word `index` of `buffer`, which must hold it.
+    pub fn of(buffer: &'a DeviceBuffer, index: usize) -> Result<Self> {
+        if buffer.len() < 8 * (index + 1) {
+            return Err(KernelError::Unsupported(format!(
+                "word {index} of a {}-byte buffer",
+                buffer.len()
+            )));
+        }
+        Ok(Self { buffer, index })
+    }
+
+    /// The word as a kernel argument: its own 8 bytes inside the buffer.
+    pub(crate) fn arg(self) -> Arg {
+        Arg::Buf(self.buffer.addr() + 8 * self.index as u64, 8)
+    }
+}
+
+/// Row indices queued kernels are still writing: the first `*count` of the `slots` in a
+/// buffer are real (the rest may be unwritten), each below `bound` or NULL_INDEX, their
+/// count a device [`Word`] the host has not read. Made only by the producers that queue
+/// such indices (a selection's scatter, a join probe), so that the kernels queued after
+/// them (a string gather's lengths) can trust every index they read.
+#[derive(Debug, Clone, Copy)]
+pub struct PendingIndices<'a> {
+    buffer: &'a DeviceBuffer,
+    slots: usize,
+    bound: usize,
+    count: Word<'a>,
+}
+
+impl<'a> PendingIndices<'a> {
+    pub(crate) fn new(
+        buffer: &'a DeviceBuffer,
+        slots: usize,
+        bound: usize,
+        count: Word<'a>,
+    ) -> Self {
+        Self {
+            buffer,
+            slots,
+            bound,
+            count,
+        }
+    }
+
+    /// Room for this many indices: at most this many are real.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Every real index is below this.
+    pub fn bound(&self) -> usize {
+        self.bound
+    }
 }
 
 pub(crate) fn check_rows(n: usize) -> Result<()> {

@@ -1,6 +1,6 @@
 //! Exclusive prefix sums of u64 values (`cuda/scan.cu`).
 
-use super::BLOCK;
+use super::{BLOCK, Word};
 use crate::device::{Arg, Device, LaunchConfig};
 use crate::kernels::Kernel;
 use crate::memory::DeviceBuffer;
@@ -25,19 +25,14 @@ pub fn exclusive_scan(
 }
 
 /// Queues the exclusive prefix sum of the first `n` u64 values of `input` without waiting:
-/// the offsets, with the total written to word 0 of `total_to` once the scan has run (over
+/// the offsets, with the total written to the word `total_to` once the scan has run (over
 /// no values nothing is written: the caller zeroes the word).
 pub fn exclusive_scan_queued(
     device: &Device,
     input: &DeviceBuffer,
     n: usize,
-    total_to: &DeviceBuffer,
+    total_to: Word<'_>,
 ) -> Result<DeviceBuffer> {
-    if total_to.len() < 8 {
-        return Err(KernelError::Unsupported(
-            "a scan total needs 8 bytes to go to".into(),
-        ));
-    }
     queue(device, input, n, Some(total_to)).map(|(out, _)| out)
 }
 
@@ -47,7 +42,7 @@ fn queue(
     device: &Device,
     input: &DeviceBuffer,
     n: usize,
-    total_to: Option<&DeviceBuffer>,
+    total_to: Option<Word<'_>>,
 ) -> Result<(DeviceBuffer, Option<(DeviceBuffer, usize)>)> {
     if input.len() < n * 8 {
         return Err(KernelError::Unsupported(format!(
@@ -73,7 +68,7 @@ fn queue(
         shared_bytes: 0,
     };
     // SAFETY: `input` holds n u64 (checked above), `sums` tiles + 1 u64 and `out` n u64,
-    // `total_to` (when given) at least one u64 (checked by the caller), all on `device`;
+    // `total_to` (when given) one u64 (a `Word` holds one), all on `device`;
     // the kernels are launched with blockDim.x == SCAN_THREADS (256) as scan.cu requires,
     // and the argument lists follow its signatures.
     unsafe {
@@ -85,7 +80,11 @@ fn queue(
         device.launch(
             Kernel::scan_tile_offsets,
             single,
-            &[Arg::buf(&sums), Arg::U64(tiles), Arg::opt(total_to)],
+            &[
+                Arg::buf(&sums),
+                Arg::U64(tiles),
+                total_to.map_or(Arg::Ptr(0), Word::arg),
+            ],
         )?;
         device.launch(
             Kernel::scan_tiles,

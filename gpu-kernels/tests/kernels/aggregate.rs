@@ -69,7 +69,9 @@ fn check_group_table(
             .map(|_| (!r.chance(5)).then(|| (r.next() % distinct) as i32))
             .collect();
         let k2: StringArray = (0..n)
-            .map(|_| (!r.chance(5)).then(|| format!("k{}", r.next() % 3)))
+            // Of lengths 0, 1 and 3: new groups' string keys are gathered at their
+            // first rows, each at the sum of the lengths of the new groups before it.
+            .map(|_| (!r.chance(5)).then(|| ["", "k", "kkk"][r.next() as usize % 3].to_string()))
             .collect();
         let v: Int32Array = (0..n)
             .map(|_| (!r.chance(10)).then(|| (r.next() % 2001) as i32 - 1000))

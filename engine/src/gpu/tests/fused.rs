@@ -207,6 +207,36 @@ async fn a_filter_waits_once_for_its_count_and_once_for_its_output() {
     );
 }
 
+/// A filter that outputs string columns waits no more: the lengths of the strings it
+/// gathers are queued over its selection before the count is known, and their byte totals
+/// come up with the count and the program's error word, in the same one wait (before,
+/// each string column added a wait of its own: 5 here). Its launches: the program, the
+/// compaction (5), two fixed-width gathers and, per string column, lengths, a three-step
+/// scan and the copy.
+#[tokio::test]
+async fn a_filter_gathering_strings_waits_once_for_its_count_and_their_bytes() {
+    let sql = "SELECT l_orderkey, l_linenumber, l_shipmode, l_comment, l_returnflag FROM lineitem \
+               WHERE l_shipdate > DATE '1998-09-01' AND l_discount >= 0.05 \
+               ORDER BY l_orderkey, l_linenumber";
+    let (launches, syncs) = work_per_batch_of(
+        "a filter gathering strings",
+        sql,
+        [
+            "emulated:1/filter-strings-cpu",
+            "emulated:1/filter-strings-a",
+            "emulated:1/filter-strings-b",
+        ],
+        |text, plan| {
+            assert!(plan_has(plan, "GpuFilterExec"), "{text}");
+        },
+    )
+    .await;
+    assert!(
+        launches <= 23.0 && syncs <= 2.0,
+        "{launches} launches, {syncs} syncs"
+    );
+}
+
 /// Rows a fused filter drops make no group, whatever the keys (computed, strings, NULL)
 /// and aggregates (with their own FILTER too); rows it drops cannot fail an argument (the
 /// batch goes to the CPU by rule, which filters first, as DataFusion does); with no row

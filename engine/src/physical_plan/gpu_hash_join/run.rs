@@ -3,6 +3,7 @@
 //! rows the join type emits at the end.
 
 use super::*;
+use fulmen_kernels::column::{Layout, layout_of};
 
 /// The build side shared by the partitions of a CollectLeft join, and the build rows they
 /// matched; the last partition to finish emits the build rows the join type keeps.
@@ -429,12 +430,34 @@ impl DeviceProbing {
         let run = &self.run;
         let (device, metrics) = (&run.device, &run.metrics);
         let n = chunk.num_rows();
+        let sources = run.work.output_sources();
+        // The probe's keys, and the string columns it outputs, go up before the probe: the
+        // strings' lengths are queued over the pending matches, so that their byte totals
+        // come up in the probe's one wait. Other probe columns go up once something matched.
         let mut probe_columns: HashMap<usize, DeviceColumn> = HashMap::new();
-        for &c in &run.work.right_keys {
+        let schema = chunk.schema();
+        let probe_strings = sources
+            .iter()
+            .filter(|&&(from_build, c)| !from_build && held_as_bytes(schema.field(c).data_type()))
+            .map(|&(_, c)| c);
+        for c in run.work.right_keys.iter().copied().chain(probe_strings) {
             if let std::collections::hash_map::Entry::Vacant(slot) = probe_columns.entry(c) {
                 slot.insert(chunk.device_column(c, device, metrics)?);
             }
         }
+        let source_of = |from_build: bool, c: usize| -> Option<&DeviceColumn> {
+            match from_build {
+                true => self.build_columns.get(&c),
+                false => probe_columns.get(&c),
+            }
+        };
+        // Each string output (by position in `sources`) and its word among the probe's.
+        let strings: Vec<usize> = (0..sources.len())
+            .filter(|&i| {
+                let (from_build, c) = sources[i];
+                source_of(from_build, c).is_some_and(|col| col.offsets().is_some())
+            })
+            .collect();
         let keys: Vec<&DeviceColumn> = run
             .work
             .right_keys
@@ -442,25 +465,64 @@ impl DeviceProbing {
             .map(|c| &probe_columns[c])
             .collect();
         // NULL probe keys need no validity here: the verification rejects them.
-        let Some((build_rows, probe_rows)) =
-            metrics.kernel(|| table.probe_on_device(&keys, None, n))?
-        else {
+        let probed = metrics.kernel(|| -> Result<_, KernelError> {
+            let Some(queued) = table.probe_queued(&keys, None, n, strings.len())? else {
+                return Ok(None);
+            };
+            let mut starts = Vec::with_capacity(strings.len());
+            for (k, &i) in strings.iter().enumerate() {
+                let (from_build, c) = sources[i];
+                let pending = match from_build {
+                    true => queued.pending_build(),
+                    false => queued.pending_probe(),
+                };
+                let column = source_of(from_build, c).ok_or_else(|| {
+                    KernelError::InvalidData(format!("string column {c} is not on the device"))
+                })?;
+                starts.push(gather::queue_string_starts(
+                    column,
+                    pending,
+                    queued.extra_word(k)?,
+                )?);
+            }
+            let probed = queued.finish()?;
+            // After a probe that ran again with exact sizes the queued starts are void.
+            let started: HashMap<usize, (gather::QueuedStarts, u64)> = match probed.words {
+                Some(totals) => strings
+                    .iter()
+                    .copied()
+                    .zip(starts.into_iter().zip(totals))
+                    .collect(),
+                None => HashMap::new(),
+            };
+            Ok(probed.pairs.map(|pairs| (pairs, started)))
+        })?;
+        drop(keys);
+        let Some(((build_rows, probe_rows), mut started)) = probed else {
             return Ok(None);
         };
         let rows = build_rows.len();
         let mut columns = Vec::new();
-        for (from_build, c) in run.work.output_sources() {
-            let column = if from_build {
-                let source = self.build_columns.get(&c).ok_or_else(|| {
-                    KernelError::InvalidData(format!("build column {c} is not on the device"))
-                })?;
-                metrics.kernel(|| gather::gather_column(source, &build_rows))?
-            } else {
-                if let std::collections::hash_map::Entry::Vacant(slot) = probe_columns.entry(c) {
-                    slot.insert(chunk.device_column(c, device, metrics)?);
+        for (i, &(from_build, c)) in sources.iter().enumerate() {
+            if !from_build
+                && let std::collections::hash_map::Entry::Vacant(slot) = probe_columns.entry(c)
+            {
+                slot.insert(chunk.device_column(c, device, metrics)?);
+            }
+            let source = match from_build {
+                true => self.build_columns.get(&c),
+                false => probe_columns.get(&c),
+            }
+            .ok_or_else(|| {
+                KernelError::InvalidData(format!("output column {c} is not on the device"))
+            })?;
+            let indices = if from_build { &build_rows } else { &probe_rows };
+            let column = metrics.kernel(|| match started.remove(&i) {
+                Some((starts, total)) => {
+                    gather::gather_column_started(source, indices, starts, total)
                 }
-                metrics.kernel(|| gather::gather_column(&probe_columns[&c], &probe_rows))?
-            };
+                None => gather::gather_column(source, indices),
+            })?;
             columns.push(Col::Device(column));
         }
         let (work, build, probe) = (Arc::clone(&run.work), self.build.clone(), chunk.lineage());
@@ -473,6 +535,13 @@ impl DeviceProbing {
             .to_device(&run.work.schema, device, metrics, redo)
             .map(Some)
     }
+}
+
+/// Whether a column of this type is held on the device as offsets and bytes (a string or
+/// binary column, after any conversion on upload).
+fn held_as_bytes(data_type: &DataType) -> bool {
+    fulmen_kernels::column::device_type(data_type, 0)
+        .is_ok_and(|t| matches!(layout_of(&t), Some(Layout::Var(_))))
 }
 
 /// An inner join's output for one probe batch, matched on the host.

@@ -1,0 +1,177 @@
+//! String gathers queued before the host knows how many rows they gather: their lengths
+//! run over a selection's or a join probe's pending indices, their byte totals come up in
+//! the same wait as the count, and the copies follow without another.
+
+use fulmen_kernels::ops::join::JoinTable;
+use fulmen_kernels::ops::{Word, read_status_words, status_bytes};
+
+use super::*;
+
+/// A selection's count and the byte totals of a `Utf8` and a `LargeUtf8` column gathered by
+/// it come up in one wait; the gathers then wait for nothing and give what Arrow's filter
+/// gives, NULLs and empty strings included, at every awkward size and selectivity.
+#[test]
+fn string_gathers_over_a_queued_selection_wait_with_its_count() {
+    let d = device();
+    for &n in SIZES {
+        for (keep, nulls) in [(50, 10), (0, 0), (100, 0), (3, 40)] {
+            let seed = n as u64 * 13 + keep;
+            let columns = random_columns(n, seed, 15);
+            let strings = [&columns[11], &columns[12]];
+            let on_device: Vec<DeviceColumn> = strings
+                .iter()
+                .map(|c| DeviceColumn::upload(&d, c.as_ref()).unwrap())
+                .collect();
+            let predicate = selection(n, seed ^ 0x5EED, keep, nulls);
+            let p = DeviceColumn::upload(&d, &predicate).unwrap();
+            let status = d.upload(&vec![0; status_bytes(2)]).unwrap();
+            let before = d.counts().syncs;
+            let queued =
+                compact::selection_indices_queued(&d, p.values(), p.validity(), n, &status)
+                    .unwrap();
+            let starts: Vec<_> = on_device
+                .iter()
+                .enumerate()
+                .map(|(k, c)| {
+                    gather::queue_string_starts(
+                        c,
+                        queued.pending(&status).unwrap(),
+                        Word::of(&status, 2 + k).unwrap(),
+                    )
+                    .unwrap()
+                })
+                .collect();
+            assert_eq!(d.counts().syncs, before, "queueing waits for nothing");
+            let (count, totals) = read_status_words(&status, 2).unwrap().unwrap();
+            let indices = queued.with_count(count).unwrap();
+            let gathered: Vec<DeviceColumn> = on_device
+                .iter()
+                .zip(starts)
+                .zip(&totals)
+                .map(|((c, s), &total)| {
+                    gather::gather_column_started(c, &indices, s, total).unwrap()
+                })
+                .collect();
+            assert_eq!(
+                d.counts().syncs,
+                before + 1,
+                "one wait for the count and both byte totals, none for the gathers"
+            );
+            for ((got, want), total) in gathered.iter().zip(strings).zip(&totals) {
+                let want = filter(want.as_ref(), &predicate).unwrap();
+                let got = got.to_arrow().unwrap();
+                assert_eq!(
+                    got.as_ref(),
+                    want.as_ref(),
+                    "n={n} keep={keep}% nulls={nulls}%"
+                );
+                let bytes = want.to_data().buffers()[1].len() as u64;
+                assert!(*total <= bytes.max(1), "total {total} of {bytes} bytes");
+            }
+        }
+    }
+}
+
+/// Starts queued for one column or index list are refused for another, and a selection's
+/// pending indices are refused with another status buffer than the one its count goes to.
+#[test]
+fn queued_string_starts_are_only_used_where_they_were_queued() {
+    let d = device();
+    let n = 500;
+    let columns = random_columns(n, 3, 10);
+    let a = DeviceColumn::upload(&d, columns[11].as_ref()).unwrap();
+    let b = DeviceColumn::upload(&d, columns[11].as_ref()).unwrap();
+    let numbers = DeviceColumn::upload(&d, columns[3].as_ref()).unwrap();
+    let p = DeviceColumn::upload(&d, &selection(n, 4, 50, 0)).unwrap();
+    let status = d.upload(&vec![0; status_bytes(1)]).unwrap();
+    let other = d.upload(&vec![0; status_bytes(1)]).unwrap();
+    let queued =
+        compact::selection_indices_queued(&d, p.values(), p.validity(), n, &status).unwrap();
+    assert!(queued.pending(&other).is_err());
+    let word = Word::of(&status, 2).unwrap();
+    assert!(Word::of(&status, 3).is_err(), "a word past the buffer");
+    assert!(gather::queue_string_starts(&numbers, queued.pending(&status).unwrap(), word).is_err());
+    let starts = gather::queue_string_starts(&a, queued.pending(&status).unwrap(), word).unwrap();
+    let (count, totals) = read_status_words(&status, 1).unwrap().unwrap();
+    let indices = queued.with_count(count).unwrap();
+    let err = gather::gather_column_started(&b, &indices, starts, totals[0]).unwrap_err();
+    assert!(err.to_string().contains("another column"), "{err}");
+    // Starts over the selection's indices are refused for other indices.
+    let again = compact::selection_indices_queued(&d, p.values(), p.validity(), n, &other).unwrap();
+    let starts = gather::queue_string_starts(
+        &a,
+        again.pending(&other).unwrap(),
+        Word::of(&other, 2).unwrap(),
+    )
+    .unwrap();
+    let (_, totals) = read_status_words(&other, 1).unwrap().unwrap();
+    let other_indices = RowIndices::upload(&d, &[1, 2, 3], n).unwrap();
+    let err = gather::gather_column_started(&a, &other_indices, starts, totals[0]).unwrap_err();
+    assert!(err.to_string().contains("other indices"), "{err}");
+}
+
+/// A join probe's match count and the byte totals of string columns gathered from both
+/// sides come up in one wait, and the gathers give Arrow's `take` at the matched rows; a
+/// probe whose candidates overflowed its guess runs again with exact sizes and says the
+/// work queued over its pending matches counts for nothing.
+#[test]
+fn string_gathers_over_a_queued_join_probe_wait_with_its_totals() {
+    let d = device();
+    // 3000 build rows, each key 30 times; 2000 probe rows, two in three matching.
+    let build: Int64Array = (0..3000).map(|i| Some(i % 100)).collect();
+    let probe: Int64Array = (0..2000).map(|i| Some(i * 7 % 150)).collect();
+    let build_strings = random_columns(3000, 21, 10).swap_remove(11);
+    let probe_strings = random_columns(2000, 22, 10).swap_remove(12);
+    let up = |a: &dyn Array| DeviceColumn::upload(&d, a).unwrap();
+    let table = JoinTable::build(&d, vec![up(&build)], None, 3000, false).unwrap();
+    let keys = up(&probe);
+    let (bs, ps) = (up(build_strings.as_ref()), up(probe_strings.as_ref()));
+    let want_pairs = (0..2000).filter(|&p| probe.value(p) < 100).count() * 30;
+    for round in 0..2 {
+        let before = d.counts().syncs;
+        let queued = table
+            .probe_queued(&[&keys], None, 2000, 2)
+            .unwrap()
+            .unwrap();
+        let build_starts =
+            gather::queue_string_starts(&bs, queued.pending_build(), queued.extra_word(0).unwrap())
+                .unwrap();
+        let probe_starts =
+            gather::queue_string_starts(&ps, queued.pending_probe(), queued.extra_word(1).unwrap())
+                .unwrap();
+        assert!(queued.extra_word(2).is_err());
+        assert_eq!(d.counts().syncs, before, "queueing waits for nothing");
+        let probed = queued.finish().unwrap();
+        let (build_rows, probe_rows) = probed.pairs.unwrap();
+        assert_eq!(build_rows.len(), want_pairs);
+        let (got_build, got_probe) = match probed.words {
+            None => {
+                assert_eq!(round, 0, "only the first probe outgrows its guess");
+                (
+                    gather::gather_column(&bs, &build_rows).unwrap(),
+                    gather::gather_column(&ps, &probe_rows).unwrap(),
+                )
+            }
+            Some(totals) => {
+                assert_eq!(round, 1, "the first probe outgrew its guess");
+                let got = (
+                    gather::gather_column_started(&bs, &build_rows, build_starts, totals[0])
+                        .unwrap(),
+                    gather::gather_column_started(&ps, &probe_rows, probe_starts, totals[1])
+                        .unwrap(),
+                );
+                assert_eq!(
+                    d.counts().syncs,
+                    before + 1,
+                    "one wait for the probe's totals and both byte totals"
+                );
+                got
+            }
+        };
+        let rows = |r: &RowIndices| UInt32Array::from(r.to_host().unwrap());
+        let want_build = take(build_strings.as_ref(), &rows(&build_rows), None).unwrap();
+        let want_probe = take(probe_strings.as_ref(), &rows(&probe_rows), None).unwrap();
+        assert_eq!(got_build.to_arrow().unwrap().as_ref(), want_build.as_ref());
+        assert_eq!(got_probe.to_arrow().unwrap().as_ref(), want_probe.as_ref());
+    }
+}
