@@ -8,14 +8,34 @@
 //!
 //! A batch whose schema differs from the waiting ones' (DataFusion's streams may vary in
 //! field metadata or nullability) closes the waiting batch first; a device chunk (a GPU
-//! child's output) goes on alone; one host batch larger than the limit is not cut here (an
-//! aggregate whose device runs out of memory for a batch splits it in halves; the other
-//! operators redo that batch on the CPU).
+//! child's output) goes on alone; one host batch larger than the limit is not cut here. A
+//! host batch the device runs out of memory for is split in halves ([`halves`]), down to
+//! [`MIN_SPLIT_ROWS`], by the aggregate and by the filter and projection stream; a join's
+//! probe batch is redone on the CPU.
 
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch};
 use datafusion::arrow::datatypes::{DataType, SchemaRef};
 
 use super::gpu_stream::Chunk;
+
+/// The smallest piece a batch that does not fit in device memory is split into.
+pub const MIN_SPLIT_ROWS: usize = 4096;
+
+/// The two halves of a host chunk the device had no memory for, when it is long enough to
+/// split (`None` for a device chunk or one of fewer than 2 × [`MIN_SPLIT_ROWS`] rows: it
+/// goes to the CPU instead).
+pub fn halves(chunk: &Chunk) -> Option<[Chunk; 2]> {
+    match chunk {
+        Chunk::Host(b) if b.num_rows() >= 2 * MIN_SPLIT_ROWS => {
+            let half = b.num_rows() / 2;
+            Some([
+                Chunk::Host(b.slice(0, half)),
+                Chunk::Host(b.slice(half, b.num_rows() - half)),
+            ])
+        }
+        _ => None,
+    }
+}
 use crate::FulmenConfig;
 
 /// The size at which waiting host batches go to the device as one.

@@ -127,21 +127,22 @@ impl BatchWork for FilterWork {
             };
             let totals: HashMap<usize, u64> = strings.iter().copied().zip(totals).collect();
             let indices = selection.with_count(count)?;
-            let columns = self
-                .outputs
-                .iter()
-                .map(|c| {
-                    let column = &on_device[c];
-                    match starts.remove(c) {
+            // Each input column is gathered once, whatever the times it is output.
+            let mut gathered: HashMap<usize, DeviceColumn> = HashMap::new();
+            let mut columns = Vec::with_capacity(self.outputs.len());
+            for &c in &self.outputs {
+                if let std::collections::hash_map::Entry::Vacant(slot) = gathered.entry(c) {
+                    let column = &on_device[&c];
+                    let out = match starts.remove(&c) {
                         Some(started) => {
-                            gather::gather_column_started(column, &indices, started, totals[c])
+                            gather::gather_column_started(column, &indices, started, totals[&c])?
                         }
-                        // A column output twice gathers its strings again.
-                        None => gather::gather_column(column, &indices),
-                    }
-                    .map(Col::Device)
-                })
-                .collect::<Result<Vec<_>, _>>()?;
+                        None => gather::gather_column(column, &indices)?,
+                    };
+                    slot.insert(out);
+                }
+                columns.push(Col::Device(gathered[&c].clone()));
+            }
             Ok(Some(Output {
                 columns,
                 rows: indices.len(),

@@ -42,6 +42,9 @@ pub struct GpuMetrics {
     pub d2h_time: Time,
     /// Batches the device processed.
     pub gpu_batches: Count,
+    /// Device batches split in halves because they did not fit in device memory (each
+    /// half is then a batch of its own; see `coalesce::halves`).
+    pub split_batches: Count,
     /// Batches redone on the CPU because the device could not do them (exhausted memory,
     /// an injected fault, or a device error with `fulmen.gpu.on_error = fallback`).
     pub cpu_batches: Count,
@@ -88,6 +91,7 @@ impl GpuMetrics {
             d2h_bytes: builder().counter("d2h_bytes", partition),
             d2h_time: builder().subset_time("d2h_time", partition),
             gpu_batches: builder().counter("gpu_batches", partition),
+            split_batches: builder().counter("split_batches", partition),
             cpu_batches: builder().counter("cpu_batches", partition),
             cpu_rule_batches: builder().counter("cpu_rule_batches", partition),
             device_errors: builder().counter("device_errors", partition),

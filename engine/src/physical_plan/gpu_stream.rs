@@ -26,7 +26,7 @@ use datafusion::physical_plan::ExecutionPlan;
 use fulmen_kernels::{Device, DeviceBatch, DeviceColumn, KernelError};
 use futures::{Stream, StreamExt};
 
-use super::coalesce::{BatchLimit, Coalescer};
+use super::coalesce::{BatchLimit, Coalescer, halves};
 pub use super::gpu_metrics::*;
 use crate::gpu::compile::Reason;
 
@@ -348,53 +348,70 @@ impl<W: BatchWork> GpuStream<W> {
         }
     }
 
+    /// Runs a chunk on the device and queues its output. A host chunk the device has no
+    /// memory for is split in halves, each run on its own (down to `MIN_SPLIT_ROWS`, see
+    /// `coalesce::halves`); what is left goes to the CPU.
     fn process(&mut self, chunk: Chunk) -> Result<()> {
-        let timer = self.metrics.baseline.elapsed_compute().timer();
-        let done = self
-            .work
-            .gpu(&self.device, &chunk, &self.metrics)
-            .and_then(|out| match out {
-                None => Ok(None),
-                Some(out) if self.resident => {
-                    let (work, input) = (Arc::clone(&self.work), chunk.lineage());
-                    let redo = Redo::new(move || work.cpu(&input.run()?));
-                    out.to_device(&self.schema, &self.device, &self.metrics, redo)
-                        .map(Some)
+        let mut pieces = VecDeque::from([chunk]);
+        while let Some(piece) = pieces.pop_front() {
+            let timer = self.metrics.baseline.elapsed_compute().timer();
+            let out = match self.on_device(&piece) {
+                Ok(Some(out)) => {
+                    count_batch(&self.metrics, BatchOn::Device);
+                    out
                 }
-                Some(out) => out
-                    .to_host(&self.schema, &self.metrics)
-                    .map(|b| Some(Chunk::Host(b))),
-            });
-        let out = match done {
-            Ok(Some(out)) => {
-                count_batch(&self.metrics, BatchOn::Device);
-                out
-            }
-            outcome => {
-                match outcome {
-                    Err(e) => {
-                        self.metrics.recover(&e, "redoing a batch on the CPU")?;
-                        count_batch(&self.metrics, BatchOn::Fallback);
+                Err(e @ KernelError::OutOfDeviceMemory { .. })
+                    if let Some([first, second]) = halves(&piece) =>
+                {
+                    log::debug!("{}: splitting a batch in halves: {e}", self.device);
+                    self.metrics.split_batches.add(1);
+                    pieces.push_front(second);
+                    pieces.push_front(first);
+                    continue;
+                }
+                outcome => {
+                    match outcome {
+                        Err(e) => {
+                            self.metrics.recover(&e, "redoing a batch on the CPU")?;
+                            count_batch(&self.metrics, BatchOn::Fallback);
+                        }
+                        _ => count_batch(&self.metrics, BatchOn::Rule),
                     }
-                    _ => count_batch(&self.metrics, BatchOn::Rule),
+                    let batch = piece.host_for_cpu(&self.metrics)?;
+                    Chunk::Host(self.work.cpu(&batch)?)
                 }
-                let batch = chunk.host_for_cpu(&self.metrics)?;
-                Chunk::Host(self.work.cpu(&batch)?)
-            }
-        };
-        timer.done();
-        match out {
-            Chunk::Host(out) => {
-                let mut at = 0;
-                while at < out.num_rows() {
-                    let len = self.output_rows.min(out.num_rows() - at);
-                    self.ready.push_back(Chunk::Host(out.slice(at, len)));
-                    at += len;
+            };
+            timer.done();
+            match out {
+                Chunk::Host(out) => {
+                    let mut at = 0;
+                    while at < out.num_rows() {
+                        let len = self.output_rows.min(out.num_rows() - at);
+                        self.ready.push_back(Chunk::Host(out.slice(at, len)));
+                        at += len;
+                    }
                 }
+                device => self.ready.push_back(device),
             }
-            device => self.ready.push_back(device),
         }
         Ok(())
+    }
+
+    /// The work's output for one chunk, on the device when `resident`, else on the host
+    /// (`None`: the work left the chunk to the CPU by rule).
+    fn on_device(&self, chunk: &Chunk) -> Result<Option<Chunk>, KernelError> {
+        let Some(out) = self.work.gpu(&self.device, chunk, &self.metrics)? else {
+            return Ok(None);
+        };
+        if self.resident {
+            let (work, input) = (Arc::clone(&self.work), chunk.lineage());
+            let redo = Redo::new(move || work.cpu(&input.run()?));
+            return out
+                .to_device(&self.schema, &self.device, &self.metrics, redo)
+                .map(Some);
+        }
+        out.to_host(&self.schema, &self.metrics)
+            .map(|b| Some(Chunk::Host(b)))
     }
 
     /// Adds an input chunk. Host batches are coalesced into device batches (see

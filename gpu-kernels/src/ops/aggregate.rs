@@ -578,7 +578,7 @@ impl GroupTable {
         // row as the last batch brought: a batch that brings more than there is room for
         // is undone and done again, which costs another wait.
         let expected = (n as u64).saturating_mul(self.new_per_row) / 1024;
-        let expected = expected + expected / 8;
+        let expected = (expected + expected / 8).min(n as u64);
         let inserted_count = loop {
             let wanted = ((g0 as u64 + expected) * 2).max(2048).next_power_of_two();
             if self.slots.is_none() || self.capacity < wanted {

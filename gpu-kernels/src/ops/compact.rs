@@ -71,7 +71,8 @@ impl QueuedSelection {
 /// Queues the same compaction as [`selection_indices`] without a host wait: the count
 /// goes to word 0 of `status` (a [`STATUS_BYTES`](super::STATUS_BYTES) buffer the caller
 /// zeroed, whose word 1 an expression program before it may set), which the caller reads
-/// with [`read_status`](super::read_status) in its one wait for the batch.
+/// with [`read_status`](super::read_status) (or, with more words after the two,
+/// [`read_status_words`](super::read_status_words)) in its one wait for the batch.
 pub fn selection_indices_queued(
     device: &Device,
     values: &DeviceBuffer,

@@ -152,8 +152,10 @@ pub fn queue_flagged_string_starts(
 
 /// Gathers a string column with starts queued by [`queue_string_starts`] over the same
 /// indices (now counted), or by [`queue_flagged_string_starts`] over the flags these
-/// indices are the compaction of, and the byte total the host read: no wait. Other
-/// columns gather as [`gather_column`] does.
+/// indices are the compaction of (in row order, no NULL index), and the byte total the
+/// host read: no wait. The check that the starts were queued for these indices and this
+/// column compares buffer addresses: it catches a mix-up, not a buffer freed and its
+/// address handed out again (whatever the starts, no byte is written past the output).
 pub fn gather_column_started(
     column: &DeviceColumn,
     indices: &RowIndices,
@@ -162,7 +164,7 @@ pub fn gather_column_started(
 ) -> Result<DeviceColumn> {
     let fits = match started.indices {
         Some(addr) => addr == indices.buffer().addr() && indices.len() <= started.slots,
-        None => indices.bound() <= started.slots,
+        None => indices.bound() <= started.slots && !indices.nullable(),
     };
     if !fits || Some(started.offsets) != column.offsets().map(DeviceBuffer::addr) {
         return Err(KernelError::Unsupported(

@@ -23,7 +23,7 @@ pub struct JoinTable {
     descriptors: DeviceBuffer,
     rows: usize,
     /// The most candidate pairs per probe row seen so far, in 1/1024ths: it sizes the next
-    /// probe's outputs, so that the host waits once per probe (see `probe_on_device`).
+    /// probe's outputs, so that the host waits once per probe (see `probe_queued`).
     candidates_per_row: AtomicU64,
 }
 
@@ -187,7 +187,7 @@ impl JoinTable {
 
     /// Keeps the candidate pairs (`slots` of them; only the first `*pairs` real when
     /// given) whose keys are equal, in order: the matches' build and probe rows, and their
-    /// count when the host waited for it. With `total_to` the count is queued to its word 0
+    /// count when the host waited for it. With `total_to` the count is queued to that word
     /// instead, and the outputs have room for `slots` matches.
     fn matched(
         &self,

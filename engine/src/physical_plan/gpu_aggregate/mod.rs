@@ -68,16 +68,13 @@ use fulmen_kernels::ops::aggregate::GroupTable;
 use fulmen_kernels::{Device, KernelError};
 use futures::{StreamExt, TryStreamExt};
 
-use super::coalesce::{BatchLimit, Coalescer};
+use super::coalesce::{BatchLimit, Coalescer, halves};
 use super::gpu_stream::{
     BatchOn, Chunk, ChunkStream, GpuMetrics, OperatorKind, count_batch, count_operator,
     device_error, device_for, input_chunks,
 };
 use super::once::OnceExec;
 use crate::gpu::compile::Reason;
-
-/// The smallest piece a batch that does not fit in device memory is split into.
-const MIN_SPLIT_ROWS: usize = 4096;
 
 mod plan;
 mod states;
@@ -284,8 +281,6 @@ struct ExtraMetrics {
     shared_memory_batches: Count,
     /// Batches whose accumulators were updated in the global table.
     global_table_batches: Count,
-    /// Device batches split in halves because they did not fit in device memory.
-    split_batches: Count,
     /// 1 when the device gave up (fault, memory) and DataFusion finished on the CPU.
     cpu_fallback: Count,
     /// Spills to disk: the device keeps its state in device memory and never spills
@@ -307,7 +302,6 @@ impl ExtraMetrics {
             distinct_pairs: builder().counter("distinct_pairs", partition),
             shared_memory_batches: builder().counter("shared_memory_batches", partition),
             global_table_batches: builder().counter("global_table_batches", partition),
-            split_batches: builder().counter("split_batches", partition),
             cpu_fallback: builder().counter("cpu_fallback", partition),
             spill_count: MetricBuilder::new(set).spill_count(partition),
         }
@@ -481,8 +475,8 @@ impl Run {
             let timer = self.metrics.baseline.elapsed_compute().timer();
             let outcome = self.work.update(table, &self.device, &piece, &self.metrics);
             timer.done();
-            match (outcome, &piece) {
-                (Ok(on_device), _) => {
+            match outcome {
+                Ok(on_device) => {
                     let on = if on_device {
                         BatchOn::Device
                     } else {
@@ -493,16 +487,17 @@ impl Run {
                         lock(retained).push(piece.clone());
                     }
                 }
-                (
-                    Err(UpdateError::Device(KernelError::OutOfDeviceMemory { .. })),
-                    Chunk::Host(b),
-                ) if b.num_rows() >= 2 * MIN_SPLIT_ROWS => {
-                    let half = b.num_rows() / 2;
-                    self.extra.split_batches.add(1);
-                    pieces.push_front(Chunk::Host(b.slice(half, b.num_rows() - half)));
-                    pieces.push_front(Chunk::Host(b.slice(0, half)));
-                }
-                (Err(e), _) => {
+                Err(e) => {
+                    if let (
+                        UpdateError::Device(KernelError::OutOfDeviceMemory { .. }),
+                        Some([first, second]),
+                    ) = (&e, halves(&piece))
+                    {
+                        self.metrics.split_batches.add(1);
+                        pieces.push_front(second);
+                        pieces.push_front(first);
+                        continue;
+                    }
                     pieces.push_front(piece);
                     pending.put_back(pieces.into_iter().collect());
                     return Err(e);
