@@ -26,7 +26,8 @@ cargo test --workspace --locked
 # Binaries and examples are built for the whole workspace at once, as the tests were: a
 # `cargo run -p NAME` resolves features for that package alone and rebuilds DataFusion.
 target="${CARGO_TARGET_DIR:-target}"
-cargo build --workspace --bins --examples --locked -q
+# `--lib` makes the stand-in driver's .so (a cdylib: `cargo test` does not build it).
+cargo build --workspace --lib --bins --examples --locked -q
 bin="$target/debug"
 
 step "example: embedding FulmenContext"

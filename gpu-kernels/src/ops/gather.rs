@@ -41,12 +41,7 @@ pub fn queue_string_starts(
     indices: PendingIndices<'_>,
     total_to: Word<'_>,
 ) -> Result<QueuedStarts> {
-    let (Layout::Var(width), Some(offsets)) = (column.layout(), column.offsets()) else {
-        return Err(KernelError::Unsupported(format!(
-            "string starts of a {} column",
-            column.data_type()
-        )));
-    };
+    let (width, offsets) = string_offsets(column)?;
     if indices.bound() > column.len() {
         return Err(KernelError::Unsupported(format!(
             "indices into {} rows used on a column of {}",
@@ -87,13 +82,13 @@ pub fn queue_string_starts(
             )?;
         }
     }
-    let starts = scan::exclusive_scan_queued(device, &lengths, slots, total_to)?;
-    Ok(QueuedStarts {
-        starts,
+    starts_from(
+        &lengths,
         slots,
-        indices: Some(indices.buffer.addr()),
-        offsets: offsets.addr(),
-    })
+        total_to,
+        Some(indices.buffer.addr()),
+        offsets,
+    )
 }
 
 /// Queues, without a host wait, the starts of the strings of the rows of `column` that
@@ -105,12 +100,7 @@ pub fn queue_flagged_string_starts(
     flags: &DeviceBuffer,
     total_to: Word<'_>,
 ) -> Result<QueuedStarts> {
-    let (Layout::Var(width), Some(offsets)) = (column.layout(), column.offsets()) else {
-        return Err(KernelError::Unsupported(format!(
-            "string starts of a {} column",
-            column.data_type()
-        )));
-    };
+    let (width, offsets) = string_offsets(column)?;
     let n = column.len();
     if flags.len() < n * 8 {
         return Err(KernelError::Unsupported(format!(
@@ -141,11 +131,33 @@ pub fn queue_flagged_string_starts(
             )?;
         }
     }
-    let starts = scan::exclusive_scan_queued(device, &lengths, n, total_to)?;
+    starts_from(&lengths, n, total_to, None, offsets)
+}
+
+/// A string column's offset width and offsets.
+fn string_offsets(column: &DeviceColumn) -> Result<(usize, &DeviceBuffer)> {
+    match (column.layout(), column.offsets()) {
+        (Layout::Var(width), Some(offsets)) => Ok((width, offsets)),
+        _ => Err(KernelError::Unsupported(format!(
+            "string starts of a {} column",
+            column.data_type()
+        ))),
+    }
+}
+
+/// Queues the scan of `slots` lengths into starts, their total to `total_to`.
+fn starts_from(
+    lengths: &DeviceBuffer,
+    slots: usize,
+    total_to: Word<'_>,
+    indices: Option<u64>,
+    offsets: &DeviceBuffer,
+) -> Result<QueuedStarts> {
+    let starts = scan::exclusive_scan_queued(lengths.device(), lengths, slots, total_to)?;
     Ok(QueuedStarts {
         starts,
-        slots: n,
-        indices: None,
+        slots,
+        indices,
         offsets: offsets.addr(),
     })
 }

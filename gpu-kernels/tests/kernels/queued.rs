@@ -9,10 +9,22 @@ use super::*;
 
 /// A selection's count and the byte totals of a `Utf8` and a `LargeUtf8` column gathered by
 /// it come up in one wait; the gathers then wait for nothing and give what Arrow's filter
-/// gives, NULLs and empty strings included, at every awkward size and selectivity.
+/// gives, NULLs and empty strings included, at every awkward size and selectivity (the
+/// waits counted on an emulated device of the test's own: the CUDA test device is shared
+/// by every test).
 #[test]
 fn string_gathers_over_a_queued_selection_wait_with_its_count() {
-    let d = device();
+    selection_strings(&device(), false);
+    selection_strings(&emulated(), true);
+}
+
+fn selection_strings(d: &Device, count_waits: bool) {
+    let d = d.clone();
+    let waits = |since: u64, want: u64, what: &str| {
+        if count_waits {
+            assert_eq!(d.counts().syncs - since, want, "{what}");
+        }
+    };
     for &n in SIZES {
         for (keep, nulls) in [(50, 10), (0, 0), (100, 0), (3, 40)] {
             let seed = n as u64 * 13 + keep;
@@ -41,7 +53,7 @@ fn string_gathers_over_a_queued_selection_wait_with_its_count() {
                     .unwrap()
                 })
                 .collect();
-            assert_eq!(d.counts().syncs, before, "queueing waits for nothing");
+            waits(before, 0, "queueing waits for nothing");
             let (count, totals) = read_status_words(&status, 2).unwrap().unwrap();
             let indices = queued.with_count(count).unwrap();
             let gathered: Vec<DeviceColumn> = on_device
@@ -52,10 +64,10 @@ fn string_gathers_over_a_queued_selection_wait_with_its_count() {
                     gather::gather_column_started(c, &indices, s, total).unwrap()
                 })
                 .collect();
-            assert_eq!(
-                d.counts().syncs,
-                before + 1,
-                "one wait for the count and both byte totals, none for the gathers"
+            waits(
+                before,
+                1,
+                "one wait for the count and both byte totals, none for the gathers",
             );
             for ((got, want), total) in gathered.iter().zip(strings).zip(&totals) {
                 let want = filter(want.as_ref(), &predicate).unwrap();
@@ -116,10 +128,20 @@ fn queued_string_starts_are_only_used_where_they_were_queued() {
 /// A join probe's match count and the byte totals of string columns gathered from both
 /// sides come up in one wait, and the gathers give Arrow's `take` at the matched rows; a
 /// probe whose candidates overflowed its guess runs again with exact sizes and says the
-/// work queued over its pending matches counts for nothing.
+/// work queued over its pending matches counts for nothing (waits counted as above).
 #[test]
 fn string_gathers_over_a_queued_join_probe_wait_with_its_totals() {
-    let d = device();
+    probe_strings(&device(), false);
+    probe_strings(&emulated(), true);
+}
+
+fn probe_strings(d: &Device, count_waits: bool) {
+    let d = d.clone();
+    let waits = |since: u64, want: u64, what: &str| {
+        if count_waits {
+            assert_eq!(d.counts().syncs - since, want, "{what}");
+        }
+    };
     // 3000 build rows, each key 30 times; 2000 probe rows, two in three matching.
     let build: Int64Array = (0..3000).map(|i| Some(i % 100)).collect();
     let probe: Int64Array = (0..2000).map(|i| Some(i * 7 % 150)).collect();
@@ -143,7 +165,7 @@ fn string_gathers_over_a_queued_join_probe_wait_with_its_totals() {
             gather::queue_string_starts(&ps, queued.pending_probe(), queued.extra_word(1).unwrap())
                 .unwrap();
         assert!(queued.extra_word(2).is_err());
-        assert_eq!(d.counts().syncs, before, "queueing waits for nothing");
+        waits(before, 0, "queueing waits for nothing");
         let probed = queued.finish().unwrap();
         let (build_rows, probe_rows) = probed.pairs.unwrap();
         assert_eq!(build_rows.len(), want_pairs);
@@ -163,10 +185,10 @@ fn string_gathers_over_a_queued_join_probe_wait_with_its_totals() {
                     gather::gather_column_started(&ps, &probe_rows, probe_starts, totals[1])
                         .unwrap(),
                 );
-                assert_eq!(
-                    d.counts().syncs,
-                    before + 1,
-                    "one wait for the probe's totals and both byte totals"
+                waits(
+                    before,
+                    1,
+                    "one wait for the probe's totals and both byte totals",
                 );
                 got
             }
