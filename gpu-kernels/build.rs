@@ -219,8 +219,15 @@ fn embed_kernels() {
             return;
         }
     };
-    let header = std::fs::read_to_string(Path::new("cuda").join(HEADER_NAME))
-        .expect("cuda/fulmen.cuh is readable");
+    let headers: Vec<(&str, String)> = HEADER_NAMES
+        .iter()
+        .map(|&name| {
+            let text = std::fs::read_to_string(Path::new("cuda").join(name))
+                .unwrap_or_else(|e| panic!("cuda/{name}: {e}"));
+            (name, text)
+        })
+        .collect();
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(n, t)| (*n, t.as_str())).collect();
     let mut files: Vec<String> = std::fs::read_dir("cuda")
         .expect("cuda/ is readable")
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
@@ -246,7 +253,7 @@ fn embed_kernels() {
                         let source = std::fs::read_to_string(Path::new("cuda").join(file))
                             .map_err(|e| format!("cuda/{file}: {e}"));
                         let image = source
-                            .and_then(|s| nvrtc.compile(file, &inline_header(&s, &header), arch));
+                            .and_then(|s| nvrtc.compile(file, &inline_headers(&s, &headers), arch));
                         done.push((i, image));
                     }
                 })

@@ -36,6 +36,55 @@ __device__ __forceinline__ bool bit_is_set(const uint8_t* bits, uint64_t i) {
     return bits == nullptr || ((bits[i >> 3] >> (i & 7)) & 1);
 }
 
+// ---- row hashes (hash.cu, and fused kernels hashing keys held in registers) ----
+// The same functions are written in Rust in src/ops/hash.rs; the three must agree.
+
+#define NULL_HASH 0x5bd1e9955bd1e995ull
+
+__device__ __forceinline__ uint64_t fmix64(uint64_t k) {
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdull;
+    k ^= k >> 33;
+    k *= 0xc4ceb9fe1a85ec53ull;
+    k ^= k >> 33;
+    return k;
+}
+
+__device__ __forceinline__ uint64_t hash_combine(uint64_t seed, uint64_t h) {
+    return seed ^ (h + 0x9e3779b97f4a7c15ull + (seed << 6) + (seed >> 2));
+}
+
+// A fixed-width value of `bytes` bytes (its bits zero-extended to 64).
+__device__ __forceinline__ uint64_t hash_fixed(uint64_t bits, uint64_t bytes) { return fmix64(bits ^ (bytes << 56)); }
+
+__device__ __forceinline__ uint64_t hash_decimal(uint64_t lo, uint64_t hi) {
+    return hash_combine(fmix64(lo ^ (16ull << 56)), fmix64(hi));
+}
+
+// Floats: -0.0 hashes as 0.0 and every NaN as one NaN, as SQL grouping needs.
+__device__ __forceinline__ uint64_t hash_f32_bits(uint32_t bits) {
+    if ((bits & 0x7fffffffu) == 0) bits = 0;
+    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) bits = 0x7fc00000u;
+    return fmix64((uint64_t)bits ^ (4ull << 56));
+}
+
+__device__ __forceinline__ uint64_t hash_f64_bits(uint64_t bits) {
+    if ((bits & 0x7fffffffffffffffull) == 0) bits = 0;
+    if ((bits & 0x7ff0000000000000ull) == 0x7ff0000000000000ull && (bits & 0x000fffffffffffffull))
+        bits = 0x7ff8000000000000ull;
+    return fmix64(bits ^ (8ull << 56));
+}
+
+// A string's UTF-8 bytes (FNV-1a, then mixed with the length).
+__device__ __forceinline__ uint64_t hash_string(const uint8_t* bytes, int64_t len) {
+    uint64_t fnv = 0xcbf29ce484222325ull;
+    for (int64_t k = 0; k < len; ++k) {
+        fnv ^= bytes[k];
+        fnv *= 0x100000001b3ull;
+    }
+    return fmix64(fnv ^ (uint64_t)len);
+}
+
 // A 16-byte value (decimal128) moved as two words.
 struct __attribute__((aligned(16))) Word128 {
     uint64_t lo;

@@ -8,21 +8,6 @@
 // The same functions are written in Rust in src/ops/hash.rs; the two must agree.
 #include "fulmen.cuh"
 
-#define NULL_HASH 0x5bd1e9955bd1e995ull
-
-__device__ __forceinline__ uint64_t fmix64(uint64_t k) {
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdull;
-    k ^= k >> 33;
-    k *= 0xc4ceb9fe1a85ec53ull;
-    k ^= k >> 33;
-    return k;
-}
-
-__device__ __forceinline__ uint64_t hash_combine(uint64_t seed, uint64_t h) {
-    return seed ^ (h + 0x9e3779b97f4a7c15ull + (seed << 6) + (seed >> 2));
-}
-
 __device__ __forceinline__ void store_hash(uint64_t* hashes, uint64_t i, uint64_t h, uint32_t combine) {
     hashes[i] = combine ? hash_combine(hashes[i], h) : h;
 }
@@ -31,7 +16,7 @@ __device__ __forceinline__ void store_hash(uint64_t* hashes, uint64_t i, uint64_
     FULMEN_KERNEL NAME(const T* values, const uint8_t* validity, uint64_t n, uint64_t* hashes,      \
                        uint32_t combine) {                                                          \
         for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {                                    \
-            uint64_t h = bit_is_set(validity, i) ? fmix64((uint64_t)values[i] ^ (BYTES##ull << 56)) \
+            uint64_t h = bit_is_set(validity, i) ? hash_fixed((uint64_t)values[i], BYTES##ull)      \
                                                  : NULL_HASH;                                       \
             store_hash(hashes, i, h, combine);                                                      \
         }                                                                                           \
@@ -48,7 +33,7 @@ FULMEN_KERNEL hash_fixed_16(const Word128* values, const uint8_t* validity, uint
         uint64_t h = NULL_HASH;
         if (bit_is_set(validity, i)) {
             Word128 v = values[i];
-            h = hash_combine(fmix64(v.lo ^ (16ull << 56)), fmix64(v.hi));
+            h = hash_decimal(v.lo, v.hi);
         }
         store_hash(hashes, i, h, combine);
     }
@@ -59,10 +44,7 @@ FULMEN_KERNEL hash_f32(const uint32_t* values, const uint8_t* validity, uint64_t
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint64_t h = NULL_HASH;
         if (bit_is_set(validity, i)) {
-            uint32_t bits = values[i];
-            if ((bits & 0x7fffffffu) == 0) bits = 0;                                     // -0.0
-            if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) bits = 0x7fc00000u;  // NaN
-            h = fmix64((uint64_t)bits ^ (4ull << 56));
+            h = hash_f32_bits(values[i]);
         }
         store_hash(hashes, i, h, combine);
     }
@@ -73,11 +55,7 @@ FULMEN_KERNEL hash_f64(const uint64_t* values, const uint8_t* validity, uint64_t
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint64_t h = NULL_HASH;
         if (bit_is_set(validity, i)) {
-            uint64_t bits = values[i];
-            if ((bits & 0x7fffffffffffffffull) == 0) bits = 0;
-            if ((bits & 0x7ff0000000000000ull) == 0x7ff0000000000000ull && (bits & 0x000fffffffffffffull))
-                bits = 0x7ff8000000000000ull;
-            h = fmix64(bits ^ (8ull << 56));
+            h = hash_f64_bits(values[i]);
         }
         store_hash(hashes, i, h, combine);
     }
@@ -88,14 +66,8 @@ FULMEN_KERNEL hash_f64(const uint64_t* values, const uint8_t* validity, uint64_t
                                        uint64_t n, uint64_t* hashes, uint32_t combine) {            \
         for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {                                   \
             uint64_t h = NULL_HASH;                                                                \
-            if (bit_is_set(validity, i)) {                                                         \
-                uint64_t fnv = 0xcbf29ce484222325ull;                                              \
-                for (OFF k = offsets[i]; k < offsets[i + 1]; ++k) {                                \
-                    fnv ^= bytes[k];                                                               \
-                    fnv *= 0x100000001b3ull;                                                       \
-                }                                                                                  \
-                h = fmix64(fnv ^ (uint64_t)(offsets[i + 1] - offsets[i]));                         \
-            }                                                                                      \
+            if (bit_is_set(validity, i))                                                           \
+                h = hash_string(bytes + offsets[i], (int64_t)(offsets[i + 1] - offsets[i]));       \
             store_hash(hashes, i, h, combine);                                                     \
         }                                                                                          \
     }

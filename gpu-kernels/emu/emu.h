@@ -24,6 +24,7 @@
 #define __noinline__ __attribute__((noinline))
 #define __restrict__ __restrict
 #define __shared__ static thread_local
+#define __constant__ static const
 
 struct dim3 {
     unsigned int x, y, z;

@@ -5,6 +5,7 @@
 #include "../cuda/agg.cu"
 #include "../cuda/compact.cu"
 #include "../cuda/expr.cu"
+#include "../cuda/fused.cu"
 #include "../cuda/gather.cu"
 #include "../cuda/hash.cu"
 #include "../cuda/hash_table.cu"

@@ -3,11 +3,12 @@
 
 use crate::emu::EmuEntry;
 
-/// The kernel sources, by file name, as compiled by NVRTC (`fulmen.cuh` is inlined).
+/// The kernel sources, by file name, as compiled by NVRTC (their headers inlined).
 pub const SOURCES: &[(&str, &str)] = &[
     ("agg.cu", include_str!("../cuda/agg.cu")),
     ("compact.cu", include_str!("../cuda/compact.cu")),
     ("expr.cu", include_str!("../cuda/expr.cu")),
+    ("fused.cu", include_str!("../cuda/fused.cu")),
     ("gather.cu", include_str!("../cuda/gather.cu")),
     ("hash.cu", include_str!("../cuda/hash.cu")),
     ("hash_table.cu", include_str!("../cuda/hash_table.cu")),
@@ -16,8 +17,16 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("selftest.cu", include_str!("../cuda/selftest.cu")),
 ];
 
-/// The header every kernel source includes.
-pub const HEADER: (&str, &str) = ("fulmen.cuh", include_str!("../cuda/fulmen.cuh"));
+/// The headers kernel sources include, by file name (see `nvrtc_flags::HEADER_NAMES`).
+pub const HEADERS: &[(&str, &str)] = &[
+    ("fulmen.cuh", include_str!("../cuda/fulmen.cuh")),
+    ("expr.cuh", include_str!("../cuda/expr.cuh")),
+    ("agg.cuh", include_str!("../cuda/agg.cuh")),
+];
+
+// The headers inlined at run time are those the build script embeds kernels with (the
+// names are compared by `headers_are_the_build_scripts`).
+const _: () = assert!(HEADERS.len() == crate::nvrtc_flags::HEADER_NAMES.len());
 
 macro_rules! kernels {
     ($($variant:ident => $name:ident in $file:literal,)*) => {
@@ -83,6 +92,8 @@ kernels! {
     agg_update => fulmen_emu_launch_agg_update in "agg.cu",
     agg_exact_normalize => fulmen_emu_launch_agg_exact_normalize in "agg.cu",
     agg_exact_finish => fulmen_emu_launch_agg_exact_finish in "agg.cu",
+    agg_fused => fulmen_emu_launch_agg_fused in "fused.cu",
+    agg_merge_delta => fulmen_emu_launch_agg_merge_delta in "fused.cu",
     select_word_counts => fulmen_emu_launch_select_word_counts in "compact.cu",
     select_scatter => fulmen_emu_launch_select_scatter in "compact.cu",
     expr_eval => fulmen_emu_launch_expr_eval in "expr.cu",
@@ -120,4 +131,26 @@ kernels! {
     selftest_racy => fulmen_emu_launch_selftest_racy in "selftest.cu",
     selftest_oob => fulmen_emu_launch_selftest_oob in "selftest.cu",
     selftest_divergent => fulmen_emu_launch_selftest_divergent in "selftest.cu",
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_are_the_build_scripts() {
+        let names: Vec<&str> = HEADERS.iter().map(|(name, _)| *name).collect();
+        assert_eq!(names, crate::nvrtc_flags::HEADER_NAMES);
+        // Every header a source includes is inlined, once (the emulator's own header, in
+        // the emulator's branch, is the one include NVRTC never compiles).
+        for (file, source) in SOURCES {
+            let inlined = crate::nvrtc_flags::inline_headers(source, HEADERS);
+            for (name, _) in HEADERS {
+                let include = format!("#include \"{name}\"");
+                assert!(!inlined.contains(&include), "{file} keeps {include}");
+            }
+            assert!(!inlined.contains("#pragma once"), "{file}");
+            assert_eq!(inlined.matches("struct KeyCol {").count(), 1, "{file}");
+        }
+    }
 }

@@ -7,8 +7,8 @@
 
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts, sys};
 
-use crate::kernels::{HEADER, SOURCES};
-use crate::nvrtc_flags::{NVRTC_FLAGS, inline_header};
+use crate::kernels::{HEADERS, SOURCES};
+use crate::nvrtc_flags::{NVRTC_FLAGS, inline_headers};
 use crate::{KernelError, Result};
 
 /// Whether the NVRTC library can be loaded (from `LD_LIBRARY_PATH` or the system).
@@ -17,14 +17,14 @@ pub fn nvrtc_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-/// A kernel file's source as NVRTC compiles it: the shared header inlined, since NVRTC
-/// runs where the source tree may not be.
+/// A kernel file's source as NVRTC compiles it: its headers inlined, since NVRTC runs
+/// where the source tree may not be.
 pub fn prepared_source(file: &str) -> Result<String> {
     let (_, source) = SOURCES
         .iter()
         .find(|(name, _)| *name == file)
         .ok_or_else(|| KernelError::Unsupported(format!("no kernel source named {file}")))?;
-    Ok(inline_header(source, HEADER.1))
+    Ok(inline_headers(source, HEADERS))
 }
 
 /// Compiles one kernel file to PTX for `arch` (e.g. `compute_90`).

@@ -10,11 +10,42 @@ pub const NVRTC_FLAGS: &[&str] = &["--std=c++17", "--device-int128"];
 /// compute 8.0, which the driver compiles for any newer GPU.
 pub const EMBEDDED_ARCHS: &[&str] = &["sm_80", "sm_90", "compute_80"];
 
-/// The name of the shared header, and how a kernel source includes it.
-pub const HEADER_NAME: &str = "fulmen.cuh";
+/// The headers kernel sources include (`cuda/*.cuh`), by file name.
+pub const HEADER_NAMES: &[&str] = &["fulmen.cuh", "expr.cuh", "agg.cuh"];
 
-/// A kernel source as NVRTC compiles it: the shared header inlined, since NVRTC runs where
-/// the source tree may not be.
-pub fn inline_header(source: &str, header: &str) -> String {
-    source.replace(&format!("#include \"{HEADER_NAME}\""), header)
+/// A kernel source as NVRTC compiles it: each `#include "NAME"` of a header in `headers`
+/// (name, text) replaced by that header, its own includes inlined the same way, every
+/// header once (as `#pragma once` makes it), since NVRTC runs where the source tree may not
+/// be.
+pub fn inline_headers(source: &str, headers: &[(&str, &str)]) -> String {
+    fn expand<'a>(
+        text: &str,
+        headers: &[(&'a str, &str)],
+        seen: &mut Vec<&'a str>,
+        out: &mut String,
+    ) {
+        for line in text.split_inclusive('\n') {
+            let trimmed = line.trim();
+            if trimmed == "#pragma once" {
+                continue;
+            }
+            let included = trimmed
+                .strip_prefix("#include \"")
+                .and_then(|rest| rest.strip_suffix('"'))
+                .and_then(|name| headers.iter().find(|(n, _)| *n == name));
+            match included {
+                Some((name, header)) => {
+                    if !seen.contains(name) {
+                        seen.push(name);
+                        expand(header, headers, seen, out);
+                        out.push('\n');
+                    }
+                }
+                None => out.push_str(line),
+            }
+        }
+    }
+    let mut out = String::with_capacity(source.len() * 2);
+    expand(source, headers, &mut Vec::new(), &mut out);
+    out
 }

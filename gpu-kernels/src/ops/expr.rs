@@ -1,5 +1,5 @@
-//! Expression programs (`cuda/expr.cu`): a compact stack-machine program that one fused
-//! kernel evaluates per row. The engine compiles DataFusion expressions into a [`Program`];
+//! Expression programs (`cuda/expr.cu`, `cuda/expr.cuh`): a compact stack-machine program
+//! that one fused kernel evaluates per row. The engine compiles DataFusion expressions into a [`Program`];
 //! this module checks the program against the columns it reads and launches it.
 //!
 //! ```text
@@ -20,7 +20,7 @@ pub const MAX_STACK: usize = 32;
 /// Most outputs one program may write.
 pub const MAX_OUTPUTS: usize = 64;
 
-/// Opcodes, as `enum ExprOp` in `cuda/expr.cu` numbers them.
+/// Opcodes, as `enum ExprOp` in `cuda/expr.cuh` numbers them.
 #[allow(missing_docs)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -156,28 +156,33 @@ pub enum OutKind {
     F64,
     Bool,
     Decimal,
+    /// A string (its bytes where the input holds them, and its length): only a program
+    /// whose outputs stay in registers may have one (`super::aggregate::FusedSpec`), since
+    /// the kernel writes no string column.
+    Str,
 }
 
 impl OutKind {
-    /// Bytes of values for `n` rows.
-    fn value_bytes(self, n: usize) -> usize {
-        match self.layout() {
+    /// Bytes of values for `n` rows (`None`: a register-only kind).
+    fn value_bytes(self, n: usize) -> Option<usize> {
+        Some(match self.layout()? {
             Layout::Fixed(width) => width * n,
             // Written one 32-bit word per warp.
             Layout::Bits | Layout::Var(_) => n.div_ceil(32) * 4,
-        }
+        })
     }
 
-    /// The device layout of the output.
-    fn layout(self) -> Layout {
-        match self {
+    /// The device layout of the output (`None`: a register-only kind).
+    fn layout(self) -> Option<Layout> {
+        Some(match self {
             Self::I8 | Self::U8 => Layout::Fixed(1),
             Self::I16 | Self::U16 => Layout::Fixed(2),
             Self::I32 | Self::U32 | Self::F32 => Layout::Fixed(4),
             Self::I64 | Self::F64 => Layout::Fixed(8),
             Self::Bool => Layout::Bits,
             Self::Decimal => Layout::Fixed(16),
-        }
+            Self::Str => return None,
+        })
     }
 }
 
@@ -277,6 +282,16 @@ impl Program {
     /// The outputs' Arrow types.
     pub fn output_types(&self) -> impl Iterator<Item = &DataType> {
         self.outputs.iter().map(|(_, t)| t)
+    }
+
+    /// Output `k`'s kind and Arrow type.
+    pub fn output_at(&self, k: usize) -> Option<&(OutKind, DataType)> {
+        self.outputs.get(k)
+    }
+
+    /// The number of outputs.
+    pub fn output_count(&self) -> usize {
+        self.outputs.len()
     }
 
     /// Checks what the kernel trusts: every opcode known, the stack within bounds and
@@ -491,15 +506,66 @@ pub fn evaluate_unchecked(
     launch(device, program, columns, n, Some(status)).map(|(outputs, _)| outputs)
 }
 
-/// Launches the program; its error word is word 1 of `status`, or else the first word of
-/// the returned upload (`None`: nothing was launched, over no rows).
-fn launch(
+/// A program's tables packed for one upload (`pack`): the caller's leading words, the
+/// code, constants and column table as 64-bit words, then the caller's trailing tables, then
+/// the string constants.
+pub(crate) struct Packed {
+    /// The bytes to upload.
+    pub(crate) bytes: Vec<u8>,
+    /// (offset, length) of each table: `lead`, code, constants, columns, each of `tail`,
+    /// then the strings.
+    pub(crate) ranges: Vec<(usize, usize)>,
+}
+
+/// Packs `program` over `columns` for one upload: `lead` first (an error or status word
+/// the kernel writes), then the program's code, constants and column table, then each
+/// table of `tail` (its output table, or a fused kernel's descriptors; an address in a tail
+/// table may be an offset into this very upload only if the caller patches it), then the
+/// string constants.
+pub(crate) fn pack(
+    program: &Program,
+    columns: &[&DeviceColumn],
+    lead: &[i64],
+    tail: &[&[i64]],
+) -> Packed {
+    let mut col_table = Vec::with_capacity(3 * columns.len());
+    for c in columns {
+        col_table.extend([
+            c.values().addr() as i64,
+            c.validity().map_or(0, DeviceBuffer::addr) as i64,
+            c.offsets().map_or(0, DeviceBuffer::addr) as i64,
+        ]);
+    }
+    let mut tables: Vec<&[i64]> = vec![lead, &program.code, &program.consts, &col_table];
+    tables.extend_from_slice(tail);
+    let Tables {
+        mut bytes,
+        mut ranges,
+    } = Tables::new(&tables);
+    ranges.push((bytes.len(), program.strings.len() + 1));
+    bytes.extend_from_slice(&program.strings);
+    bytes.push(0);
+    Packed { bytes, ranges }
+}
+
+/// The buffers a program's launch reaches through its column table.
+pub(crate) fn reached_columns<'a>(columns: &[&'a DeviceColumn]) -> Vec<&'a DeviceBuffer> {
+    let mut reached = Vec::with_capacity(3 * columns.len());
+    for c in columns {
+        reached.push(c.values());
+        reached.extend(c.validity());
+        reached.extend(c.offsets());
+    }
+    reached
+}
+
+/// Checks that `program` may run over `columns` of `n` rows on `device`.
+pub(crate) fn check_inputs(
     device: &Device,
     program: &Program,
     columns: &[&DeviceColumn],
     n: usize,
-    status: Option<&DeviceBuffer>,
-) -> Result<(Vec<DeviceColumn>, Option<DeviceBuffer>)> {
+) -> Result<()> {
     check_rows(n)?;
     program.validate(columns)?;
     if let Some(c) = columns
@@ -512,10 +578,33 @@ fn launch(
             c.device()
         )));
     }
+    Ok(())
+}
+
+/// Launches the program; its error word is word 1 of `status`, or else the first word of
+/// the returned upload (`None`: nothing was launched, over no rows).
+fn launch(
+    device: &Device,
+    program: &Program,
+    columns: &[&DeviceColumn],
+    n: usize,
+    status: Option<&DeviceBuffer>,
+) -> Result<(Vec<DeviceColumn>, Option<DeviceBuffer>)> {
+    check_inputs(device, program, columns, n)?;
+    if program
+        .outputs
+        .iter()
+        .any(|(kind, _)| kind.layout().is_none())
+    {
+        return Err(KernelError::Unsupported(
+            "a program writing a string column (string outputs stay in registers)".into(),
+        ));
+    }
     let words = n.div_ceil(32);
     let mut outputs = Vec::with_capacity(program.outputs.len());
     for (kind, data_type) in &program.outputs {
-        let values = device.alloc(kind.value_bytes(n).max(1))?;
+        let bytes = kind.value_bytes(n).unwrap_or(0);
+        let values = device.alloc(bytes.max(1))?;
         let validity = device.alloc((words * 4).max(1))?;
         outputs.push((values, validity, *kind, data_type.clone()));
     }
@@ -528,45 +617,29 @@ fn launch(
             None,
         ));
     }
-    let mut col_table = Vec::with_capacity(3 * columns.len());
-    for c in columns {
-        col_table.extend([
-            c.values().addr() as i64,
-            c.validity().map_or(0, DeviceBuffer::addr) as i64,
-            c.offsets().map_or(0, DeviceBuffer::addr) as i64,
-        ]);
-    }
     let mut out_table = vec![outputs.len() as i64];
     for (values, validity, kind, _) in &outputs {
         out_table.extend([values.addr() as i64, validity.addr() as i64, *kind as i64]);
     }
     // One upload per batch: the error word, then the program, its constants and the
     // column and output tables as 64-bit words, then the string constants.
-    let tables = Tables::new(&[&[0], &program.code, &program.consts, &col_table, &out_table]);
-    let mut bytes = tables.bytes;
-    let strings = (bytes.len(), program.strings.len() + 1);
-    bytes.extend_from_slice(&program.strings);
-    bytes.push(0);
-    let packed = device.upload(&bytes)?;
-    let at = |k: usize| tables.ranges[k];
-    let part = |(offset, len): (usize, usize)| Arg::Buf(packed.addr() + offset as u64, len);
+    let packed = pack(program, columns, &[0], &[&out_table]);
+    let upload = device.upload(&packed.bytes)?;
+    let at = |k: usize| packed.ranges[k];
+    let part = |(offset, len): (usize, usize)| Arg::Buf(upload.addr() + offset as u64, len);
     let cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
+    let mut reached = reached_columns(columns);
+    for (values, validity, _, _) in &outputs {
+        reached.extend([values, validity]);
+    }
     // SAFETY: `validate` checked every opcode, the stack depth (≤ MAX_STACK, the kernel's
     // stack), that loads name existing columns of the layout they read, that constants and
     // string constants are in range, and that outputs are written in order; every column
     // holds `n` rows on this device; each output's values hold `n` values of its kind (or
-    // ceil(n/32) words for booleans) and its validity ceil(n/32) words, which is what the
-    // kernel writes; the packed upload holds the error word (zero), the code, constants,
-    // column and output tables at 8-byte aligned offsets, and the strings.
-    let mut reached: Vec<&DeviceBuffer> = Vec::with_capacity(3 * columns.len() + 2 * outputs.len());
-    for c in columns {
-        reached.push(c.values());
-        reached.extend(c.validity());
-        reached.extend(c.offsets());
-    }
-    for (values, validity, _, _) in &outputs {
-        reached.extend([values, validity]);
-    }
+    // ceil(n/32) words for booleans; no output is register-only) and its validity
+    // ceil(n/32) words, which is what the kernel writes; the packed upload holds the error
+    // word (zero), the code, constants, column and output tables at 8-byte aligned
+    // offsets, and the strings.
     unsafe {
         device.launch_reaching(
             Kernel::expr_eval,
@@ -575,7 +648,7 @@ fn launch(
                 part(at(1)),
                 Arg::U64(program.len() as u64),
                 part(at(2)),
-                part(strings),
+                part(at(5)),
                 part(at(3)),
                 part(at(4)),
                 Arg::U64(n as u64),
@@ -593,21 +666,21 @@ fn launch(
             DeviceColumn::from_parts(data_type, n, values, None, Some(validity))
         })
         .collect();
-    Ok((outputs, status.is_none().then_some(packed)))
+    Ok((outputs, status.is_none().then_some(upload)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The kernel and the host number opcodes alike: `enum ExprOp` in `cuda/expr.cu` lists
+    /// The kernel and the host number opcodes alike: `enum ExprOp` in `cuda/expr.cuh` lists
     /// `OP_LOAD_I8, …` in the order of [`ALL_OPS`], starting at 1.
     #[test]
     fn opcodes_match_the_kernel() {
-        let source = include_str!("../../cuda/expr.cu");
+        let source = include_str!("../../cuda/expr.cuh");
         let start = source
             .find("enum ExprOp {")
-            .expect("enum ExprOp in expr.cu");
+            .expect("enum ExprOp in expr.cuh");
         let body = &source[start + "enum ExprOp {".len()..];
         let body = &body[..body.find("};").expect("end of enum ExprOp")];
         let kernel: Vec<String> = body

@@ -3,8 +3,41 @@
 
 use super::*;
 use fulmen_kernels::ops::aggregate::{
-    AccInput, AccOp, AccValues, GroupTable, STATUS_BYTES, UpdateWith,
+    AccInput, AccOp, AccValues, Fused, FusedInput, FusedSpec, GroupTable, STATUS_BYTES, UpdateWith,
 };
+use fulmen_kernels::ops::expr::{Cmp, IntKind, Op, OutKind, Program};
+
+/// How the batches of a group-table test go in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// `update_with`: argument columns, hashes and group ids in memory.
+    Ordinary,
+    /// `update_fused` where the table is ready for it (a program's registers feed the
+    /// accumulators), else, and for a batch with new keys, `update_with`.
+    Fused,
+    /// `update_fused` into a table without keys: every row one group.
+    FusedKeyless,
+}
+
+/// The fused program of the group-table test: each input column loaded into a register of
+/// its own, in the order k1, k2, v, f, dec, keep, take.
+fn loading_program() -> Program {
+    let mut p = Program::new();
+    let loads = [
+        (Op::LoadI32, OutKind::I32, DataType::Int32),
+        (Op::LoadStr32, OutKind::Str, DataType::Utf8),
+        (Op::LoadI32, OutKind::I32, DataType::Int32),
+        (Op::LoadF64, OutKind::F64, DataType::Float64),
+        (Op::LoadDec, OutKind::Decimal, DataType::Decimal128(38, 2)),
+        (Op::LoadBool, OutKind::Bool, DataType::Boolean),
+        (Op::LoadBool, OutKind::Bool, DataType::Boolean),
+    ];
+    for (slot, (op, kind, t)) in loads.into_iter().enumerate() {
+        p.push(op, 0, slot as i64);
+        p.output(kind, t);
+    }
+    p
+}
 
 /// The host reference of a group table: groups in first-seen order, with each group's
 /// (count(*), count(v), sum(v), min(v), max(v)) over the rows whose filter is true, and
@@ -27,6 +60,7 @@ struct RefGroup {
 
 /// `masked`: each batch also selects its rows (`UpdateWith::rows`), and a row it drops
 /// makes no group, as a filter fused into the aggregation.
+#[allow(clippy::too_many_arguments)] // a test's knobs, named at each call
 fn check_group_table(
     d: &Device,
     batches: usize,
@@ -35,6 +69,7 @@ fn check_group_table(
     seed: u64,
     locked: bool,
     masked: bool,
+    path: Path,
 ) {
     let ops = [
         AccOp::Count,
@@ -59,7 +94,31 @@ fn check_group_table(
             AccOp::Count
         },
     ];
-    let mut table = GroupTable::new(d, &[DataType::Int32, DataType::Utf8], &ops).unwrap();
+    let keyed = path != Path::FusedKeyless;
+    let key_types = [DataType::Int32, DataType::Utf8];
+    let mut table = GroupTable::new(d, if keyed { &key_types } else { &[] }, &ops).unwrap();
+    let program = loading_program();
+    let reg = |value: Option<usize>| FusedInput {
+        value,
+        filter: Some(5),
+    };
+    let spec = FusedSpec {
+        keys: if keyed { vec![0, 1] } else { Vec::new() },
+        rows: masked.then_some(6),
+        accs: vec![
+            reg(None),
+            reg(Some(2)),
+            reg(Some(2)),
+            reg(Some(2)),
+            reg(Some(2)),
+            reg(Some(3)),
+            reg(Some(3)),
+            reg(Some(3)),
+            reg(Some(4)),
+            reg(Some(4)),
+            reg(Some(4)),
+        ],
+    };
     let mut order: Vec<(Option<i32>, Option<String>)> = Vec::new();
     let mut groups: std::collections::HashMap<(Option<i32>, Option<String>), RefGroup> =
         Default::default();
@@ -98,10 +157,14 @@ fn check_group_table(
             if masked && !(take.is_valid(i) && take.value(i)) {
                 continue;
             }
-            let key = (
-                k1.is_valid(i).then(|| k1.value(i)),
-                k2.is_valid(i).then(|| k2.value(i).to_string()),
-            );
+            let key = if keyed {
+                (
+                    k1.is_valid(i).then(|| k1.value(i)),
+                    k2.is_valid(i).then(|| k2.value(i).to_string()),
+                )
+            } else {
+                (None, None)
+            };
             let g = groups.entry(key.clone()).or_insert_with(|| {
                 order.push(key);
                 RefGroup::default()
@@ -164,18 +227,40 @@ fn check_group_table(
             rows: masked.then_some(&taked),
             status: None,
         };
+        if path != Path::Ordinary && table.fused_ready() {
+            let columns = [&k1d, &k2d, &vd, &fd, &decd, &keepd, &taked];
+            match table.update_fused(&program, &columns, n, &spec).unwrap() {
+                Fused::Added => continue,
+                Fused::NewGroups => assert!(keyed, "a table without keys has its group"),
+                Fused::LeftToCpu => panic!("loads leave nothing to the CPU"),
+            }
+        }
+        assert!(
+            keyed,
+            "a table without keys is always ready for a fused batch"
+        );
         assert!(table.update_with(&[&k1d, &k2d], &inputs, n, with).unwrap());
     }
+    if !keyed {
+        // One group, whether or not a row came.
+        if order.is_empty() {
+            order.push((None, None));
+            groups.insert((None, None), RefGroup::default());
+        }
+        assert!(table.keys().unwrap().is_empty());
+    }
     assert_eq!(table.groups(), order.len());
-    let keys = table.keys().unwrap();
-    let k1 = keys[0].as_primitive::<Int32Type>();
-    let k2 = keys[1].as_string::<i32>();
-    for (g, key) in order.iter().enumerate() {
-        let got = (
-            k1.is_valid(g).then(|| k1.value(g)),
-            k2.is_valid(g).then(|| k2.value(g).to_string()),
-        );
-        assert_eq!(&got, key, "group {g} is in first-seen order");
+    if keyed {
+        let keys = table.keys().unwrap();
+        let k1 = keys[0].as_primitive::<Int32Type>();
+        let k2 = keys[1].as_string::<i32>();
+        for (g, key) in order.iter().enumerate() {
+            let got = (
+                k1.is_valid(g).then(|| k1.value(g)),
+                k2.is_valid(g).then(|| k2.value(g).to_string()),
+            );
+            assert_eq!(&got, key, "group {g} is in first-seen order");
+        }
     }
     let states: Vec<_> = (0..ops.len()).map(|k| table.state(k).unwrap()).collect();
     let int = |k: usize| match &states[k].values {
@@ -217,11 +302,22 @@ fn check_group_table(
         }
     }
     eprintln!(
-        "{} groups: {} shared-memory and {} global updates",
+        "{path:?}: {} groups: {} shared-memory, {} global and {} fused updates",
         table.groups(),
         table.shared_updates,
-        table.global_updates
+        table.global_updates,
+        table.fused_updates
     );
+    match path {
+        Path::Ordinary => assert_eq!(table.fused_updates, 0),
+        // Every batch of a keyless table, and with few groups every batch after the first
+        // (which inserts them), is fused.
+        Path::FusedKeyless if n > 0 => assert_eq!(table.fused_updates, batches as u64),
+        Path::Fused if n >= 1000 && distinct < 100 => {
+            assert_eq!(table.fused_updates, batches as u64 - 1)
+        }
+        _ => {}
+    }
 }
 
 #[test]
@@ -231,10 +327,29 @@ fn group_table_aggregates_like_the_host_reference() {
     // its first size within a batch and across batches), and empty and tiny batches.
     // Each also with a row selection (a fused filter): dropped rows make no group.
     for (locked, masked) in [(false, false), (true, false), (false, true), (true, true)] {
-        check_group_table(&d, 3, 5000, 4, 1, locked, masked);
-        check_group_table(&d, 4, 3000, 1_000_000, 2, locked, masked);
-        check_group_table(&d, 2, 1, 10, 3, locked, masked);
-        check_group_table(&d, 2, 0, 10, 4, locked, masked);
+        check_group_table(&d, 3, 5000, 4, 1, locked, masked, Path::Ordinary);
+        check_group_table(&d, 4, 3000, 1_000_000, 2, locked, masked, Path::Ordinary);
+        check_group_table(&d, 2, 1, 10, 3, locked, masked, Path::Ordinary);
+        check_group_table(&d, 2, 0, 10, 4, locked, masked, Path::Ordinary);
+    }
+}
+
+/// The same batches and host reference, with the accumulators fed from a program's
+/// registers (`update_fused`): keyed with up to 8 and 20 groups (a warp reduces a group a
+/// round, and past its rounds the rest update lane by lane), with many groups (too many
+/// for the fused kernel: the ordinary way), and without keys (each thread's rows reduced in
+/// registers), at awkward sizes.
+#[test]
+fn fused_group_table_updates_aggregate_like_the_host_reference() {
+    let d = device();
+    for masked in [false, true] {
+        check_group_table(&d, 3, 5000, 1, 5, false, masked, Path::Fused);
+        check_group_table(&d, 3, 5000, 4, 6, false, masked, Path::Fused);
+        check_group_table(&d, 3, 3000, 1_000_000, 7, false, masked, Path::Fused);
+        check_group_table(&d, 2, 1, 10, 8, false, masked, Path::Fused);
+        for n in [0, 1, 31, 33, 257, 5000, 70_001] {
+            check_group_table(&d, 2, n, 1, 9, false, masked, Path::FusedKeyless);
+        }
     }
 }
 
@@ -578,4 +693,174 @@ fn float_sums_do_not_depend_on_order_threads_batches_or_carrying() {
             }
         }
     }
+}
+
+/// A fused batch is one upload, two launches (the fused kernel and the merge of its deltas)
+/// and one host wait, and changes nothing unless it is added: not when a row's key has no
+/// group yet (the batch then goes the ordinary way, which inserts it), nor when a row meets
+/// a case the program leaves to the CPU. Counted on an emulated device of the test's own.
+#[test]
+fn a_fused_batch_waits_once_and_changes_nothing_unless_added() {
+    let d = emulated();
+    let ops = [
+        AccOp::Count,
+        AccOp::SumInt,
+        AccOp::SumFloat,
+        AccOp::SumDecimal,
+    ];
+    let mut table = GroupTable::new(&d, &[DataType::Int64], &ops).unwrap();
+    // Registers: 0 the key, 1 the key times `factor` (an overflow where it is huge), 2 the
+    // key as a float, 3 the key as a decimal of scale 2, 4 "key < limit".
+    let program = |factor: i64, limit: i64| {
+        let mut p = Program::new();
+        p.push(Op::LoadI64, 0, 0);
+        p.output(OutKind::I64, DataType::Int64);
+        p.push(Op::LoadI64, 0, 0);
+        let k = p.constant(Some((factor, 0)));
+        p.push(Op::Const, 0, k);
+        p.push(Op::MulI, IntKind::I64 as i64, 0);
+        p.output(OutKind::I64, DataType::Int64);
+        p.push(Op::LoadI64, 0, 0);
+        p.push(Op::CastIF, 0, 0);
+        p.output(OutKind::F64, DataType::Float64);
+        p.push(Op::LoadI64, 0, 0);
+        p.push(Op::CastID, 18, 2);
+        p.output(OutKind::Decimal, DataType::Decimal128(18, 2));
+        p.push(Op::LoadI64, 0, 0);
+        let l = p.constant(Some((limit, 0)));
+        p.push(Op::Const, 0, l);
+        p.push(Op::CmpI, Cmp::Lt as i64, 0);
+        p.output(OutKind::Bool, DataType::Boolean);
+        p
+    };
+    let feed = |value: Option<usize>| FusedInput {
+        value,
+        filter: None,
+    };
+    let spec = FusedSpec {
+        keys: vec![0],
+        rows: Some(4),
+        accs: vec![feed(None), feed(Some(1)), feed(Some(2)), feed(Some(3))],
+    };
+    let ordinary = |table: &mut GroupTable, c: &DeviceColumn| {
+        let none = AccInput {
+            values: None,
+            filter: None,
+        };
+        let some = AccInput {
+            values: Some(c),
+            filter: None,
+        };
+        table
+            .update(&[c], &[none, some, some, some], c.len())
+            .unwrap();
+    };
+    let states = |table: &GroupTable| -> Vec<_> {
+        (0..ops.len()).map(|k| table.state(k).unwrap()).collect()
+    };
+    // 60 rows of each key 0..50; the ordinary batch 75 rows of each key 0..40.
+    let keys: Int64Array = (0..3000).map(|i| Some(i % 50)).collect();
+    let keys = DeviceColumn::upload(&d, &keys).unwrap();
+    let few: Int64Array = (0..3000).map(|i| Some(i % 40)).collect();
+    let few = DeviceColumn::upload(&d, &few).unwrap();
+    assert!(
+        !table.fused_ready(),
+        "a keyed table without groups inserts them first"
+    );
+    ordinary(&mut table, &few);
+    assert_eq!(table.groups(), 40);
+
+    // Keys 40..50 have no group: nothing is added.
+    let before = states(&table);
+    let counts = d.counts();
+    assert!(table.fused_ready());
+    let outcome = table.update_fused(&program(3, 50), &[&keys], 3000, &spec);
+    assert_eq!(outcome.unwrap(), Fused::NewGroups);
+    let after = d.counts();
+    assert_eq!(after.syncs - counts.syncs, 1, "one host wait");
+    // The first fused batch also sets its deltas to their identity: a launch for each of
+    // the 4 count buffers and the 3 state buffers.
+    assert_eq!(
+        after.launches - counts.launches,
+        2 + 4 + 3,
+        "the kernel and the merge"
+    );
+    assert_eq!(after.h2d_copies - counts.h2d_copies, 1, "one upload");
+    assert_eq!(states(&table), before);
+    assert_eq!(table.groups(), 40);
+    assert!(
+        !table.fused_ready(),
+        "after new keys, a batch goes the ordinary way"
+    );
+    ordinary(&mut table, &few);
+    assert!(table.fused_ready());
+
+    // Selecting the keys below 40, the batch goes in.
+    let before = states(&table);
+    let counts = d.counts();
+    let outcome = table.update_fused(&program(3, 40), &[&keys], 3000, &spec);
+    assert_eq!(outcome.unwrap(), Fused::Added);
+    let after = d.counts();
+    assert_eq!(after.syncs - counts.syncs, 1, "one host wait");
+    assert_eq!(
+        after.launches - counts.launches,
+        2,
+        "the kernel and the merge"
+    );
+    assert_eq!(after.h2d_copies - counts.h2d_copies, 1, "one upload");
+    assert_eq!((table.fused_updates, table.groups()), (1, 40));
+    let now = states(&table);
+    let (AccValues::Int(sum), AccValues::Int(sum_was)) = (&now[1].values, &before[1].values) else {
+        panic!("{now:?}")
+    };
+    let (AccValues::Float(fsum), AccValues::Float(fsum_was)) = (&now[2].values, &before[2].values)
+    else {
+        panic!("{now:?}")
+    };
+    let (AccValues::Decimal(dsum), AccValues::Decimal(dsum_was)) =
+        (&now[3].values, &before[3].values)
+    else {
+        panic!("{now:?}")
+    };
+    for g in 0..40 {
+        let key = g as i64; // the ordinary batches put key g in group g
+        assert_eq!(now[0].counts[g], before[0].counts[g] + 60, "count of {g}");
+        assert_eq!(sum[g], sum_was[g] + 60 * 3 * key, "sum of 3 × {g}");
+        assert_eq!(fsum[g], fsum_was[g] + 60.0 * key as f64, "float sum of {g}");
+        assert_eq!(
+            dsum[g],
+            dsum_was[g] + 60 * 100 * key as i128,
+            "decimal sum of {g}"
+        );
+    }
+
+    // An overflow in a row leaves the batch to the CPU and the table as it was.
+    let before = states(&table);
+    let counts = d.counts();
+    let outcome = table.update_fused(&program(i64::MAX / 3, 40), &[&keys], 3000, &spec);
+    assert_eq!(outcome.unwrap(), Fused::LeftToCpu);
+    assert_eq!(d.counts().syncs - counts.syncs, 1, "one host wait");
+    assert_eq!(states(&table), before);
+
+    // Registers that do not fit their use are refused before anything runs.
+    let refused = |change: &dyn Fn(&mut FusedSpec)| {
+        let mut wrong = spec.clone();
+        change(&mut wrong);
+        let mut table = GroupTable::new(&d, &[DataType::Int64], &ops).unwrap();
+        ordinary(&mut table, &few);
+        let launches_before = d.counts().launches;
+        assert!(
+            table
+                .update_fused(&program(3, 40), &[&keys], 3000, &wrong)
+                .is_err()
+        );
+        assert_eq!(d.counts().launches, launches_before, "nothing launched");
+    };
+    refused(&|s| s.keys = vec![2]);
+    refused(&|s| s.keys = vec![0, 0]);
+    refused(&|s| s.rows = Some(0));
+    refused(&|s| s.accs[1].value = Some(5));
+    refused(&|s| s.accs[2].value = Some(3)); // a float sum of decimals
+    refused(&|s| s.accs[0].filter = Some(2));
+    refused(&|s| s.accs.pop().map(|_| ()).unwrap_or(()));
 }

@@ -12,11 +12,14 @@ use arrow::array::{ArrayRef, new_empty_array};
 use arrow::datatypes::DataType;
 
 use super::{BLOCK, RowIndices, Word, check_rows, gather, hash, key_descriptors, scan};
+
+mod fused;
 use crate::column::{DeviceColumn, Layout};
 use crate::device::{Arg, Device, LaunchConfig};
 use crate::kernels::Kernel;
 use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
+pub use fused::{Fused, FusedInput, FusedSpec, MAX_FUSED_ACCS, MAX_REGISTERS};
 
 /// Group ids are below this (the kernels mark pending slots with the top bit).
 pub const MAX_GROUPS: usize = 0x7FFF_FFFF - 1;
@@ -123,10 +126,16 @@ pub enum AccValues {
     Decimal(Vec<i128>),
 }
 
-/// How the kernels read an input column (`AggIn` in agg.cu).
+/// How the kernels read an input column (`AggIn` in agg.cuh).
 fn input_kind(column: &DeviceColumn) -> Result<u64> {
+    input_kind_of(column.data_type())
+}
+
+/// How the kernels read values of `data_type` (`AggIn` in agg.cuh), from a column or from
+/// a register of a fused program.
+fn input_kind_of(data_type: &DataType) -> Result<u64> {
     use DataType::*;
-    Ok(match column.data_type() {
+    Ok(match data_type {
         Int8 => 0,
         Int16 => 1,
         Int32 | Date32 | Time32(_) => 2,
@@ -244,6 +253,14 @@ pub struct GroupTable {
     uncarried_rows: u64,
     /// Rows after which they are carried (EXACT_PIECES; less in tests of the carrying).
     carry_interval: u64,
+    /// The per-batch deltas of fused updates (`fused.rs`), sized for the groups there were.
+    deltas: Option<fused::Deltas>,
+    /// The last fused batch met keys without a group: the next batch goes the ordinary
+    /// way (which inserts them) before another fused try.
+    skip_fused: bool,
+    /// Batches added by the fused kernel, which evaluates their program in registers
+    /// ([`update_fused`](Self::update_fused)).
+    pub fused_updates: u64,
 }
 
 impl GroupTable {
@@ -278,6 +295,9 @@ impl GroupTable {
             global_updates: 0,
             uncarried_rows: 0,
             carry_interval: EXACT_PIECES,
+            deltas: None,
+            skip_fused: false,
+            fused_updates: 0,
         };
         let grown = table.grown(if keyed { 1024 } else { 1 })?;
         table.install(grown);
@@ -459,6 +479,19 @@ impl GroupTable {
     /// upstream work it names succeeded. `Ok(false)`: the status word was set, and the table
     /// is as it was.
     pub fn update_with(
+        &mut self,
+        keys: &[&DeviceColumn],
+        inputs: &[AccInput<'_>],
+        n: usize,
+        with: UpdateWith<'_>,
+    ) -> Result<bool> {
+        // Whatever this batch brings, the groups it inserts are in once it is done: a
+        // fused try may follow.
+        self.skip_fused = false;
+        self.add_batch(keys, inputs, n, with)
+    }
+
+    fn add_batch(
         &mut self,
         keys: &[&DeviceColumn],
         inputs: &[AccInput<'_>],
