@@ -32,7 +32,8 @@
 //
 //   agg_merge_delta(accs, nacc, groups, apply)
 //     apply != 0: adds each group's delta to the table's state and counts; then (either way)
-//     resets the deltas to their identity, ready for the next batch.
+//     sets the deltas to their identity, ready for the next batch (apply == 0 also readies
+//     newly allocated deltas, which it does not read).
 #include "expr.cuh"
 #include "agg.cuh"
 
@@ -362,8 +363,8 @@ FULMEN_KERNEL agg_merge_delta(const FusedAcc* accs, uint32_t nacc, uint64_t grou
             const FusedAcc& a = accs[k];
             const uint64_t words = agg_state_words(a.op);
             unsigned long long* delta = &a.delta[g * words];
-            const uint64_t count = a.delta_counts[g];
-            if (apply && count) {
+            const uint64_t count = apply ? a.delta_counts[g] : 0;  // fresh deltas are not read
+            if (count) {
                 if (a.op == AO_SUM_F) {
                     atomicAdd(&a.counts[g], (unsigned long long)count);
                     unsigned long long* to = &a.state[g * words];

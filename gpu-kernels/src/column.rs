@@ -134,6 +134,16 @@ impl DeviceColumn {
         }
     }
 
+    /// The first `len` rows (all of them if there are fewer), sharing this column's
+    /// buffers: the layout starts every buffer at row 0, so a prefix is the same buffers
+    /// read for fewer rows.
+    pub fn prefix(&self, len: usize) -> Self {
+        Self {
+            len: len.min(self.len),
+            ..self.clone()
+        }
+    }
+
     /// Copies an Arrow array to `device`.
     pub fn upload(device: &Device, array: &dyn Array) -> Result<Self> {
         let value_bytes = array.get_buffer_memory_size();

@@ -176,6 +176,25 @@ pub fn is_output_type(data_type: &DataType) -> bool {
 
 /// Compiles `exprs` over rows of `schema` into one program with an output per expression.
 pub fn compile(exprs: &[Arc<dyn PhysicalExpr>], schema: &Schema) -> Result<CompiledExprs, Reason> {
+    compile_with(exprs, schema, false)
+}
+
+/// [`compile`] for a program whose outputs stay in registers (a fused aggregation's: its
+/// keys, row selection and arguments, `GroupTable::update_fused`), so that an output may
+/// also be a string (a key or a counted value): its type is the one a string column has on
+/// the device (`Utf8` or `LargeUtf8`), as the table's keys have.
+pub fn compile_registers(
+    exprs: &[Arc<dyn PhysicalExpr>],
+    schema: &Schema,
+) -> Result<CompiledExprs, Reason> {
+    compile_with(exprs, schema, true)
+}
+
+fn compile_with(
+    exprs: &[Arc<dyn PhysicalExpr>],
+    schema: &Schema,
+    registers: bool,
+) -> Result<CompiledExprs, Reason> {
     if exprs.len() > MAX_OUTPUTS {
         return Err(format!(
             "more than {MAX_OUTPUTS} computed columns in one operator"
@@ -189,8 +208,22 @@ pub fn compile(exprs: &[Arc<dyn PhysicalExpr>], schema: &Schema) -> Result<Compi
     };
     for expr in exprs {
         let data_type = expr.data_type(schema).map_err(|e| e.to_string())?;
-        let kind = out_kind(&data_type)
-            .ok_or_else(|| format!("results of type {data_type} are not supported on GPU"))?;
+        let (kind, data_type) = match (out_kind(&data_type), class_of(&data_type)) {
+            (Some(kind), _) => (kind, data_type),
+            (None, Some(Class::Str { large })) if registers => {
+                let on_device = if large {
+                    DataType::LargeUtf8
+                } else {
+                    DataType::Utf8
+                };
+                (OutKind::Str, on_device)
+            }
+            _ => {
+                return Err(format!(
+                    "results of type {data_type} are not supported on GPU"
+                ));
+            }
+        };
         let class = compiler.expr(expr)?;
         compiler.expect(class, &data_type, expr)?;
         compiler.program.output(kind, data_type);

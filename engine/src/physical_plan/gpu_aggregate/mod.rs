@@ -281,6 +281,8 @@ struct ExtraMetrics {
     shared_memory_batches: Count,
     /// Batches whose accumulators were updated in the global table.
     global_table_batches: Count,
+    /// Batches whose program fed the accumulators from its registers in one kernel.
+    fused_batches: Count,
     /// 1 when the device gave up (fault, memory) and DataFusion finished on the CPU.
     cpu_fallback: Count,
     /// Spills to disk: the device keeps its state in device memory and never spills
@@ -302,6 +304,7 @@ impl ExtraMetrics {
             distinct_pairs: builder().counter("distinct_pairs", partition),
             shared_memory_batches: builder().counter("shared_memory_batches", partition),
             global_table_batches: builder().counter("global_table_batches", partition),
+            fused_batches: builder().counter("fused_batches", partition),
             cpu_fallback: builder().counter("cpu_fallback", partition),
             spill_count: MetricBuilder::new(set).spill_count(partition),
         }
@@ -413,6 +416,9 @@ impl Run {
         self.extra
             .global_table_batches
             .add(table.groups.global_updates as usize);
+        self.extra
+            .fused_batches
+            .add(table.groups.fused_updates as usize);
         drop(table);
         let batch_size = self.context.session_config().batch_size().max(1);
         let mut batches = Vec::new();

@@ -14,10 +14,14 @@ use datafusion::physical_plan::aggregates::{
     AggregateExec, AggregateInputMode, AggregateOutputMode, aggregate_expressions,
 };
 use datafusion::physical_plan::filter::{FilterExec, batch_filter};
-use fulmen_kernels::ops::aggregate::{AccOp, GroupTable};
+use fulmen_kernels::ops::aggregate::{
+    AccOp, FusedInput, FusedSpec, GroupTable, MAX_FUSED_ACCS, MAX_REGISTERS,
+};
 use fulmen_kernels::{Device, KernelError};
 
-use crate::gpu::compile::{CompiledExprs, Reason, compile, expr_name, is_output_type};
+use crate::gpu::compile::{
+    CompiledExprs, Reason, compile, compile_registers, expr_name, is_output_type,
+};
 
 /// Where a key or an aggregate input comes from in each batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +97,13 @@ pub struct AggregateWork {
     pub(super) key_output_types: Vec<DataType>,
     /// Computed keys, arguments and filters, when there are any.
     pub(super) program: Option<CompiledExprs>,
+    /// The program whose registers feed the group table directly
+    /// (`GroupTable::update_fused`), where the device can hold every key and argument in
+    /// registers and no `count(DISTINCT …)` needs its pair tables.
+    pub(super) registers: Option<(CompiledExprs, FusedSpec)>,
+    /// With `registers`: how a batch with new keys inserts them first
+    /// (`GroupTable::insert_groups`), reading only what the keys and the selection need.
+    pub(super) new_keys: Option<NewKeys>,
     pub(super) computed: Vec<Arc<dyn PhysicalExpr>>,
     pub(super) accumulators: Vec<Accumulator>,
     pub(super) distinct: Vec<DistinctCount>,
@@ -221,6 +232,103 @@ impl Sources<'_> {
         self.computed.push(Arc::clone(expr));
         Ok((Source::Computed(self.computed.len() - 1), data_type))
     }
+}
+
+/// The program that feeds a group table straight from its registers
+/// (`GroupTable::update_fused`): a register for each key, the fused filter's rows, and each
+/// accumulator's values and filter (a source used twice is one register; an input column is
+/// loaded as it is, a computed one computed). `None` where one of them cannot live in a
+/// register: such an aggregation adds every batch the ordinary way.
+fn register_program(
+    keys: &[Source],
+    rows: Option<Source>,
+    accumulators: &[Accumulator],
+    computed: &[Arc<dyn PhysicalExpr>],
+    schema: &Schema,
+) -> Option<(CompiledExprs, FusedSpec)> {
+    let mut sources: Vec<Source> = Vec::new();
+    let mut register = |source: Source| -> Option<usize> {
+        if source == Source::Rows {
+            return None;
+        }
+        Some(match sources.iter().position(|&s| s == source) {
+            Some(k) => k,
+            None => {
+                sources.push(source);
+                sources.len() - 1
+            }
+        })
+    };
+    let keys: Vec<usize> = keys.iter().map(|&k| register(k)).collect::<Option<_>>()?;
+    let rows = rows.and_then(&mut register);
+    let accs = accumulators
+        .iter()
+        .map(|a| FusedInput {
+            value: register(a.values),
+            filter: a.filter.and_then(&mut register),
+        })
+        .collect();
+    if sources.len() > MAX_REGISTERS || accumulators.len() > MAX_FUSED_ACCS {
+        return None;
+    }
+    let exprs = sources
+        .iter()
+        .map(|source| match *source {
+            Source::Input(c) => {
+                let column: Arc<dyn PhysicalExpr> =
+                    Arc::new(Column::new(schema.fields().get(c)?.name(), c));
+                Some(column)
+            }
+            Source::Computed(k) => computed.get(k).cloned(),
+            Source::Rows => None,
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let compiled = compile_registers(&exprs, schema).ok()?;
+    Some((compiled, FusedSpec { keys, rows, accs }))
+}
+
+/// Where a batch's keys and row selection come from when its new keys are inserted alone:
+/// input columns, or outputs of a program computing only those (`Source::Computed(k)` is
+/// output k of `program`).
+#[derive(Debug)]
+pub(super) struct NewKeys {
+    pub(super) program: Option<CompiledExprs>,
+    pub(super) keys: Vec<Source>,
+    pub(super) rows: Option<Source>,
+}
+
+/// The [`NewKeys`] of an aggregation, or `None` where its computed keys or predicate do not
+/// compile alone (they always do where the whole program did).
+fn key_program(
+    keys: &[Source],
+    rows: Option<Source>,
+    computed: &[Arc<dyn PhysicalExpr>],
+    schema: &Schema,
+) -> Option<NewKeys> {
+    let mut exprs: Vec<Arc<dyn PhysicalExpr>> = Vec::new();
+    let mut own = |source: Source| -> Option<Source> {
+        Some(match source {
+            Source::Computed(k) => {
+                exprs.push(Arc::clone(computed.get(k)?));
+                Source::Computed(exprs.len() - 1)
+            }
+            other => other,
+        })
+    };
+    let keys = keys.iter().map(|&k| own(k)).collect::<Option<Vec<_>>>()?;
+    let rows = match rows {
+        Some(rows) => Some(own(rows)?),
+        None => None,
+    };
+    let program = match exprs.is_empty() {
+        true => None,
+        false => Some(compile(&exprs, schema).ok()?),
+    };
+    Some(NewKeys {
+        program,
+        keys,
+        rows,
+    })
 }
 
 /// Plans a `count(DISTINCT …)` of `args`: x itself on raw input; when merging, the input
@@ -454,6 +562,18 @@ impl AggregateWork {
         } else {
             Some(compile(&computed, &input_schema)?)
         };
+        let rows = fused.as_ref().map(|(_, rows)| *rows);
+        let (registers, new_keys) = match distinct.is_empty() {
+            true => (
+                register_program(&keys, rows, &accumulators, &computed, &input_schema),
+                key_program(&keys, rows, &computed, &input_schema),
+            ),
+            false => (None, None),
+        };
+        let (registers, new_keys) = match (registers, new_keys) {
+            (Some(registers), Some(new_keys)) => (Some(registers), Some(new_keys)),
+            _ => (None, None),
+        };
         let cpu = Arc::new(cpu.clone());
         Ok(Self {
             cpu,
@@ -461,6 +581,8 @@ impl AggregateWork {
             key_types,
             key_output_types,
             program,
+            registers,
+            new_keys,
             computed,
             accumulators,
             distinct,

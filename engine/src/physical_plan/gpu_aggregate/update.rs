@@ -7,7 +7,7 @@ use datafusion::arrow::array::{Array, AsArray, UInt32Array};
 use datafusion::arrow::compute::take;
 use datafusion::common::internal_datafusion_err;
 use datafusion::error::{DataFusionError, Result};
-use fulmen_kernels::ops::aggregate::{AccInput, GroupTable, STATUS_BYTES, UpdateWith};
+use fulmen_kernels::ops::aggregate::{AccInput, Fused, GroupTable, STATUS_BYTES, UpdateWith};
 use fulmen_kernels::ops::compact::selection_indices;
 use fulmen_kernels::ops::expr;
 use fulmen_kernels::ops::gather::gather_column;
@@ -15,7 +15,7 @@ use fulmen_kernels::{Device, DeviceColumn, KernelError};
 
 use super::super::gpu_stream::{Chunk, GpuMetrics};
 use super::arrow_err;
-use super::plan::{AggregateWork, DistinctCount, Source, Tables};
+use super::plan::{AggregateWork, DistinctCount, NewKeys, Source, Tables};
 
 impl AggregateWork {
     /// Adds one batch to `table`. `Ok(false)`: the program left some row to the CPU, and
@@ -57,6 +57,55 @@ impl AggregateWork {
                 }
                 Ok(())
             };
+        // Keys, selection and arguments straight from the program's registers, where the
+        // table can take the batch so: one kernel reading each input column once. A batch
+        // with new keys first inserts them, reading only the key columns and what the
+        // selection needs; one that still cannot go so goes on the ordinary way below, its
+        // columns already up.
+        if let (Some((registers, spec)), Some(new_keys), false) =
+            (&self.registers, &self.new_keys, on_cpu)
+            && tables.groups.fused_possible()
+        {
+            let Ok(bound) = registers.bind(&input.host_view()) else {
+                return Ok(false);
+            };
+            let key_inputs = new_keys.program.iter().flat_map(|p| &p.inputs);
+            for &c in registers.inputs.iter().chain(key_inputs) {
+                upload(c, &mut uploaded)?;
+            }
+            let columns: Vec<&DeviceColumn> =
+                registers.inputs.iter().map(|c| &uploaded[c]).collect();
+            // Rows whose keys went in: a table without groups takes the keys of the
+            // batch's first rows (its few groups are usually all there), and the fused
+            // kernel, which counts rows without a group, says whether the rest are needed.
+            let mut inserted = 0;
+            loop {
+                if !tables.groups.fused_ready() {
+                    if inserted == n {
+                        // Too many groups for the fused kernel now, or none selected.
+                        break;
+                    }
+                    let rows = match (tables.groups.groups(), inserted) {
+                        (0, 0) => n.min(FIRST_KEYS_ROWS),
+                        _ => n,
+                    };
+                    if !insert_new_keys(new_keys, tables, device, input, metrics, &uploaded, rows)?
+                    {
+                        return Ok(false);
+                    }
+                    inserted = rows;
+                    continue;
+                }
+                match metrics.kernel(|| tables.groups.update_fused(&bound, &columns, n, spec))? {
+                    Fused::Added => return Ok(true),
+                    Fused::LeftToCpu => return Ok(false),
+                    // After every key went in each has its group: this cannot come, but
+                    // should it, the ordinary way is right.
+                    Fused::NewGroups if inserted == n => break,
+                    Fused::NewGroups => {}
+                }
+            }
+        }
         // Without pair tables (which take their rows before the group table) the program's
         // success is checked in the group table's own host wait: one wait per batch.
         let status = match (&self.program, on_cpu) {
@@ -216,6 +265,64 @@ impl AggregateWork {
         metrics.kernel(|| pairs.update(&columns, &[], parents.len()))?;
         Ok(())
     }
+}
+
+/// Rows of a batch whose keys a table without groups inserts before its first fused try.
+const FIRST_KEYS_ROWS: usize = 1 << 16;
+
+/// Inserts the groups of the new keys in the first `n` rows of the batch `input` (its
+/// columns already in `uploaded`), computing only its computed keys and the fused filter's
+/// predicate. `Ok(false)`: that program left a row to the CPU, and nothing was inserted.
+fn insert_new_keys(
+    new_keys: &NewKeys,
+    tables: &mut Tables,
+    device: &Device,
+    input: &Chunk,
+    metrics: &GpuMetrics,
+    uploaded: &HashMap<usize, DeviceColumn>,
+    n: usize,
+) -> Result<bool, UpdateError> {
+    let missing = || UpdateError::Query(internal_datafusion_err!("a key column not uploaded"));
+    let uploaded: HashMap<usize, DeviceColumn> = uploaded
+        .iter()
+        .map(|(&c, column)| (c, column.prefix(n)))
+        .collect();
+    let (computed, status) = match &new_keys.program {
+        None => (Vec::new(), None),
+        Some(program) => {
+            let Ok(bound) = program.bind(&input.host_view()) else {
+                return Ok(false);
+            };
+            let inputs = program
+                .inputs
+                .iter()
+                .map(|c| uploaded.get(c).ok_or_else(missing))
+                .collect::<Result<Vec<_>, _>>()?;
+            // A program bound to the whole batch: its runtime constants do not depend on
+            // how many rows it runs over.
+            let status = device.upload(&[0; STATUS_BYTES])?;
+            let outputs =
+                metrics.kernel(|| expr::evaluate_unchecked(device, &bound, &inputs, n, &status))?;
+            (outputs, Some(status))
+        }
+    };
+    let column = |s: &Source| -> Option<&DeviceColumn> {
+        match s {
+            Source::Input(c) => uploaded.get(c),
+            Source::Computed(k) => computed.get(*k),
+            Source::Rows => None,
+        }
+    };
+    let keys = new_keys
+        .keys
+        .iter()
+        .map(|k| column(k).ok_or_else(missing))
+        .collect::<Result<Vec<_>, _>>()?;
+    let with = UpdateWith {
+        rows: new_keys.rows.as_ref().and_then(column),
+        status: status.as_ref(),
+    };
+    Ok(metrics.kernel(|| tables.groups.insert_groups(&keys, n, with))?)
 }
 
 /// Why a batch could not be added on the device.

@@ -12,8 +12,9 @@
 //! The kernel finds groups but never inserts one, and adds into per-batch deltas; only once
 //! the one host wait has shown that no row was left to the CPU and that every row's key had
 //! its group does the merge apply the deltas to the table. Otherwise it only resets them,
-//! and the table is as it was: the caller then adds the batch the ordinary way
-//! ([`GroupTable::update_with`], which inserts groups) or on the CPU.
+//! and the table is as it was: the caller then inserts the batch's keys
+//! ([`GroupTable::insert_groups`], which reads only the key columns) and offers it again, or
+//! adds it the ordinary way ([`GroupTable::update_with`]), or on the CPU.
 
 use super::*;
 use crate::ops::expr::{self, OutKind, Program};
@@ -64,6 +65,8 @@ pub enum Fused {
 pub(super) struct Deltas {
     groups: usize,
     accs: Vec<Acc>,
+    /// Just allocated: a reset (`agg_merge_delta` applying nothing) must run first.
+    fresh: bool,
 }
 
 impl GroupTable {
@@ -74,17 +77,24 @@ impl GroupTable {
         groups * per_group
     }
 
-    /// Whether [`update_fused`](Self::update_fused) may take the next batch: no
-    /// accumulator that updates under a lock (decimal minimum and maximum), few enough
-    /// groups for the per-block tables, and, with keys, some groups already (the kernel
-    /// inserts none) and not straight after a fused batch that met new keys.
-    pub fn fused_ready(&self) -> bool {
+    /// Whether the table can take fused batches at all, now: no accumulator that updates
+    /// under a lock (decimal minimum and maximum), and few enough groups for the kernel's
+    /// per-block tables.
+    pub fn fused_possible(&self) -> bool {
         let groups = if self.keyed { self.groups } else { 1 };
         !self.accs.iter().any(|a| a.op.locked())
             && self.accs.len() <= MAX_FUSED_ACCS
             && groups <= MAX_FUSED_GROUPS
             && self.fused_shared_bytes(groups) <= SHARED_BYTES
-            && (!self.keyed || (self.groups > 0 && !self.skip_fused))
+    }
+
+    /// Whether [`update_fused`](Self::update_fused) may take the next batch: it can
+    /// ([`fused_possible`](Self::fused_possible)) and, with keys, the table has groups
+    /// (the kernel inserts none) and the last fused batch did not meet keys without one.
+    /// Where it cannot only for its keys, [`insert_groups`](Self::insert_groups) of the
+    /// batch makes it ready.
+    pub fn fused_ready(&self) -> bool {
+        self.fused_possible() && (!self.keyed || (self.groups > 0 && !self.skip_fused))
     }
 
     /// Adds a batch of `n` rows whose keys, row selection and accumulator inputs are the
@@ -114,9 +124,37 @@ impl GroupTable {
         if self.deltas.as_ref().is_none_or(|d| d.groups != groups) {
             self.deltas = Some(self.new_deltas(groups)?);
         }
-        let deltas = self.deltas.as_ref().expect("deltas were just made");
+        let outcome = self.run_fused(program, columns, n, spec, &descriptors, groups);
+        match outcome {
+            Ok(Fused::Added) => {
+                self.fused_updates += 1;
+                self.new_per_row = 0;
+            }
+            Ok(Fused::NewGroups) => self.skip_fused = true,
+            Ok(Fused::LeftToCpu) => {}
+            // Deltas a failed launch may have written part of are not used again.
+            Err(_) => self.deltas = None,
+        }
+        outcome
+    }
+
+    /// Queues the fused kernel, waits for its status and merges or resets the deltas.
+    fn run_fused(
+        &mut self,
+        program: &Program,
+        columns: &[&DeviceColumn],
+        n: usize,
+        spec: &FusedSpec,
+        descriptors: &[[u64; 4]],
+        groups: usize,
+    ) -> Result<Fused> {
+        let device = self.device.clone();
+        let deltas = self
+            .deltas
+            .as_ref()
+            .ok_or_else(|| KernelError::InvalidData("a fused update without deltas".into()))?;
         let mut accs = Vec::with_capacity(8 * self.accs.len());
-        for ((acc, delta), words) in self.accs.iter().zip(&deltas.accs).zip(&descriptors) {
+        for ((acc, delta), words) in self.accs.iter().zip(&deltas.accs).zip(descriptors) {
             accs.extend(words.iter().map(|&w| w as i64));
             accs.extend(
                 [
@@ -166,6 +204,35 @@ impl GroupTable {
         for delta in &deltas.accs {
             reached.extend(delta.state.as_ref());
             reached.push(&delta.counts);
+        }
+        let mut merge_reached: Vec<&DeviceBuffer> = Vec::new();
+        for (acc, delta) in self.accs.iter().zip(&deltas.accs) {
+            merge_reached.extend(delta.state.as_ref());
+            merge_reached.push(&delta.counts);
+            merge_reached.extend(acc.state.as_ref());
+            merge_reached.push(&acc.counts);
+        }
+        let merge = |apply: bool| {
+            // SAFETY: the descriptors (in the upload, after the spec) name each
+            // accumulator's deltas, sized for `groups` groups, and its state and counts,
+            // sized for at least `group_capacity` >= `groups`; with `apply` false the
+            // deltas are only written.
+            unsafe {
+                device.launch_reaching(
+                    Kernel::agg_merge_delta,
+                    LaunchConfig::for_items(&device, groups as u64, BLOCK),
+                    &[
+                        part(5),
+                        Arg::U32(self.accs.len() as u32),
+                        Arg::U64(groups as u64),
+                        Arg::U32(u32::from(apply)),
+                    ],
+                    &merge_reached,
+                )
+            }
+        };
+        if deltas.fresh {
+            merge(false)?;
         }
         let mut cfg = LaunchConfig::for_items(&device, n as u64, BLOCK);
         cfg.shared_bytes = self.fused_shared_bytes(groups).max(8) as u32;
@@ -217,36 +284,9 @@ impl GroupTable {
             Some(0) => Fused::Added,
             Some(_) => Fused::NewGroups,
         };
-        let mut merge_reached: Vec<&DeviceBuffer> = Vec::new();
-        for (acc, delta) in self.accs.iter().zip(&deltas.accs) {
-            merge_reached.extend(delta.state.as_ref());
-            merge_reached.push(&delta.counts);
-            merge_reached.extend(acc.state.as_ref());
-            merge_reached.push(&acc.counts);
-        }
-        // SAFETY: the descriptors (in the upload, after the spec) name each accumulator's
-        // deltas, sized for `groups` groups, and its state and counts, sized for at least
-        // `group_capacity` >= `groups`.
-        unsafe {
-            device.launch_reaching(
-                Kernel::agg_merge_delta,
-                LaunchConfig::for_items(&device, groups as u64, BLOCK),
-                &[
-                    part(5),
-                    Arg::U32(self.accs.len() as u32),
-                    Arg::U64(groups as u64),
-                    Arg::U32(u32::from(outcome == Fused::Added)),
-                ],
-                &merge_reached,
-            )?;
-        }
-        match outcome {
-            Fused::Added => {
-                self.fused_updates += 1;
-                self.new_per_row = 0;
-            }
-            Fused::NewGroups => self.skip_fused = true,
-            Fused::LeftToCpu => {}
+        merge(outcome == Fused::Added)?;
+        if let Some(deltas) = &mut self.deltas {
+            deltas.fresh = false;
         }
         Ok(outcome)
     }
@@ -335,39 +375,27 @@ impl GroupTable {
         Ok(descriptors)
     }
 
-    /// Deltas for `groups` groups at their identity (the merge leaves them so).
+    /// Deltas for `groups` groups, not yet set to their identity (`fresh`).
     fn new_deltas(&self, groups: usize) -> Result<Deltas> {
         let device = &self.device;
-        let mut accs = Vec::with_capacity(self.accs.len());
-        for acc in &self.accs {
-            let counts = device.alloc(groups * 8)?;
-            fill_u64(device, &counts, groups, 0)?;
-            let words = acc.op.words();
-            let state = if words > 0 {
-                let state = device.alloc(groups * words * 8)?;
-                // SAFETY: `state` holds `groups` groups of `words` words.
-                unsafe {
-                    device.launch(
-                        Kernel::agg_init_state,
-                        LaunchConfig::for_items(device, groups as u64, BLOCK),
-                        &[
-                            Arg::buf(&state),
-                            Arg::U64(acc.op.code()),
-                            Arg::U64(0),
-                            Arg::U64(groups as u64),
-                        ],
-                    )?;
-                }
-                Some(state)
-            } else {
-                None
-            };
-            accs.push(Acc {
-                op: acc.op,
-                state,
-                counts,
-            });
-        }
-        Ok(Deltas { groups, accs })
+        let accs = self
+            .accs
+            .iter()
+            .map(|acc| {
+                let words = acc.op.words();
+                Ok(Acc {
+                    op: acc.op,
+                    state: (words > 0)
+                        .then(|| device.alloc(groups * words * 8))
+                        .transpose()?,
+                    counts: device.alloc(groups * 8)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Deltas {
+            groups,
+            accs,
+            fresh: true,
+        })
     }
 }

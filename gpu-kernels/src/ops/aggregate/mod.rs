@@ -485,19 +485,38 @@ impl GroupTable {
         n: usize,
         with: UpdateWith<'_>,
     ) -> Result<bool> {
-        // Whatever this batch brings, the groups it inserts are in once it is done: a
-        // fused try may follow.
-        self.skip_fused = false;
-        self.add_batch(keys, inputs, n, with)
+        self.add_batch(keys, Some(inputs), n, with)
     }
 
-    fn add_batch(
+    /// Inserts the groups of a batch's keys (of the rows `with.rows` selects) that the
+    /// table does not have yet, and updates no accumulator: what a batch with new keys
+    /// does before [`update_fused`](Self::update_fused) adds its values. With
+    /// `with.status`, `Ok(false)`: the upstream work failed, and the table is as it was.
+    pub fn insert_groups(
         &mut self,
         keys: &[&DeviceColumn],
-        inputs: &[AccInput<'_>],
         n: usize,
         with: UpdateWith<'_>,
     ) -> Result<bool> {
+        if !self.keyed {
+            return Err(KernelError::Unsupported(
+                "inserting groups into a table without keys".into(),
+            ));
+        }
+        self.add_batch(keys, None, n, with)
+    }
+
+    /// Adds a batch: inserts its new groups and, with `inputs`, updates the accumulators.
+    fn add_batch(
+        &mut self,
+        keys: &[&DeviceColumn],
+        inputs: Option<&[AccInput<'_>]>,
+        n: usize,
+        with: UpdateWith<'_>,
+    ) -> Result<bool> {
+        // Whatever this batch brings, the groups it inserts are in once it is done: a
+        // fused try may follow.
+        self.skip_fused = false;
         check_rows(n)?;
         if let Some(rows) = with.rows
             && (rows.layout() != Layout::Bits || rows.len() != n || rows.device() != &self.device)
@@ -511,14 +530,14 @@ impl GroupTable {
                 "a status buffer of fewer than {STATUS_BYTES} bytes"
             )));
         }
-        if inputs.len() != self.accs.len() {
+        if inputs.is_some_and(|inputs| inputs.len() != self.accs.len()) {
             return Err(KernelError::Unsupported(format!(
                 "{} accumulator inputs for {} accumulators",
-                inputs.len(),
+                inputs.map_or(0, <[_]>::len),
                 self.accs.len()
             )));
         }
-        for input in inputs {
+        for input in inputs.unwrap_or_default() {
             for column in input.values.iter().chain(input.filter.iter()) {
                 if column.len() != n || column.device() != &self.device {
                     return Err(KernelError::Unsupported(
@@ -544,6 +563,7 @@ impl GroupTable {
             {
                 return Ok(false);
             }
+            let inputs = inputs.unwrap_or_default();
             self.carry_exact_sums(n)?;
             let descriptors = self.accumulator_descriptors(&self.accs, inputs)?;
             let reached = reached_by(&self.accs, inputs);
@@ -680,6 +700,9 @@ impl GroupTable {
         if inserted_count == 0 {
             // No new group: every ref is a committed group id (or SKIP), the table's slots
             // are unchanged, and the accumulators are updated by the refs at once.
+            let Some(inputs) = inputs else {
+                return Ok(true);
+            };
             let descriptors = self.accumulator_descriptors(&self.accs, inputs)?;
             let reached = reached_by(&self.accs, inputs);
             let shared = self.launch_update(
@@ -711,7 +734,7 @@ impl GroupTable {
     fn commit_batch(
         &mut self,
         keys: &[&DeviceColumn],
-        inputs: &[AccInput<'_>],
+        inputs: Option<&[AccInput<'_>]>,
         n: usize,
         hashes: &DeviceBuffer,
         refs: &DeviceBuffer,
@@ -822,7 +845,9 @@ impl GroupTable {
             })
             .collect::<Result<Vec<_>>>()?;
         let accs = grown.as_ref().map_or(&self.accs, |g| &g.accs);
-        let descriptors = self.accumulator_descriptors(accs, inputs)?;
+        let descriptors = inputs
+            .map(|inputs| self.accumulator_descriptors(accs, inputs))
+            .transpose()?;
         let slots = self
             .slots
             .as_ref()
@@ -843,12 +868,14 @@ impl GroupTable {
                 ],
             )?;
         }
-        let locks = grown
-            .as_ref()
-            .map_or(self.locks.as_ref(), |g| g.locks.as_ref());
-        let reached = reached_by(grown.as_ref().map_or(&self.accs, |g| &g.accs), inputs);
-        let shared = self.launch_update(&descriptors, &reached, Some(&gids), n, total, locks)?;
-        self.count_update(shared);
+        if let (Some(descriptors), Some(inputs)) = (&descriptors, inputs) {
+            let locks = grown
+                .as_ref()
+                .map_or(self.locks.as_ref(), |g| g.locks.as_ref());
+            let reached = reached_by(grown.as_ref().map_or(&self.accs, |g| &g.accs), inputs);
+            let shared = self.launch_update(descriptors, &reached, Some(&gids), n, total, locks)?;
+            self.count_update(shared);
+        }
         if let Some(grown) = grown {
             self.install(grown);
         }
