@@ -6,7 +6,9 @@
 //     consts   three int64 words per constant: lo, hi, valid
 //     strings  the bytes of string constants (a constant's lo = offset, hi = length)
 //     cols     three uint64 words per input column: values, validity (0: no NULLs),
-//              offsets (strings: int32 offsets for STR32 loads, int64 for STR64)
+//              offsets (strings: int32 offsets for STR32 loads, int64 for STR64);
+//              decimals of precision <= 18 are 8-byte values (LOAD_DEC64), others 16
+//              (LOAD_DEC); in registers every decimal is 128 bits
 //     outs     the number of outputs, then three uint64 words per output: values,
 //              validity, kind (OutKind)
 //     n        rows

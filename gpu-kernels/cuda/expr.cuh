@@ -11,7 +11,7 @@
 
 enum ExprOp {
     OP_LOAD_I8 = 1, OP_LOAD_I16, OP_LOAD_I32, OP_LOAD_I64, OP_LOAD_U8, OP_LOAD_U16, OP_LOAD_U32,
-    OP_LOAD_F32, OP_LOAD_F64, OP_LOAD_BOOL, OP_LOAD_DEC, OP_LOAD_STR32, OP_LOAD_STR64,
+    OP_LOAD_F32, OP_LOAD_F64, OP_LOAD_BOOL, OP_LOAD_DEC, OP_LOAD_DEC64, OP_LOAD_STR32, OP_LOAD_STR64,
     OP_CONST, OP_STR_CONST, OP_NULL,
     OP_ADD_I, OP_SUB_I, OP_MUL_I, OP_DIV_I, OP_MOD_I, OP_NEG_I,
     OP_ADD_F, OP_SUB_F, OP_MUL_F, OP_DIV_F, OP_MOD_F, OP_NEG_F,
@@ -28,7 +28,9 @@ enum ExprOp {
 // Integer kinds (aux of integer ops and casts): the range a result must fit.
 enum IntKind { K_I8 = 0, K_I16, K_I32, K_I64, K_U8, K_U16, K_U32 };
 // Output kinds.
-enum OutKind { O_I8 = 0, O_I16, O_I32, O_I64, O_U8, O_U16, O_U32, O_F32, O_F64, O_BOOL, O_DEC };
+// O_DEC: 16 bytes; O_DEC64: a decimal of precision <= 18, held in 8 bytes (it fits: the
+// op that made the value checked its precision).
+enum OutKind { O_I8 = 0, O_I16, O_I32, O_I64, O_U8, O_U16, O_U32, O_F32, O_F64, O_BOOL, O_DEC, O_DEC64 };
 // Comparisons (aux of OP_CMP_*); CMP_NULL_SAFE makes EQ "IS NOT DISTINCT FROM" and NE
 // "IS DISTINCT FROM".
 enum Cmp { CMP_EQ = 0, CMP_NE, CMP_LT, CMP_LE, CMP_GT, CMP_GE };
@@ -245,7 +247,7 @@ __device__ __forceinline__ void expr_row(const ExprProgram& prog, uint64_t row, 
         switch (op) {
             case OP_LOAD_I8: case OP_LOAD_I16: case OP_LOAD_I32: case OP_LOAD_I64:
             case OP_LOAD_U8: case OP_LOAD_U16: case OP_LOAD_U32: case OP_LOAD_F32:
-            case OP_LOAD_F64: case OP_LOAD_BOOL: case OP_LOAD_DEC: case OP_LOAD_STR32:
+            case OP_LOAD_F64: case OP_LOAD_BOOL: case OP_LOAD_DEC: case OP_LOAD_DEC64: case OP_LOAD_STR32:
             case OP_LOAD_STR64: {
                 const uint64_t* col = prog.cols + 3 * arg;
                 Val& v = st[sp++];
@@ -269,6 +271,10 @@ __device__ __forceinline__ void expr_row(const ExprProgram& prog, uint64_t row, 
                         v.b = (int64_t)w.hi;
                         break;
                     }
+                    case OP_LOAD_DEC64:
+                        v.a.i = ((const int64_t*)data)[row];
+                        v.b = v.a.i < 0 ? -1 : 0;
+                        break;
                     case OP_LOAD_STR32: load_string(v, col, row, false); break;
                     default: load_string(v, col, row, true); break;
                 }
@@ -749,6 +755,7 @@ __device__ __forceinline__ void expr_row(const ExprProgram& prog, uint64_t row, 
                     case O_BOOL:
                         if (v.valid && v.a.i != 0) true_bits |= 1ULL << aux;
                         break;
+                    case O_DEC64: ((int64_t*)data)[row] = v.valid ? v.a.i : 0; break;
                     default: {
                         Word128 w;
                         w.lo = v.valid ? (uint64_t)v.a.i : 0;

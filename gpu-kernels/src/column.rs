@@ -24,6 +24,17 @@ use crate::device::Device;
 use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
 
+/// Decimals of at most this precision live on the device as 64-bit integers: every such
+/// value (|v| < 10^18 < 2^63) fits, and they move over PCIe and sit in device memory in half
+/// the bytes of Arrow's 128. Uploads narrow them in the copy into pinned staging, downloads
+/// widen them back; kernels read them as 64-bit values (and compute in 128 bits).
+pub const NARROW_DECIMAL_PRECISION: u8 = 18;
+
+/// Whether values of `data_type` are decimals held in 64 bits on the device.
+pub fn is_narrow_decimal(data_type: &DataType) -> bool {
+    matches!(data_type, DataType::Decimal128(p, _) if *p <= NARROW_DECIMAL_PRECISION)
+}
+
 /// How a data type is laid out on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
@@ -46,6 +57,7 @@ pub fn layout_of(data_type: &DataType) -> Option<Layout> {
         Int64 | UInt64 | Float64 | Date64 | Time64(_) | Timestamp(_, _) | Duration(_) => {
             Layout::Fixed(8)
         }
+        Decimal128(p, _) if *p <= NARROW_DECIMAL_PRECISION => Layout::Fixed(8),
         Decimal128(_, _) => Layout::Fixed(16),
         Boolean => Layout::Bits,
         Utf8 | Binary => Layout::Var(4),
@@ -99,6 +111,56 @@ where
         device.upload(bytes)?,
         Some(device.upload(rebased.as_slice())?),
     ))
+}
+
+/// Uploads 128-bit decimal values as 64-bit ones, narrowed in the copy into pinned staging
+/// (little endian: a value's low 8 bytes are the value, when it fits). A valid value that
+/// does not fit (beyond the type's precision, which Arrow does not always check) is an
+/// error; under a NULL any bits may stand (an accumulator's identity, say), and they go up
+/// truncated.
+fn upload_narrowed(
+    device: &Device,
+    wide: &[u8],
+    nulls: Option<&NullBuffer>,
+    data_type: &DataType,
+) -> Result<DeviceBuffer> {
+    let rows = wide.len() / 16;
+    let buffer = device.alloc((rows * 8).max(1))?;
+    if rows == 0 {
+        return Ok(buffer);
+    }
+    let overflow = std::cell::Cell::new(false);
+    device.write_with(&buffer, 0, rows * 8, &|start, out| {
+        let first = start / 8;
+        let mut fits = true;
+        for (k, value) in out.chunks_exact_mut(8).enumerate() {
+            let from = &wide[(first + k) * 16..(first + k + 1) * 16];
+            // The high half must be the low half's sign, repeated.
+            let sign = if from[7] & 0x80 != 0 { 0xFF } else { 0 };
+            fits &=
+                from[8..].iter().all(|&b| b == sign) || nulls.is_some_and(|n| n.is_null(first + k));
+            value.copy_from_slice(&from[..8]);
+        }
+        if !fits {
+            overflow.set(true);
+        }
+    })?;
+    if overflow.get() {
+        return Err(KernelError::Unsupported(format!(
+            "a {data_type} value beyond its precision"
+        )));
+    }
+    Ok(buffer)
+}
+
+/// 64-bit decimal values (the first `rows` of `narrow`) widened to Arrow's 128 bits.
+fn widened(narrow: &[u8], rows: usize) -> arrow::buffer::Buffer {
+    let mut wide = MutableBuffer::with_capacity(rows * 16);
+    for value in narrow.chunks_exact(8).take(rows) {
+        let v = i64::from_le_bytes(value.try_into().expect("8 bytes")) as i128;
+        wide.extend_from_slice(&v.to_le_bytes());
+    }
+    wide.into()
 }
 
 /// One column in device memory. Clones share the buffers (operators pass columns through
@@ -168,6 +230,10 @@ impl DeviceColumn {
         let layout =
             layout_of(&target).ok_or_else(|| KernelError::Unsupported(format!("{target}")))?;
         let (values, offsets) = match layout {
+            Layout::Fixed(8) if is_narrow_decimal(&target) => {
+                let wide = &data.buffers()[0].as_slice()[offset * 16..(offset + len) * 16];
+                (upload_narrowed(device, wide, data.nulls(), &target)?, None)
+            }
             Layout::Fixed(width) => {
                 let bytes = &data.buffers()[0].as_slice()[offset * width..(offset + len) * width];
                 (device.upload(bytes)?, None)
@@ -286,8 +352,13 @@ pub fn download_columns(columns: &[&DeviceColumn]) -> Result<Vec<ArrayRef>> {
             if let Some(offsets) = offsets {
                 builder = builder.add_buffer(offsets.into());
             }
+            let values = if is_narrow_decimal(&c.data_type) {
+                widened(values.as_slice(), c.len)
+            } else {
+                values.into()
+            };
             let data = builder
-                .add_buffer(values.into())
+                .add_buffer(values)
                 .build()
                 .map_err(|e| KernelError::InvalidData(format!("{} column: {e}", c.data_type)))?;
             Ok(make_array(data))

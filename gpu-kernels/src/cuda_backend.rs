@@ -228,25 +228,34 @@ impl CudaBackend {
         }
     }
 
-    /// Copies `piece` into upload half `half` at `at` and queues its copy to device
-    /// address `dst`, without waiting. The caller (`Device::write`) guarantees that the
-    /// range fits the half and that the stream has passed every earlier copy out of it.
-    pub fn stage_write(&self, half: usize, at: usize, dst: u64, piece: &[u8]) -> Result<()> {
+    /// Fills `len` bytes of upload half `half` at `at` with `fill` (the upload's bytes, or
+    /// a conversion of them made in this one copy) and queues their copy to device address
+    /// `dst`, without waiting. The caller (`Device::write_with`) guarantees that the range
+    /// fits the half and that the stream has passed every earlier copy out of it.
+    pub fn stage_write(
+        &self,
+        half: usize,
+        at: usize,
+        dst: u64,
+        len: usize,
+        fill: &dyn Fn(&mut [u8]),
+    ) -> Result<()> {
         self.bind()?;
-        if half > 1 || at + piece.len() > UPLOAD_HALF_BYTES {
+        if half > 1 || at + len > UPLOAD_HALF_BYTES {
             return Err(KernelError::Unsupported(format!(
-                "{} bytes at {at} of upload half {half}",
-                piece.len()
+                "{len} bytes at {at} of upload half {half}"
             )));
         }
         // SAFETY: the range lies inside the pinned allocation (checked above) and no queued
-        // copy reads it any more (the caller's guarantee); the destination lies inside a
-        // live buffer (checked by Device::write).
+        // copy reads it any more (the caller's guarantee), so it may be written; the
+        // destination lies inside a live buffer (checked by Device::write_with).
         unsafe {
-            let slot = self.uploads.ptr.add(half * UPLOAD_HALF_BYTES + at);
-            std::ptr::copy_nonoverlapping(piece.as_ptr(), slot, piece.len());
-            let pinned = std::slice::from_raw_parts(slot, piece.len());
-            result::memcpy_htod_async(dst, pinned, self.stream.cu_stream())
+            let slot = std::slice::from_raw_parts_mut(
+                self.uploads.ptr.add(half * UPLOAD_HALF_BYTES + at),
+                len,
+            );
+            fill(slot);
+            result::memcpy_htod_async(dst, slot, self.stream.cu_stream())
                 .map_err(|e| self.failed("copying to the device", e))
         }
     }

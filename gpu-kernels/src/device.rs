@@ -87,6 +87,11 @@ pub struct FaultPlan {
     pub lose_device_at_launch: Option<u64>,
 }
 
+/// Threads a multiprocessor holds at once on the GPUs kernels are built for (compute 8.0
+/// and 9.0: A100, H100, H200). A launch's grid fills them all; where a kernel's registers or
+/// shared memory allow fewer, the GPU runs the rest of the blocks as others finish.
+pub const THREADS_PER_MULTIPROCESSOR: u32 = 2048;
+
 /// Grid and block size of a launch (one-dimensional: every Fulmen kernel is).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LaunchConfig {
@@ -99,11 +104,14 @@ pub struct LaunchConfig {
 }
 
 impl LaunchConfig {
-    /// A grid-stride launch over `items` items with `block` threads per block: enough blocks
-    /// to fill the device a few times over, never more than the items need, at least one.
+    /// A grid-stride launch over `items` items with `block` threads per block: as many
+    /// blocks as every multiprocessor can hold at once ([`THREADS_PER_MULTIPROCESSOR`]
+    /// threads each: full occupancy where registers and shared memory allow it), never
+    /// more than the items need, at least one.
     pub fn for_items(device: &Device, items: u64, block: u32) -> Self {
         let needed = items.div_ceil(block as u64).max(1);
-        let fill = device.multiprocessors() as u64 * 4;
+        let per_multiprocessor = (THREADS_PER_MULTIPROCESSOR / block.max(1)).max(1) as u64;
+        let fill = device.multiprocessors() as u64 * per_multiprocessor;
         Self {
             grid: needed.min(fill).max(1) as u32,
             block,

@@ -21,6 +21,7 @@ use datafusion::physical_expr::expressions::{
 };
 use datafusion::physical_expr::scalar_subquery::ScalarSubqueryExpr;
 use datafusion::physical_plan::PhysicalExpr;
+use fulmen_kernels::column::NARROW_DECIMAL_PRECISION;
 use fulmen_kernels::ops::expr::{
     CMP_NULL_SAFE, Cmp, IntKind, MAX_OUTPUTS, MAX_STACK, Op, OutKind, Program,
 };
@@ -161,6 +162,9 @@ fn out_kind(data_type: &DataType) -> Option<OutKind> {
         },
         Class::Float { f32: true } => OutKind::F32,
         Class::Float { f32: false } => OutKind::F64,
+        Class::Decimal { precision, .. } if precision <= NARROW_DECIMAL_PRECISION => {
+            OutKind::Decimal64
+        }
         Class::Decimal { .. } => OutKind::Decimal,
         Class::Bool => OutKind::Bool,
         Class::Date => OutKind::I32,
@@ -380,6 +384,9 @@ impl Compiler<'_> {
             },
             Class::Float { f32: true } => Op::LoadF32,
             Class::Float { f32: false } => Op::LoadF64,
+            Class::Decimal { precision, .. } if precision <= NARROW_DECIMAL_PRECISION => {
+                Op::LoadDec64
+            }
             Class::Decimal { .. } => Op::LoadDec,
             Class::Bool => Op::LoadBool,
             Class::Str { large: false } => Op::LoadStr32,

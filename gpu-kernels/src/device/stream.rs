@@ -92,13 +92,31 @@ impl Device {
     }
 
     pub(crate) fn write(&self, buffer: &DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<()> {
-        Self::within(buffer, offset, bytes.len(), "into")?;
+        self.write_with(buffer, offset, bytes.len(), &|start, out| {
+            out.copy_from_slice(&bytes[start..start + out.len()])
+        })
+    }
+
+    /// Writes `len` bytes into `buffer` at `offset`, which `fill(start, out)` produces piece
+    /// by piece (`out` is bytes `start..start + out.len()` of the whole) straight into the
+    /// pinned staging half the piece goes through: a conversion of the data on its way up
+    /// (decimals narrowed to 64 bits) costs no copy of its own.
+    pub(crate) fn write_with(
+        &self,
+        buffer: &DeviceBuffer,
+        offset: usize,
+        len: usize,
+        fill: &dyn Fn(usize, &mut [u8]),
+    ) -> Result<()> {
+        Self::within(buffer, offset, len, "into")?;
         self.usable()?;
         // The ring's lock is held for the whole upload, waits included: no other upload
         // fills a half this one is about to refill, or counts on a wait it has not done.
         let mut ring = self.uploads();
-        for (k, piece) in bytes.chunks(UPLOAD_HALF_BYTES).enumerate() {
-            if ring.fill + piece.len() > UPLOAD_HALF_BYTES {
+        for k in 0..len.div_ceil(UPLOAD_HALF_BYTES) {
+            let start = k * UPLOAD_HALF_BYTES;
+            let piece_len = UPLOAD_HALF_BYTES.min(len - start);
+            if ring.fill + piece_len > UPLOAD_HALF_BYTES {
                 let other = ring.half ^ 1;
                 if ring.last[other] > ring.passed {
                     // The other half's copies may still be running: wait for them (for
@@ -115,24 +133,35 @@ impl Device {
             }
             self.record(DeviceCounts {
                 h2d_copies: 1,
-                h2d_bytes: piece.len() as u64,
+                h2d_bytes: piece_len as u64,
                 ..DeviceCounts::default()
             });
-            let at = offset + k * UPLOAD_HALF_BYTES;
+            let at = offset + start;
             match &self.inner.backend {
-                Backend::Emulated(_) => self.enqueue(Op::Write {
-                    addr: buffer.addr,
-                    offset: at,
-                    bytes: piece.to_vec(),
-                }),
+                Backend::Emulated(_) => {
+                    // As a driver stages pageable memory: the bytes are taken at enqueue.
+                    let mut bytes = vec![0; piece_len];
+                    fill(start, &mut bytes);
+                    self.enqueue(Op::Write {
+                        addr: buffer.addr,
+                        offset: at,
+                        bytes,
+                    })
+                }
                 Backend::Cuda(cuda) => cuda
-                    .stage_write(ring.half, ring.fill, buffer.addr + at as u64, piece)
+                    .stage_write(
+                        ring.half,
+                        ring.fill,
+                        buffer.addr + at as u64,
+                        piece_len,
+                        &|out| fill(start, out),
+                    )
                     .map_err(|e| self.lost(e)),
             }?;
             ring.enqueued += 1;
             let (half, seq) = (ring.half, ring.enqueued);
             ring.last[half] = seq;
-            ring.fill += piece.len();
+            ring.fill += piece_len;
         }
         Ok(())
     }

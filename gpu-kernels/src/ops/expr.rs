@@ -36,6 +36,7 @@ pub enum Op {
     LoadF64,
     LoadBool,
     LoadDec,
+    LoadDec64,
     LoadStr32,
     LoadStr64,
     Const,
@@ -96,9 +97,8 @@ impl Op {
         use Op::*;
         match self {
             LoadI8 | LoadI16 | LoadI32 | LoadI64 | LoadU8 | LoadU16 | LoadU32 | LoadF32
-            | LoadF64 | LoadBool | LoadDec | LoadStr32 | LoadStr64 | Const | StrConst | Null => {
-                (0, 1)
-            }
+            | LoadF64 | LoadBool | LoadDec | LoadDec64 | LoadStr32 | LoadStr64 | Const
+            | StrConst | Null => (0, 1),
             AddI | SubI | MulI | DivI | ModI | AddF | SubF | MulF | DivF | ModF | AddD | SubD
             | MulD | DivD | ModD | CmpI | CmpF | CmpD | CmpS | And | Or | StrPrefix | StrSuffix
             | StrContains | StrLike => (2, 1),
@@ -118,7 +118,7 @@ impl Op {
             LoadI8 | LoadU8 => Layout::Fixed(1),
             LoadI16 | LoadU16 => Layout::Fixed(2),
             LoadI32 | LoadU32 | LoadF32 => Layout::Fixed(4),
-            LoadI64 | LoadF64 => Layout::Fixed(8),
+            LoadI64 | LoadF64 | LoadDec64 => Layout::Fixed(8),
             LoadDec => Layout::Fixed(16),
             LoadBool => Layout::Bits,
             LoadStr32 => Layout::Var(4),
@@ -155,7 +155,10 @@ pub enum OutKind {
     F32,
     F64,
     Bool,
+    /// A decimal, in 16 bytes.
     Decimal,
+    /// A decimal of precision at most 18 (`column::NARROW_DECIMAL_PRECISION`), in 8 bytes.
+    Decimal64,
     /// A string (its bytes where the input holds them, and its length): only a program
     /// whose outputs stay in registers may have one (`super::aggregate::FusedSpec`), since
     /// the kernel writes no string column.
@@ -178,7 +181,7 @@ impl OutKind {
             Self::I8 | Self::U8 => Layout::Fixed(1),
             Self::I16 | Self::U16 => Layout::Fixed(2),
             Self::I32 | Self::U32 | Self::F32 => Layout::Fixed(4),
-            Self::I64 | Self::F64 => Layout::Fixed(8),
+            Self::I64 | Self::F64 | Self::Decimal64 => Layout::Fixed(8),
             Self::Bool => Layout::Bits,
             Self::Decimal => Layout::Fixed(16),
             Self::Str => return None,
@@ -381,6 +384,7 @@ pub const ALL_OPS: &[Op] = &[
     Op::LoadF64,
     Op::LoadBool,
     Op::LoadDec,
+    Op::LoadDec64,
     Op::LoadStr32,
     Op::LoadStr64,
     Op::Const,

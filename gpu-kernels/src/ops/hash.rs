@@ -117,11 +117,16 @@ fn value_hash(column: &dyn Array, data: &arrow::array::ArrayData, i: usize) -> R
             canonical_f64(column.as_primitive::<Float64Type>().value(i)),
             8,
         ),
-        Decimal128(_, _) => {
+        Decimal128(p, _) => {
             let v = column
                 .as_primitive::<arrow::datatypes::Decimal128Type>()
-                .value(i) as u128;
-            hash_fixed16(v as u64, (v >> 64) as u64)
+                .value(i);
+            if *p <= crate::column::NARROW_DECIMAL_PRECISION {
+                // 64 bits on the device, hashed as such.
+                hash_fixed(v as i64 as u64, 8)
+            } else {
+                hash_fixed16(v as u64, ((v as u128) >> 64) as u64)
+            }
         }
         Utf8 => hash_bytes(column.as_string::<i32>().value(i).as_bytes()),
         LargeUtf8 => hash_bytes(column.as_string::<i64>().value(i).as_bytes()),

@@ -56,7 +56,8 @@ fn queue(
     }
     let tiles = (n as u64).div_ceil(TILE);
     let sums = device.alloc((tiles as usize + 1) * 8)?;
-    let grid = LaunchConfig::for_items(device, tiles, 1).grid;
+    // A block per tile, as many as the device holds at once (a grid-stride over tiles).
+    let grid = LaunchConfig::for_items(device, tiles * BLOCK as u64, BLOCK).grid;
     let tiled = LaunchConfig {
         grid,
         block: BLOCK,

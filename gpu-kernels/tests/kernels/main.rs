@@ -121,6 +121,20 @@ fn random_columns(n: usize, seed: u64, null_percent: u64) -> Vec<ArrayRef> {
         })
         .collect();
     let large: LargeStringArray = strings.iter().collect();
+    // Precision 15: 64-bit values on the device (narrowed on upload, widened on download),
+    // negative ones and those at the precision's edges among them.
+    let edge = 10i128.pow(15) - 1;
+    let narrow: Decimal128Array = (0..n)
+        .map(|_| {
+            opt(&mut r).then(|| match r.next() % 8 {
+                0 => edge,
+                1 => -edge,
+                _ => (r.next() as i128 % (2 * edge + 1)) - edge,
+            })
+        })
+        .collect::<Decimal128Array>()
+        .with_precision_and_scale(15, 2)
+        .unwrap();
     vec![
         Arc::new(i8s),
         Arc::new(i16s),
@@ -135,7 +149,48 @@ fn random_columns(n: usize, seed: u64, null_percent: u64) -> Vec<ArrayRef> {
         Arc::new(decimals),
         Arc::new(strings),
         Arc::new(large),
+        Arc::new(narrow),
     ]
+}
+
+/// A decimal of precision at most 18 goes up in 8 bytes a value (narrowed in the copy into
+/// staging) and comes back as Arrow's 16; one beyond its precision is refused.
+#[test]
+fn narrow_decimals_move_in_half_the_bytes() {
+    let d = emulated();
+    let values: Decimal128Array = (0..1000)
+        .map(|i| (i % 7 != 0).then_some((i as i128 - 500) * 1_000_000_000_007))
+        .collect::<Decimal128Array>()
+        .with_precision_and_scale(18, 3)
+        .unwrap();
+    let before = d.counts().h2d_bytes;
+    let column = DeviceColumn::upload(&d, &values).unwrap();
+    // 8 bytes a value and the validity bitmap.
+    assert_eq!(d.counts().h2d_bytes - before, 1000 * 8 + 125);
+    assert_eq!(column.layout(), fulmen_kernels::column::Layout::Fixed(8));
+    assert_eq!(column.to_arrow().unwrap().to_data(), values.to_data());
+    // Arrow does not always check precision: a value that would not fit is an error.
+    let beyond = Decimal128Array::from(vec![1i128 << 70, 5])
+        .with_precision_and_scale(18, 0)
+        .unwrap();
+    assert!(DeviceColumn::upload(&d, &beyond).is_err());
+    let beyond = Decimal128Array::from(vec![5, -(1i128 << 64) - 1])
+        .with_precision_and_scale(10, 0)
+        .unwrap();
+    assert!(DeviceColumn::upload(&d, &beyond).is_err());
+    // Under a NULL any bits may stand (a minimum's identity, say): they are not a value.
+    let under_null = Decimal128Array::new(
+        vec![i128::MAX, 7, i128::MIN].into(),
+        Some(vec![false, true, false].into()),
+    )
+    .with_precision_and_scale(12, 2)
+    .unwrap();
+    let back = DeviceColumn::upload(&d, &under_null)
+        .unwrap()
+        .to_arrow()
+        .unwrap();
+    let back = back.as_primitive::<Decimal128Type>();
+    assert_eq!(back.iter().collect::<Vec<_>>(), [None, Some(7), None]);
 }
 
 #[test]

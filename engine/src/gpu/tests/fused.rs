@@ -58,7 +58,10 @@ fn every_batch_fed_from_registers(
         metric_sum(plan, "fused_batches"),
         metric_sum(plan, "gpu_batches"),
     );
-    assert!(fused > 0 && fused == batches, "{fused} of {batches}: {text}");
+    assert!(
+        fused > 0 && fused == batches,
+        "{fused} of {batches}: {text}"
+    );
 }
 
 /// The folded predicate guards each argument: rows it drops cannot fail an argument (a

@@ -359,7 +359,7 @@ impl GroupTable {
                         acc.op,
                         AccOp::SumDecimal | AccOp::MinDecimal | AccOp::MaxDecimal
                     );
-                    if kind == 9 && !decimal_op {
+                    if matches!(t, DataType::Decimal128(..)) && !decimal_op {
                         return bad(format!("{:?} of decimal values", acc.op));
                     }
                     kind

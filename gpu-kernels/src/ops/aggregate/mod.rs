@@ -146,6 +146,9 @@ fn input_kind_of(data_type: &DataType) -> Result<u64> {
         UInt32 => 6,
         Float32 => 7,
         Float64 => 8,
+        // Narrow decimals are 64-bit integers on the device (and in a fused program's
+        // registers they fit 64 bits): read as such, sign-extended by the decimal ops.
+        Decimal128(p, _) if *p <= crate::column::NARROW_DECIMAL_PRECISION => 3,
         Decimal128(_, _) => 9,
         other => {
             return Err(KernelError::Unsupported(format!(
@@ -909,7 +912,10 @@ impl GroupTable {
                 acc.op,
                 AccOp::SumDecimal | AccOp::MinDecimal | AccOp::MaxDecimal
             );
-            if kind == 9 && !decimal_op && acc.op != AccOp::Count {
+            let decimal = input
+                .values
+                .is_some_and(|v| matches!(v.data_type(), DataType::Decimal128(..)));
+            if decimal && !decimal_op && acc.op != AccOp::Count {
                 return Err(KernelError::Unsupported(format!(
                     "{:?} of decimal values",
                     acc.op
