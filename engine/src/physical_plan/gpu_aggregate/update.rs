@@ -81,8 +81,9 @@ impl AggregateWork {
             let mut inserted = 0;
             loop {
                 if !tables.groups.fused_ready() {
-                    if inserted == n {
-                        // Too many groups for the fused kernel now, or none selected.
+                    if inserted == n || !tables.groups.fused_after_insert() {
+                        // Too many groups for the fused kernel now or once the batch's new
+                        // keys are in, or none selected.
                         break;
                     }
                     let rows = match (tables.groups.groups(), inserted) {

@@ -81,7 +81,18 @@ impl GroupTable {
     /// under a lock (decimal minimum and maximum), and few enough groups for the kernel's
     /// per-block tables.
     pub fn fused_possible(&self) -> bool {
-        let groups = if self.keyed { self.groups } else { 1 };
+        self.fused_possible_with(if self.keyed { self.groups } else { 1 })
+    }
+
+    /// Whether inserting the new keys of the batch the last fused try gave back would leave
+    /// the table able to take it fused: its groups and the rows that try found without a
+    /// group (at most that many new groups) within what the kernel takes. Otherwise the
+    /// batch had better go the ordinary way at once.
+    pub fn fused_after_insert(&self) -> bool {
+        self.fused_possible_with(self.groups.saturating_add(self.missed_rows))
+    }
+
+    fn fused_possible_with(&self, groups: usize) -> bool {
         !self.accs.iter().any(|a| a.op.locked())
             && self.accs.len() <= MAX_FUSED_ACCS
             && groups <= MAX_FUSED_GROUPS
@@ -282,7 +293,10 @@ impl GroupTable {
         let outcome = match super::super::read_status(&upload)? {
             None => Fused::LeftToCpu,
             Some(0) => Fused::Added,
-            Some(_) => Fused::NewGroups,
+            Some(missed) => {
+                self.missed_rows = usize::try_from(missed).unwrap_or(usize::MAX);
+                Fused::NewGroups
+            }
         };
         merge(outcome == Fused::Added)?;
         if let Some(deltas) = &mut self.deltas {

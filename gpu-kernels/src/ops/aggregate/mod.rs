@@ -261,6 +261,8 @@ pub struct GroupTable {
     /// The last fused batch met keys without a group: the next batch goes the ordinary
     /// way (which inserts them) before another fused try.
     skip_fused: bool,
+    /// Rows that fused batch found without a group.
+    missed_rows: usize,
     /// Batches added by the fused kernel, which evaluates their program in registers
     /// ([`update_fused`](Self::update_fused)).
     pub fused_updates: u64,
@@ -300,6 +302,7 @@ impl GroupTable {
             carry_interval: EXACT_PIECES,
             deltas: None,
             skip_fused: false,
+            missed_rows: 0,
             fused_updates: 0,
         };
         let grown = table.grown(if keyed { 1024 } else { 1 })?;
@@ -520,6 +523,7 @@ impl GroupTable {
         // Whatever this batch brings, the groups it inserts are in once it is done: a
         // fused try may follow.
         self.skip_fused = false;
+        self.missed_rows = 0;
         check_rows(n)?;
         if let Some(rows) = with.rows
             && (rows.layout() != Layout::Bits || rows.len() != n || rows.device() != &self.device)
