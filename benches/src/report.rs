@@ -135,6 +135,7 @@ impl Report {
                                     "launches": c.launches, "syncs": c.syncs,
                                     "h2d_bytes": c.h2d_bytes, "d2h_bytes": c.d2h_bytes,
                                     "device_bytes": c.device_bytes,
+                                    "traffic_ratio": traffic_ratio(c),
                                     "modelled_ms": COST.seconds(c) * 1e3,
                                     "modelled_resident_ms": COST.resident_seconds(c) * 1e3,
                                     "model": COST.name,
@@ -267,18 +268,19 @@ impl Report {
                 run.engine, COST.name
             );
             out += &format!(
-                "| query | launches | syncs | h2d MB | d2h MB | device MB | modelled {} ms, from host | modelled ms, resident | datafusion measured ms |\n",
+                "| query | launches | syncs | h2d MB | d2h MB | device MB | traffic ratio | modelled {} ms, from host | modelled ms, resident | datafusion measured ms |\n",
                 COST.name
             );
-            out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+            out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
             let mb = |b: u64| b as f64 / 1e6;
             for (q, c) in rows {
                 let measured = reference
                     .as_ref()
                     .and_then(|m| m[q])
                     .map_or("—".to_string(), |t| format!("{t:.1}"));
+                let ratio = traffic_ratio(c).map_or("—".to_string(), |r| format!("{r:.2}"));
                 out += &format!(
-                    "| {} | {} | {} | {:.2} | {:.3} | {:.1} | {:.3} | {:.3} | {measured} |\n",
+                    "| {} | {} | {} | {:.2} | {:.3} | {:.1} | {ratio} | {:.3} | {:.3} | {measured} |\n",
                     self.queries[q],
                     c.launches,
                     c.syncs,
@@ -364,6 +366,13 @@ impl Report {
         root.present()?;
         Ok(())
     }
+}
+
+/// A query's traffic ratio: the device bytes its launches were given (an upper bound of
+/// what they touch) over the bytes it uploaded (the columns it reads from host memory);
+/// `None` when nothing went up.
+fn traffic_ratio(c: &fulmen_kernels::DeviceCounts) -> Option<f64> {
+    (c.h2d_bytes > 0).then(|| c.device_bytes as f64 / c.h2d_bytes as f64)
 }
 
 #[cfg(test)]

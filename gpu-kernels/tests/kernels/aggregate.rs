@@ -228,36 +228,18 @@ fn check_group_table(
             status: None,
         };
         if path != Path::Ordinary && table.fused_possible() {
-            // As the engine does: a batch with new keys inserts them (reading only its key
-            // columns), then goes in fused.
+            // As the engine does: a table without groups takes a batch's keys first (reading
+            // only its key columns); a fused batch that meets new keys goes the ordinary way.
             let columns = [&k1d, &k2d, &vd, &fd, &decd, &keepd, &taked];
-            if !table.fused_ready() {
-                assert!(
-                    keyed,
-                    "a table without keys is always ready for a fused batch"
-                );
+            if keyed && table.groups() == 0 {
                 assert!(table.insert_groups(&[&k1d, &k2d], n, with).unwrap());
             }
-            let mut outcome = Fused::NewGroups;
-            for _ in 0..2 {
-                if !table.fused_ready() {
-                    break;
+            if table.fused_ready() {
+                match table.update_fused(&program, &columns, n, &spec).unwrap() {
+                    Fused::Added => continue,
+                    Fused::NewGroups => assert!(keyed, "a table without keys has its group"),
+                    Fused::LeftToCpu => panic!("loads leave nothing to the CPU"),
                 }
-                outcome = table.update_fused(&program, &columns, n, &spec).unwrap();
-                if outcome != Fused::NewGroups {
-                    break;
-                }
-                assert!(keyed, "a table without keys has its group");
-                assert!(table.insert_groups(&[&k1d, &k2d], n, with).unwrap());
-            }
-            match outcome {
-                Fused::Added => continue,
-                // Too many groups for the fused kernel now, or no group (no row selected
-                // yet): the ordinary way.
-                Fused::NewGroups => {
-                    assert!(!table.fused_possible() || table.groups() == 0, "{path:?}")
-                }
-                Fused::LeftToCpu => panic!("loads leave nothing to the CPU"),
             }
         }
         assert!(
@@ -856,6 +838,38 @@ fn a_fused_batch_waits_once_and_changes_nothing_unless_added() {
             "decimal sum of {g}"
         );
     }
+
+    // Misses in a row back off: after a second miss (right after the ordinary batch the
+    // first one cost) two ordinary batches go before the next try; a batch added resets it.
+    let table_states = states(&table);
+    assert_eq!(
+        table
+            .update_fused(&program(3, 50), &[&keys], 3000, &spec)
+            .unwrap(),
+        Fused::NewGroups
+    );
+    ordinary(&mut table, &few);
+    assert!(table.fused_ready());
+    assert_eq!(
+        table
+            .update_fused(&program(3, 50), &[&keys], 3000, &spec)
+            .unwrap(),
+        Fused::NewGroups
+    );
+    ordinary(&mut table, &few);
+    assert!(
+        !table.fused_ready(),
+        "a second miss in a row costs two ordinary batches"
+    );
+    ordinary(&mut table, &few);
+    assert!(table.fused_ready());
+    assert_eq!(
+        table
+            .update_fused(&program(3, 40), &[&keys], 3000, &spec)
+            .unwrap(),
+        Fused::Added
+    );
+    assert_ne!(states(&table), table_states);
 
     // An overflow in a row leaves the batch to the CPU and the table as it was.
     let before = states(&table);

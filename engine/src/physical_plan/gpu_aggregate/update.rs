@@ -58,10 +58,12 @@ impl AggregateWork {
                 Ok(())
             };
         // Keys, selection and arguments straight from the program's registers, where the
-        // table can take the batch so: one kernel reading each input column once. A batch
-        // with new keys first inserts them, reading only the key columns and what the
-        // selection needs; one that still cannot go so goes on the ordinary way below, its
-        // columns already up.
+        // table can take the batch so: one kernel reading each input column once. A table
+        // without groups first takes the keys of the batch's first rows (reading only the
+        // key columns and what the selection needs): with few groups they are usually all
+        // there, and the table then tries the batch fused; with many (a handful of rows a
+        // group, `GroupTable::fused_ready`) it goes the ordinary way. So does a batch with
+        // keys that have no group yet, its columns already up.
         if let (Some((registers, spec)), Some(new_keys), false) =
             (&self.registers, &self.new_keys, on_cpu)
             && tables.groups.fused_possible()
@@ -73,36 +75,18 @@ impl AggregateWork {
             for &c in registers.inputs.iter().chain(key_inputs) {
                 upload(c, &mut uploaded)?;
             }
-            let columns: Vec<&DeviceColumn> =
-                registers.inputs.iter().map(|c| &uploaded[c]).collect();
-            // Rows whose keys went in: a table without groups takes the keys of the
-            // batch's first rows (its few groups are usually all there), and the fused
-            // kernel, which counts rows without a group, says whether the rest are needed.
-            let mut inserted = 0;
-            loop {
-                if !tables.groups.fused_ready() {
-                    if inserted == n || !tables.groups.fused_after_insert() {
-                        // Too many groups for the fused kernel now or once the batch's new
-                        // keys are in, or none selected.
-                        break;
-                    }
-                    let rows = match (tables.groups.groups(), inserted) {
-                        (0, 0) => n.min(FIRST_KEYS_ROWS),
-                        _ => n,
-                    };
-                    if !insert_new_keys(new_keys, tables, device, input, metrics, &uploaded, rows)?
-                    {
-                        return Ok(false);
-                    }
-                    inserted = rows;
-                    continue;
+            if !self.keys.is_empty() && tables.groups() == 0 {
+                let rows = n.min(FIRST_KEYS_ROWS);
+                if !insert_new_keys(new_keys, tables, device, input, metrics, &uploaded, rows)? {
+                    return Ok(false);
                 }
+            }
+            if tables.groups.fused_ready() {
+                let columns: Vec<&DeviceColumn> =
+                    registers.inputs.iter().map(|c| &uploaded[c]).collect();
                 match metrics.kernel(|| tables.groups.update_fused(&bound, &columns, n, spec))? {
                     Fused::Added => return Ok(true),
                     Fused::LeftToCpu => return Ok(false),
-                    // After every key went in each has its group: this cannot come, but
-                    // should it, the ordinary way is right.
-                    Fused::NewGroups if inserted == n => break,
                     Fused::NewGroups => {}
                 }
             }
@@ -268,7 +252,8 @@ impl AggregateWork {
     }
 }
 
-/// Rows of a batch whose keys a table without groups inserts before its first fused try.
+/// Rows of a batch whose keys a table without groups inserts before its first fused try:
+/// with few groups they are usually all there, and the fused kernel finds out if not.
 const FIRST_KEYS_ROWS: usize = 1 << 16;
 
 /// Inserts the groups of the new keys in the first `n` rows of the batch `input` (its

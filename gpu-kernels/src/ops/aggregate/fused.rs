@@ -12,9 +12,10 @@
 //! The kernel finds groups but never inserts one, and adds into per-batch deltas; only once
 //! the one host wait has shown that no row was left to the CPU and that every row's key had
 //! its group does the merge apply the deltas to the table. Otherwise it only resets them,
-//! and the table is as it was: the caller then inserts the batch's keys
-//! ([`GroupTable::insert_groups`], which reads only the key columns) and offers it again, or
-//! adds it the ordinary way ([`GroupTable::update_with`]), or on the CPU.
+//! and the table is as it was: the caller then adds the batch the ordinary way
+//! ([`GroupTable::update_with`], which inserts groups), or on the CPU. A table without
+//! groups first takes the keys of a batch's first rows ([`GroupTable::insert_groups`],
+//! which reads only the key columns).
 
 use super::*;
 use crate::ops::expr::{self, OutKind, Program};
@@ -25,6 +26,10 @@ pub const MAX_REGISTERS: usize = 32;
 pub const MAX_FUSED_ACCS: usize = 32;
 /// Most groups a fused update takes: its per-block tables live in shared memory.
 const MAX_FUSED_GROUPS: usize = 4096;
+/// Rows a keyed table must have had per group, on average, before it tries fused batches.
+pub const FUSED_ROWS_PER_GROUP: u64 = 16;
+/// Most ordinary batches a keyed table goes through after fused tries that met new keys.
+const MAX_FUSED_BACKOFF: u32 = 64;
 /// No register (`FUSED_NO_REG`).
 const NO_REG: u64 = u64::MAX;
 
@@ -84,14 +89,6 @@ impl GroupTable {
         self.fused_possible_with(if self.keyed { self.groups } else { 1 })
     }
 
-    /// Whether inserting the new keys of the batch the last fused try gave back would leave
-    /// the table able to take it fused: its groups and the rows that try found without a
-    /// group (at most that many new groups) within what the kernel takes. Otherwise the
-    /// batch had better go the ordinary way at once.
-    pub fn fused_after_insert(&self) -> bool {
-        self.fused_possible_with(self.groups.saturating_add(self.missed_rows))
-    }
-
     fn fused_possible_with(&self, groups: usize) -> bool {
         !self.accs.iter().any(|a| a.op.locked())
             && self.accs.len() <= MAX_FUSED_ACCS
@@ -101,11 +98,20 @@ impl GroupTable {
 
     /// Whether [`update_fused`](Self::update_fused) may take the next batch: it can
     /// ([`fused_possible`](Self::fused_possible)) and, with keys, the table has groups
-    /// (the kernel inserts none) and the last fused batch did not meet keys without one.
-    /// Where it cannot only for its keys, [`insert_groups`](Self::insert_groups) of the
-    /// batch makes it ready.
+    /// (the kernel inserts none; [`insert_groups`](Self::insert_groups) of a first batch's
+    /// keys gives it some) that look complete: each has had at least
+    /// [`FUSED_ROWS_PER_GROUP`] rows so far on average. An aggregation by order or by
+    /// customer, whose batches keep bringing new keys, has a handful of rows a group and
+    /// goes the ordinary way; TPC-H Q1's four groups have had thousands of rows each after
+    /// the first batch. Should a fused batch meet keys without a group all the same, it is
+    /// done the ordinary way, and the next 1, then 2, 4 … up to 64 batches after misses in
+    /// a row go the ordinary way too.
     pub fn fused_ready(&self) -> bool {
-        self.fused_possible() && (!self.keyed || (self.groups > 0 && !self.skip_fused))
+        self.fused_possible()
+            && (!self.keyed
+                || (self.groups > 0
+                    && self.rows_seen >= FUSED_ROWS_PER_GROUP * self.groups as u64
+                    && self.fused_skips == 0))
     }
 
     /// Adds a batch of `n` rows whose keys, row selection and accumulator inputs are the
@@ -138,10 +144,15 @@ impl GroupTable {
         let outcome = self.run_fused(program, columns, n, spec, &descriptors, groups);
         match outcome {
             Ok(Fused::Added) => {
+                self.rows_seen += n as u64;
                 self.fused_updates += 1;
                 self.new_per_row = 0;
+                self.fused_backoff = 1;
             }
-            Ok(Fused::NewGroups) => self.skip_fused = true,
+            Ok(Fused::NewGroups) => {
+                self.fused_skips = self.fused_backoff;
+                self.fused_backoff = (self.fused_backoff * 2).min(MAX_FUSED_BACKOFF);
+            }
             Ok(Fused::LeftToCpu) => {}
             // Deltas a failed launch may have written part of are not used again.
             Err(_) => self.deltas = None,
@@ -293,10 +304,7 @@ impl GroupTable {
         let outcome = match super::super::read_status(&upload)? {
             None => Fused::LeftToCpu,
             Some(0) => Fused::Added,
-            Some(missed) => {
-                self.missed_rows = usize::try_from(missed).unwrap_or(usize::MAX);
-                Fused::NewGroups
-            }
+            Some(_) => Fused::NewGroups,
         };
         merge(outcome == Fused::Added)?;
         if let Some(deltas) = &mut self.deltas {

@@ -19,7 +19,9 @@ use crate::device::{Arg, Device, LaunchConfig};
 use crate::kernels::Kernel;
 use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
-pub use fused::{Fused, FusedInput, FusedSpec, MAX_FUSED_ACCS, MAX_REGISTERS};
+pub use fused::{
+    FUSED_ROWS_PER_GROUP, Fused, FusedInput, FusedSpec, MAX_FUSED_ACCS, MAX_REGISTERS,
+};
 
 /// Group ids are below this (the kernels mark pending slots with the top bit).
 pub const MAX_GROUPS: usize = 0x7FFF_FFFF - 1;
@@ -258,11 +260,12 @@ pub struct GroupTable {
     carry_interval: u64,
     /// The per-batch deltas of fused updates (`fused.rs`), sized for the groups there were.
     deltas: Option<fused::Deltas>,
-    /// The last fused batch met keys without a group: the next batch goes the ordinary
-    /// way (which inserts them) before another fused try.
-    skip_fused: bool,
-    /// Rows that fused batch found without a group.
-    missed_rows: usize,
+    /// Batches to go the ordinary way before the next fused try, and how many the next
+    /// fused try that meets new keys sets (see `fused_ready`).
+    fused_skips: u32,
+    fused_backoff: u32,
+    /// Rows of the batches added (or whose keys were inserted) so far.
+    rows_seen: u64,
     /// Batches added by the fused kernel, which evaluates their program in registers
     /// ([`update_fused`](Self::update_fused)).
     pub fused_updates: u64,
@@ -301,8 +304,9 @@ impl GroupTable {
             uncarried_rows: 0,
             carry_interval: EXACT_PIECES,
             deltas: None,
-            skip_fused: false,
-            missed_rows: 0,
+            fused_skips: 0,
+            fused_backoff: 1,
+            rows_seen: 0,
             fused_updates: 0,
         };
         let grown = table.grown(if keyed { 1024 } else { 1 })?;
@@ -520,11 +524,12 @@ impl GroupTable {
         n: usize,
         with: UpdateWith<'_>,
     ) -> Result<bool> {
-        // Whatever this batch brings, the groups it inserts are in once it is done: a
-        // fused try may follow.
-        self.skip_fused = false;
-        self.missed_rows = 0;
+        if inputs.is_some() {
+            // An ordinary batch: one fewer to go before the next fused try.
+            self.fused_skips = self.fused_skips.saturating_sub(1);
+        }
         check_rows(n)?;
+        self.rows_seen += n as u64;
         if let Some(rows) = with.rows
             && (rows.layout() != Layout::Bits || rows.len() != n || rows.device() != &self.device)
         {
