@@ -167,15 +167,7 @@ FULMEN_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids
         // Per-block tables: for each accumulator, counts[groups] then state[groups × words].
         FULMEN_DYNAMIC_SHARED(unsigned long long, tables);
         uint64_t at = 0;
-        for (uint32_t k = 0; k < nacc; ++k) {
-            uint64_t words = agg_state_words(accs[k].op);
-            for (uint64_t g = threadIdx.x; g < groups; g += blockDim.x) {
-                tables[at + g] = 0;
-                for (uint64_t w = 0; w < words; ++w)
-                    tables[at + groups + g * words + w] = agg_identity(accs[k].op, (uint32_t)w);
-            }
-            at += groups * (1 + words);
-        }
+        for (uint32_t k = 0; k < nacc; ++k) at = agg_table_identity(tables, at, accs[k].op, groups);
         __syncthreads();
         uint64_t start = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
         for (uint64_t i = start; i < n; i += GRID_STRIDE) {
@@ -200,19 +192,7 @@ FULMEN_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids
             uint64_t words = agg_state_words(a.op);
             for (uint64_t g = threadIdx.x; g < groups; g += blockDim.x) {
                 uint64_t count = tables[base + g];
-                if (count == 0) continue;
-                if (a.op == AO_SUM_F) {  // limb by limb: still exact, still in any order
-                    const unsigned long long* from = &tables[base + groups + g * words];
-                    unsigned long long* to = &a.state[g * words];
-                    atomicAdd(&a.counts[g], (unsigned long long)count);
-                    for (uint32_t w = 0; w < AGG_LIMBS; ++w)
-                        if (from[w]) atomicAdd(&to[w], from[w]);
-                    if (from[AGG_FLAGS]) atomicOr(&to[AGG_FLAGS], from[AGG_FLAGS]);
-                    continue;
-                }
-                uint64_t lo = words ? tables[base + groups + g * words] : 0;
-                uint64_t hi = words == 2 ? tables[base + groups + g * words + 1] : 0;
-                agg_apply(a.op, &a.state[g * words], &a.counts[g], nullptr, lo, hi, count);
+                if (count) agg_merge_state(a.op, &a.state[g * words], &a.counts[g], &tables[base + groups + g * words], count);
             }
             base += groups * (1 + words);
         }

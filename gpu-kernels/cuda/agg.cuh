@@ -272,3 +272,36 @@ __device__ __forceinline__ uint64_t agg_identity(uint64_t op, uint32_t word) {
         default: return 0;
     }
 }
+
+// ---- per-block tables in shared memory ----
+// For each accumulator: counts[groups], then state[groups × words]; a block accumulates
+// into them and adds them into global state once (agg_update's few-groups path, and the
+// fused kernel's).
+
+// Sets one accumulator's per-block table at `tables + at` to its identity (the block's
+// threads share the work); returns where the next accumulator's table starts.
+__device__ __forceinline__ uint64_t agg_table_identity(unsigned long long* tables, uint64_t at, uint64_t op,
+                                                       uint64_t groups) {
+    const uint64_t words = agg_state_words(op);
+    for (uint64_t g = threadIdx.x; g < groups; g += blockDim.x) {
+        tables[at + g] = 0;
+        for (uint64_t w = 0; w < words; ++w) tables[at + groups + g * words + w] = agg_identity(op, (uint32_t)w);
+    }
+    return at + groups * (1 + words);
+}
+
+// Adds a group's partial state (`count` rows; `from`, its words) into the group's state
+// `to` and count `to_count`: an exact sum limb by limb (still exact, in any order), others
+// as agg_apply combines a value. Not for the locked decimal minimum and maximum.
+__device__ __forceinline__ void agg_merge_state(uint64_t op, unsigned long long* to, unsigned long long* to_count,
+                                                const unsigned long long* from, uint64_t count) {
+    if (op == AO_SUM_F) {
+        atomicAdd(to_count, (unsigned long long)count);
+        for (uint32_t w = 0; w < AGG_LIMBS; ++w)
+            if (from[w]) atomicAdd(&to[w], from[w]);
+        if (from[AGG_FLAGS]) atomicOr(&to[AGG_FLAGS], from[AGG_FLAGS]);
+        return;
+    }
+    const uint64_t words = agg_state_words(op);
+    agg_apply(op, to, to_count, nullptr, words ? from[0] : 0, words == 2 ? from[1] : 0, count);
+}

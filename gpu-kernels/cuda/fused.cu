@@ -118,6 +118,16 @@ __device__ __forceinline__ void fused_warp_reduce(uint64_t op, uint64_t& lo, uin
     }
 }
 
+// The bits of a Float32 register (held widened to a double: narrowing back is exact).
+__device__ __forceinline__ uint32_t fused_f32_bits(const Val& v) {
+    union {
+        float f;
+        uint32_t u;
+    } x;
+    x.f = (float)v.a.f;
+    return x.u;
+}
+
 // A key register's hash, as hash.cu hashes a key column of this kind.
 __device__ __forceinline__ uint64_t fused_key_hash(const Val& v, uint64_t kind) {
     if (!v.valid) return NULL_HASH;
@@ -128,14 +138,7 @@ __device__ __forceinline__ uint64_t fused_key_hash(const Val& v, uint64_t kind) 
         case KEY_4: return hash_fixed(bits & 0xFFFFFFFFull, 4);
         case KEY_8: return hash_fixed(bits, 8);
         case KEY_16: return hash_decimal(bits, (uint64_t)v.b);
-        case KEY_F32: {
-            union {
-                float f;
-                uint32_t u;
-            } x;
-            x.f = (float)v.a.f;
-            return hash_f32_bits(x.u);
-        }
+        case KEY_F32: return hash_f32_bits(fused_f32_bits(v));
         case KEY_F64: return hash_f64_bits(bits);
         default: return hash_string(v.a.p, v.b);
     }
@@ -156,14 +159,7 @@ __device__ __forceinline__ bool fused_key_equal(const Val& v, const KeyCol& c, u
             const uint64_t* x = (const uint64_t*)c.values + 2 * row;
             return x[0] == bits && x[1] == (uint64_t)v.b;
         }
-        case KEY_F32: {
-            union {
-                float f;
-                uint32_t u;
-            } x;
-            x.f = (float)v.a.f;
-            return key_f32_canon(((const uint32_t*)c.values)[row]) == key_f32_canon(x.u);
-        }
+        case KEY_F32: return key_f32_canon(((const uint32_t*)c.values)[row]) == key_f32_canon(fused_f32_bits(v));
         case KEY_F64: return key_f64_canon(((const uint64_t*)c.values)[row]) == key_f64_canon(bits);
         case KEY_S32:
         case KEY_S64: {
@@ -224,13 +220,7 @@ FULMEN_KERNEL agg_fused(const int64_t* code, uint64_t code_len, const int64_t* c
         uint64_t at = 0;
         for (uint32_t k = 0; k < nacc; ++k) {
             bases[k] = at;
-            const uint64_t words = agg_state_words(accs[k].op);
-            for (uint64_t g = threadIdx.x; g < groups; g += blockDim.x) {
-                tables[at + g] = 0;
-                for (uint64_t w = 0; w < words; ++w)
-                    tables[at + groups + g * words + w] = agg_identity(accs[k].op, (uint32_t)w);
-            }
-            at += groups * (1 + words);
+            at = agg_table_identity(tables, at, accs[k].op, groups);
         }
     }
     __syncthreads();
@@ -341,18 +331,9 @@ FULMEN_KERNEL agg_fused(const int64_t* code, uint64_t code_len, const int64_t* c
         const uint64_t words = agg_state_words(a.op);
         for (uint64_t g = threadIdx.x; g < groups; g += blockDim.x) {
             const uint64_t count = tables[bases[k] + g];
-            if (count == 0) continue;
-            const unsigned long long* from = &tables[bases[k] + groups + g * words];
-            if (a.op == AO_SUM_F) {
-                unsigned long long* to = &a.delta[g * words];
-                atomicAdd(&a.delta_counts[g], (unsigned long long)count);
-                for (uint32_t w = 0; w < AGG_LIMBS; ++w)
-                    if (from[w]) atomicAdd(&to[w], from[w]);
-                if (from[AGG_FLAGS]) atomicOr(&to[AGG_FLAGS], from[AGG_FLAGS]);
-                continue;
-            }
-            agg_apply(a.op, &a.delta[g * words], &a.delta_counts[g], nullptr, words ? from[0] : 0,
-                      words == 2 ? from[1] : 0, count);
+            if (count)
+                agg_merge_state(a.op, &a.delta[g * words], &a.delta_counts[g], &tables[bases[k] + groups + g * words],
+                                count);
         }
     }
 }
@@ -364,18 +345,7 @@ FULMEN_KERNEL agg_merge_delta(const FusedAcc* accs, uint32_t nacc, uint64_t grou
             const uint64_t words = agg_state_words(a.op);
             unsigned long long* delta = &a.delta[g * words];
             const uint64_t count = apply ? a.delta_counts[g] : 0;  // fresh deltas are not read
-            if (count) {
-                if (a.op == AO_SUM_F) {
-                    atomicAdd(&a.counts[g], (unsigned long long)count);
-                    unsigned long long* to = &a.state[g * words];
-                    for (uint32_t w = 0; w < AGG_LIMBS; ++w)
-                        if (delta[w]) atomicAdd(&to[w], delta[w]);
-                    if (delta[AGG_FLAGS]) atomicOr(&to[AGG_FLAGS], delta[AGG_FLAGS]);
-                } else {
-                    agg_apply(a.op, &a.state[g * words], &a.counts[g], nullptr, words ? delta[0] : 0,
-                              words == 2 ? delta[1] : 0, count);
-                }
-            }
+            if (count) agg_merge_state(a.op, &a.state[g * words], &a.counts[g], delta, count);
             a.delta_counts[g] = 0;
             for (uint64_t w = 0; w < words; ++w) delta[w] = agg_identity(a.op, (uint32_t)w);
         }
