@@ -307,11 +307,23 @@ impl DeviceColumn {
 /// Copies columns back into Arrow arrays, all their buffers in one host wait (one per
 /// 16 MiB of staging past that) when they are on one device.
 pub fn download_columns(columns: &[&DeviceColumn]) -> Result<Vec<ArrayRef>> {
-    let Some(first) = columns.first() else {
-        return Ok(Vec::new());
-    };
-    let device = first.device();
+    match columns.first() {
+        None => Ok(Vec::new()),
+        Some(first) => download_columns_with(first.device(), columns, &mut []),
+    }
+}
+
+/// [`download_columns`], with more reads from `device` (`extra`: each buffer's first
+/// `out.len()` bytes) in the same host wait.
+pub(crate) fn download_columns_with(
+    device: &Device,
+    columns: &[&DeviceColumn],
+    extra: &mut [(&DeviceBuffer, &mut [u8])],
+) -> Result<Vec<ArrayRef>> {
     if columns.iter().any(|c| c.device() != device) {
+        if !extra.is_empty() {
+            device.read_many(extra)?;
+        }
         return columns.iter().map(|c| c.to_arrow()).collect();
     }
     // A host buffer for every device buffer: validity, offsets, values.
@@ -337,7 +349,10 @@ pub fn download_columns(columns: &[&DeviceColumn]) -> Result<Vec<ArrayRef>> {
             }
             reads.push((&c.values, values.as_slice_mut()));
         }
-        device.read_many(&mut reads)?;
+        reads.extend(extra.iter_mut().map(|(b, out)| (*b, &mut **out)));
+        if !reads.is_empty() {
+            device.read_many(&mut reads)?;
+        }
     }
     columns
         .iter()

@@ -270,6 +270,15 @@ fn check_group_table(
         }
     }
     let states: Vec<_> = (0..ops.len()).map(|k| table.state(k).unwrap()).collect();
+    // What a finished aggregation reads in one wait is what the reads one by one give
+    // (compared as printed: a NaN minimum equals itself there).
+    let (all_keys, all_states) = table.download().unwrap();
+    assert_eq!(
+        format!("{all_states:?}"),
+        format!("{states:?}"),
+        "download's states"
+    );
+    assert_eq!(all_keys, table.keys().unwrap(), "download's keys");
     let int = |k: usize| match &states[k].values {
         AccValues::Int(v) => v.clone(),
         other => panic!("{other:?}"),
@@ -793,6 +802,19 @@ fn a_fused_batch_waits_once_and_changes_nothing_unless_added() {
     assert_eq!(after.h2d_copies - counts.h2d_copies, 1, "one upload");
     assert_eq!(states(&table), before);
     assert_eq!(table.groups(), 40);
+    // The keys and every state come up in one wait, with one launch (the exact float
+    // sum's rounding).
+    let counts = d.counts();
+    let (keys_now, states_now) = table.download().unwrap();
+    let after = d.counts();
+    assert_eq!(after.syncs - counts.syncs, 1, "download: one host wait");
+    assert_eq!(
+        after.launches - counts.launches,
+        1,
+        "download: one rounding"
+    );
+    assert_eq!(states_now, before);
+    assert_eq!(keys_now[0].len(), 40);
     assert!(
         !table.fused_ready(),
         "after new keys, a batch goes the ordinary way"

@@ -47,11 +47,8 @@ impl AggregateWork {
     ) -> Result<(Vec<ArrayRef>, Vec<Vec<ArrayRef>>)> {
         let table = &tables.groups;
         let start = std::time::Instant::now();
-        let keys = table.keys().map_err(kernel_err)?;
-        let accs: Vec<AccState> = (0..self.accumulators.len())
-            .map(|k| table.state(k))
-            .collect::<Result<_, _>>()
-            .map_err(kernel_err)?;
+        // The keys and every accumulator's state come up in one wait.
+        let (keys, accs) = table.download().map_err(kernel_err)?;
         let pairs: Vec<Vec<ArrayRef>> = tables
             .distinct
             .iter()
