@@ -1084,17 +1084,17 @@ impl GroupTable {
                 _ => Ok(None),
             })
             .collect::<Result<Vec<Option<DeviceBuffer>>>>()?;
-        // Where each accumulator's words come from, and how many bytes of them.
+        // Where each accumulator's words come from (the rounding, else the state), and
+        // how many bytes of them: its groups' words as they come to the host.
         let sources: Vec<Option<(&DeviceBuffer, usize)>> = accs
             .iter()
             .zip(&rounded)
-            .map(|(acc, rounded)| match (rounded, &acc.state) {
-                (Some(r), _) => Some((r, g * 8)),
-                (None, Some(_)) if acc.op == AccOp::SumFloat => None, // no groups
-                (None, Some(state)) => Some((state, g * acc.op.words() * 8)),
-                (None, None) => None,
+            .map(|(acc, rounded)| {
+                rounded
+                    .as_ref()
+                    .or(acc.state.as_ref())
+                    .map(|b| (b, (g * acc.op.host_words() * 8).min(b.len())))
             })
-            .map(|s| s.map(|(b, len)| (b, len.min(b.len()))))
             .collect();
         let mut counts: Vec<Vec<u8>> = accs
             .iter()
