@@ -57,6 +57,10 @@ struct StreamOptions {
     /// Minutes of event time of the fraud pipeline's traffic.
     #[arg(long, default_value_t = 120)]
     fraud_minutes: i64,
+    /// Also run the fraud pipeline with its events produced as their event time comes, this
+    /// many times faster than real time (0: only the backlog runs).
+    #[arg(long, default_value_t = 0.0)]
+    fraud_pace: f64,
 }
 
 async fn run_stream(options: StreamOptions) -> Result<bool> {
@@ -71,15 +75,29 @@ async fn run_stream(options: StreamOptions) -> Result<bool> {
     let mut markdown = report.markdown();
     let mut ok = report.windows > 0;
     if options.fraud_cards > 0 {
-        let fraud =
-            fulmen_benches::stream::fraud(options.fraud_cards, options.fraud_minutes).await?;
+        // With incremental windows (the default), then re-reading open windows.
+        let mut runs = Vec::new();
+        let mut paces = vec![None];
+        if options.fraud_pace > 0.0 {
+            paces.push(Some(options.fraud_pace));
+        }
+        for (pace, incremental) in paces.into_iter().flat_map(|p| [(p, true), (p, false)]) {
+            let fraud = fulmen_benches::stream::fraud(
+                options.fraud_cards,
+                options.fraud_minutes,
+                incremental,
+                pace,
+            )
+            .await?;
+            markdown.push('\n');
+            markdown.push_str(&fraud.markdown());
+            ok &= fraud.alerts == fraud.planted;
+            runs.push(fraud.json());
+        }
         std::fs::write(
             options.output.join("stream-fraud.json"),
-            serde_json::to_string_pretty(&fraud.json())?,
+            serde_json::to_string_pretty(&runs)?,
         )?;
-        markdown.push('\n');
-        markdown.push_str(&fraud.markdown());
-        ok &= fraud.alerts == fraud.planted;
     }
     std::fs::write(stem.with_extension("md"), &markdown)?;
     println!("{markdown}");

@@ -447,8 +447,21 @@ pub struct FraudReport {
     pub pipeline_seconds: f64,
     /// CPU seconds of the whole process meanwhile.
     pub pipeline_process_cpu_seconds: f64,
-    /// Sink ticks that ran a query (the windowed re-reads).
+    /// `None`: every event was produced before the pipeline started (a backlog); else the
+    /// events were produced as their event time came, sped up this many times.
+    pub pace: Option<f64>,
+    /// Window close → output committed, per tick that wrote alerts (the sinks' histogram;
+    /// upper bounds of its buckets, in seconds): p50 and p99.
+    pub close_to_commit: (f64, f64),
+    /// Whether the sinks kept their open windows' partial states (`fulmen.stream.incremental`)
+    /// or re-read their open windows at each tick that emitted.
+    pub incremental: bool,
+    /// Sink ticks that ran a query.
     pub ticks: u64,
+    /// Rows the three sinks read from the live table, all ticks together.
+    pub rows_read: u64,
+    /// The most partial states the three sinks held at once (sampled every 20 ms).
+    pub peak_state_rows: u64,
     /// Alerts written, and the alerts the generator planted (they must be equal).
     pub alerts: usize,
     /// See `alerts`.
@@ -456,8 +469,16 @@ pub struct FraudReport {
 }
 
 /// Runs the fraud pipeline over `cards` cards and `minutes` of event time (about 1.3
-/// transactions per card and 10 minutes), all produced before the pipeline starts.
-pub async fn fraud(cards: usize, minutes: i64) -> Result<FraudReport> {
+/// transactions per card and 10 minutes), all produced before the pipeline starts, with
+/// incremental windows or re-reading open windows. With `pace`, the pipeline's events are
+/// produced instead as their event time comes, sped up `pace` times (so the watermark moves
+/// at every tick, as in a live service).
+pub async fn fraud(
+    cards: usize,
+    minutes: i64,
+    incremental: bool,
+    pace: Option<f64>,
+) -> Result<FraudReport> {
     let options = fulmen_fraud::Options {
         cards,
         minutes,
@@ -486,12 +507,16 @@ pub async fn fraud(cards: usize, minutes: i64) -> Result<FraudReport> {
             .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
         let partition = (hash % partitions as u32) as i32;
         let value = t.to_json();
-        send(&producer, "transactions", partition, value.as_bytes());
+        if pace.is_none() {
+            send(&producer, "transactions", partition, value.as_bytes());
+        }
         send(&producer, "fraud_ingest", partition, value.as_bytes());
     }
     for p in 0..partitions {
         for topic in ["transactions", "fraud_ingest"] {
-            send(&producer, topic, p, heartbeat.to_json().as_bytes());
+            if topic == "fraud_ingest" || pace.is_none() {
+                send(&producer, topic, p, heartbeat.to_json().as_bytes());
+            }
         }
     }
     producer.flush(Duration::from_secs(300))?;
@@ -520,16 +545,53 @@ pub async fn fraud(cards: usize, minutes: i64) -> Result<FraudReport> {
     std::fs::create_dir_all(&dir)?;
     let profiles = dir.join("fraud-profiles.csv");
     std::fs::write(&profiles, fulmen_fraud::profiles_csv(&generated.profiles))?;
+    ctx.sql(&format!("SET fulmen.stream.incremental = {incremental}"))
+        .await?
+        .collect()
+        .await?;
     let process_before = process_cpu_seconds();
     let started = Instant::now();
+    let mut peak_state_rows = 0;
     for statement in fulmen_fraud::pipeline_statements(&servers, &profiles.to_string_lossy()) {
         ctx.sql(&statement).await?.collect().await?;
     }
+    let paced = pace.map(|speedup| {
+        let servers = servers.clone();
+        let transactions = generated.transactions.clone();
+        std::thread::spawn(move || -> Result<()> {
+            let producer = new_producer(&servers)?;
+            let started = Instant::now();
+            for t in transactions.iter().chain([&heartbeat]) {
+                let due = (t.ts_ms - fulmen_fraud::START_MS) as f64 / speedup;
+                let wait = due - started.elapsed().as_secs_f64() * 1000.0;
+                if wait > 1.0 && t.card != "heartbeat" {
+                    std::thread::sleep(Duration::from_secs_f64(wait / 1000.0));
+                }
+                let hash = t
+                    .card
+                    .bytes()
+                    .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
+                let value = t.to_json();
+                if t.card == "heartbeat" {
+                    for p in 0..partitions {
+                        send(&producer, "transactions", p, value.as_bytes());
+                    }
+                } else {
+                    let partition = (hash % partitions as u32) as i32;
+                    send(&producer, "transactions", partition, value.as_bytes());
+                }
+                producer.poll(Duration::ZERO);
+            }
+            producer.flush(Duration::from_secs(60))?;
+            Ok(())
+        })
+    });
     // Every window closes once the heartbeats' watermark passes the last hour's end.
     let last = (end_ms + 3_600_000) * 1_000_000;
     let mut reported = Instant::now();
     loop {
         let sinks = streams.sinks().list();
+        peak_state_rows = peak_state_rows.max(sinks.iter().map(|s| s.3.state_rows).sum());
         if sinks.len() == 3
             && sinks
                 .iter()
@@ -562,12 +624,44 @@ pub async fn fraud(cards: usize, minutes: i64) -> Result<FraudReport> {
     }
     let pipeline_seconds = started.elapsed().as_secs_f64();
     let pipeline_process_cpu_seconds = process_cpu_seconds() - process_before;
-    let ticks = streams
-        .sinks()
-        .list()
-        .iter()
-        .map(|(_, _, _, s)| s.runs)
-        .sum();
+    if let Some(producer) = paced {
+        producer
+            .join()
+            .map_err(|_| anyhow::anyhow!("the fraud producer panicked"))??;
+    }
+    let sinks = streams.sinks().list();
+    let ticks = sinks.iter().map(|(_, _, _, s)| s.runs).sum();
+    let mut buckets = [0u64; fulmen_connectors::sink::Latency::BOUNDS.len() + 1];
+    for (_, _, _, s) in &sinks {
+        for (total, n) in buckets.iter_mut().zip(s.latency.buckets) {
+            *total += n;
+        }
+    }
+    let bound = |q: f64| {
+        let count: u64 = buckets.iter().sum();
+        let mut seen = 0;
+        for (i, n) in buckets.iter().enumerate() {
+            seen += n;
+            if count > 0 && seen as f64 >= q * count as f64 {
+                return fulmen_connectors::sink::Latency::BOUNDS
+                    .get(i)
+                    .copied()
+                    .unwrap_or(f64::INFINITY);
+            }
+        }
+        f64::NAN
+    };
+    let close_to_commit = (bound(0.5), bound(0.99));
+    let rows_read = sinks.iter().map(|(_, _, _, s)| s.rows_read).sum();
+    let modes: Vec<_> = sinks.iter().map(|(_, _, _, s)| s.mode).collect();
+    let expected = if incremental {
+        "incremental"
+    } else {
+        "windowed"
+    };
+    if modes.iter().any(|m| *m != expected) {
+        bail!("the fraud sinks run as {modes:?}, not {expected}");
+    }
     streams.shutdown();
     let _ = std::fs::remove_dir_all(&dir);
 
@@ -587,7 +681,12 @@ pub async fn fraud(cards: usize, minutes: i64) -> Result<FraudReport> {
         ingest: ingest_only,
         pipeline_seconds,
         pipeline_process_cpu_seconds,
+        pace,
+        close_to_commit,
+        incremental,
         ticks,
+        rows_read,
+        peak_state_rows,
         alerts,
         planted: generated.planted.len(),
     })
@@ -607,7 +706,13 @@ impl FraudReport {
             "pipeline_process_cpu_seconds": self.pipeline_process_cpu_seconds,
             "pipeline_events_per_process_cpu_second": n / self.pipeline_process_cpu_seconds.max(0.01),
             "pipeline_over_ingest": self.pipeline_seconds / self.ingest.seconds,
+            "pace": self.pace,
+            "close_to_commit_p50_seconds_at_most": self.close_to_commit.0,
+            "close_to_commit_p99_seconds_at_most": self.close_to_commit.1,
+            "incremental": self.incremental,
             "sink_ticks": self.ticks,
+            "sink_rows_read": self.rows_read,
+            "peak_state_rows": self.peak_state_rows,
             "alerts": self.alerts,
             "planted": self.planted,
         })
@@ -617,22 +722,37 @@ impl FraudReport {
     pub fn markdown(&self) -> String {
         let n = self.events as f64;
         format!(
-            "| fraud pipeline ({} events, {} cards, {} minutes of event time) | value |\n|---|---|\n\
+            "| fraud pipeline ({} events, {} cards, {} minutes of event time), {} | value |\n|---|---|\n\
              | ingest alone | {:.2} s, {:.0} events/s |\n\
-             | the three rules, end to end (backlog) | {:.2} s, {:.0} events/s ({:.1}× the ingest time) |\n\
+             | the three rules, end to end ({}) | {:.2} s, {:.0} events/s ({:.1}× the ingest time) |\n\
              | end to end per CPU second of the process | {:.0} events/s |\n\
+             | window close → alerts committed (sinks' histogram), p50 / p99 | ≤ {:.0} ms / ≤ {:.0} ms |\n\
              | sink ticks | {} |\n\
+             | rows the sinks read / partial states held at most | {} / {} |\n\
              | alerts written / planted | {} / {} |\n",
             self.events,
             self.cards,
             self.minutes,
+            if self.incremental {
+                "incremental windows"
+            } else {
+                "open windows re-read"
+            },
             self.ingest.seconds,
             n / self.ingest.seconds,
+            match self.pace {
+                None => "backlog".to_owned(),
+                Some(p) => format!("produced as event time came, {p}× sped up"),
+            },
             self.pipeline_seconds,
             n / self.pipeline_seconds,
             self.pipeline_seconds / self.ingest.seconds,
             n / self.pipeline_process_cpu_seconds.max(0.01),
+            self.close_to_commit.0 * 1000.0,
+            self.close_to_commit.1 * 1000.0,
             self.ticks,
+            self.rows_read,
+            self.peak_state_rows,
             self.alerts,
             self.planted,
         )

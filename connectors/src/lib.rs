@@ -9,6 +9,7 @@
 
 pub mod avro;
 pub mod format;
+mod incremental;
 pub mod live;
 pub mod metrics;
 pub mod options;

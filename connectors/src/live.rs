@@ -21,7 +21,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -428,6 +428,10 @@ impl TableProvider for LiveTable {
             scope.touch(&self.shared);
         }
         let batches = self.shared.snapshot(range.as_ref());
+        if let Some(scope) = &scope {
+            let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+            scope.rows.fetch_add(rows, Ordering::Relaxed);
+        }
         let parts = state.config().target_partitions().max(1);
         let mut partitions: Vec<Vec<RecordBatch>> =
             vec![Vec::new(); parts.min(batches.len()).max(1)];
@@ -453,6 +457,8 @@ pub type OffsetRange = BTreeMap<i32, (i64, i64)>;
 pub struct LiveScope {
     ranges: HashMap<String, OffsetRange>,
     touched: Mutex<Vec<Arc<Shared>>>,
+    scans: AtomicUsize,
+    rows: AtomicUsize,
 }
 
 impl LiveScope {
@@ -462,6 +468,8 @@ impl LiveScope {
         Self {
             ranges,
             touched: Mutex::new(Vec::new()),
+            scans: AtomicUsize::new(0),
+            rows: AtomicUsize::new(0),
         }
     }
 
@@ -470,6 +478,7 @@ impl LiveScope {
     }
 
     fn touch(&self, shared: &Arc<Shared>) {
+        self.scans.fetch_add(1, Ordering::Relaxed);
         let mut touched = self.touched.lock().unwrap_or_else(|p| p.into_inner());
         if !touched.iter().any(|t| Arc::ptr_eq(t, shared)) {
             touched.push(Arc::clone(shared));
@@ -482,6 +491,16 @@ impl LiveScope {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// How many scans of live tables the query's plan has (a table read twice counts twice).
+    pub fn scans(&self) -> usize {
+        self.scans.load(Ordering::Relaxed)
+    }
+
+    /// The rows those scans read.
+    pub fn rows(&self) -> usize {
+        self.rows.load(Ordering::Relaxed)
     }
 }
 
@@ -507,7 +526,7 @@ impl Shared {
             return state.batches.iter().map(|s| s.batch.clone()).collect();
         };
         let mut out = Vec::new();
-        for stored in &state.batches {
+        for stored in Self::newest_in(&state, range) {
             let keep: BooleanArray = stored
                 .partitions
                 .values()
@@ -523,7 +542,23 @@ impl Shared {
                 out.push(batch);
             }
         }
+        out.reverse();
         out
+    }
+
+    /// The stored batches that may hold rows of `range`, newest first. Each partition is
+    /// ingested in offset order, so once every row of a batch lies before the start of its
+    /// partition's range, so does every row of every older batch (given a range that names
+    /// every partition ingested before it was made, as a tick's does).
+    fn newest_in<'a>(state: &'a State, range: &'a OffsetRange) -> impl Iterator<Item = &'a Stored> {
+        state.batches.iter().rev().take_while(move |stored| {
+            !stored
+                .partitions
+                .values()
+                .iter()
+                .zip(stored.offsets.values())
+                .all(|(p, o)| range.get(p).is_some_and(|(from, _)| o < from))
+        })
     }
 
     /// The next offset to ingest, per partition (where anything was ingested).
@@ -577,6 +612,32 @@ impl Shared {
             }
         }
         needed
+    }
+
+    /// Of the rows held in `range`: per partition the smallest offset, and the latest event
+    /// time (nanoseconds; `None` when no row has one).
+    pub fn range_extent(&self, range: &OffsetRange) -> (BTreeMap<i32, i64>, Option<i64>) {
+        let state = self.lock();
+        let mut first: BTreeMap<i32, i64> = BTreeMap::new();
+        let mut latest: Option<i64> = None;
+        for stored in Self::newest_in(&state, range) {
+            let times = self.event_nanos(&stored.batch);
+            for row in 0..stored.batch.num_rows() {
+                let p = stored.partitions.value(row);
+                let o = stored.offsets.value(row);
+                if !range
+                    .get(&p)
+                    .is_some_and(|(from, to)| o >= *from && o < *to)
+                {
+                    continue;
+                }
+                first.entry(p).and_modify(|f| *f = (*f).min(o)).or_insert(o);
+                if let Some(t) = times.as_ref().filter(|t| t.is_valid(row)) {
+                    latest = Some(latest.map_or(t.value(row), |l| l.max(t.value(row))));
+                }
+            }
+        }
+        (first, latest)
     }
 
     /// Commits `offsets` (with `metadata`) for the table's consumer group.

@@ -143,12 +143,17 @@ impl Collector for PipelineCollector {
 
         let sinks = self.streams.sinks().list();
         type SinkCount = fn(&crate::sink::SinkStatus) -> u64;
-        let sink_counts: [(&str, &str, SinkCount); 3] = [
+        let sink_counts: [(&str, &str, SinkCount); 4] = [
             ("fulmen_sink_ticks", "Ticks that completed", |s| s.runs),
             (
                 "fulmen_sink_rows_written",
                 "Messages written to the sink's topic",
                 |s| s.rows_written,
+            ),
+            (
+                "fulmen_sink_rows_read",
+                "Rows the sink's ticks read from live tables",
+                |s| s.rows_read,
             ),
             (
                 "fulmen_sink_failures",
@@ -162,6 +167,15 @@ impl Collector for PipelineCollector {
                 .map(|(n, _, _, s)| ([("sink", n.clone())], counter(value(s))));
             family(e, name, help, c, rows)?;
         }
+        family(
+            e,
+            "fulmen_sink_state_rows",
+            "Partial aggregate states an incremental sink holds for its open windows",
+            g,
+            sinks
+                .iter()
+                .map(|(name, _, _, s)| ([("sink", name.clone())], gauge(s.state_rows as i64))),
+        )?;
         family(
             e,
             "fulmen_sink_failing",

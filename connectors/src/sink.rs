@@ -23,7 +23,7 @@
 //! and their metadata records `E`, so a restarted sink (`'start' 'committed'`) re-reads what
 //! it needs and does not emit again what was already committed.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -34,12 +34,15 @@ use datafusion::arrow::datatypes::{DataType, Schema};
 use datafusion::common::{plan_datafusion_err, plan_err};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::SessionState;
+use datafusion::physical_plan::collect;
 use datafusion::prelude::SessionContext;
-use fulmen_engine::streaming::StreamScope;
+use fulmen_engine::streaming::{StreamScope, WindowKind};
+use fulmen_engine::{FulmenConfig, GpuMode};
 use rdkafka::consumer::Consumer;
 use rdkafka::producer::Producer as _;
 
 use crate::format::Encoder;
+use crate::incremental::{self, WindowStates};
 use crate::live::{LiveScope, LiveTable, OffsetRange, Shared};
 use crate::options::Delivery;
 use crate::producer::{Producer, kafka_error};
@@ -63,7 +66,8 @@ pub struct Sink {
 /// What `SHOW SINKS` tells of a sink.
 #[derive(Debug, Clone, Default)]
 pub struct SinkStatus {
-    /// `windowed` or `append`.
+    /// `incremental` (windowed, keeping open windows' partial states), `windowed`
+    /// (re-reading open windows each tick) or `append`.
     pub mode: &'static str,
     /// `at_least_once` or `exactly_once`.
     pub delivery: &'static str,
@@ -73,6 +77,12 @@ pub struct SinkStatus {
     pub rows_written: u64,
     /// Windows ending at or before this instant (nanoseconds) are emitted.
     pub emitted_up_to: Option<i64>,
+    /// Rows the sink's ticks read from live tables (an incremental or append sink reads each
+    /// row once; one that re-reads its open windows, each of them at every tick that emits).
+    pub rows_read: u64,
+    /// Incremental sinks: partial aggregate states held for open windows (rows: about one
+    /// per group per open window).
+    pub state_rows: u64,
     /// Ticks that failed (and were retried).
     pub failures: u64,
     /// The last failure.
@@ -118,6 +128,9 @@ struct Plan {
     query: String,
     sources: Vec<Arc<Shared>>,
     windowed: bool,
+    /// Windowed sinks that keep their open windows' partial states (see `incremental.rs`):
+    /// the query's one window function.
+    incremental: Option<WindowKind>,
     span: Option<i64>,
     target_topic: String,
     encoder: Encoder,
@@ -167,6 +180,48 @@ impl Sink {
                 sources.len()
             );
         }
+        // A windowed query runs incrementally when its plan splits at an aggregation over
+        // its one window of its one live table (read once).
+        let allowed = state
+            .config()
+            .options()
+            .extensions
+            .get::<FulmenConfig>()
+            .is_none_or(|f| f.stream_incremental);
+        let incremental = match (windows.as_slice(), sources.len(), live_scope.scans()) {
+            _ if !windowed => None,
+            _ if !allowed => {
+                log::info!(
+                    "sink '{name}' re-reads its open windows each tick: \
+                     fulmen.stream.incremental is off"
+                );
+                None
+            }
+            ([kind], 1, 1) => {
+                let session = incremental_session(
+                    &state,
+                    Arc::new(StreamScope::new(Some(i64::MAX), Some(i64::MAX))),
+                    Arc::new(LiveScope::default()),
+                );
+                let physical = session.sql(query).await?.create_physical_plan().await?;
+                match incremental::split(physical, *kind) {
+                    Ok(_) => Some(*kind),
+                    Err(why) => {
+                        log::info!("sink '{name}' re-reads its open windows each tick: {why}");
+                        None
+                    }
+                }
+            }
+            _ => {
+                log::info!(
+                    "sink '{name}' re-reads its open windows each tick: it reads {} windows \
+                     over {} scans of live tables (incremental windows take one of each)",
+                    windows.len(),
+                    live_scope.scans()
+                );
+                None
+            }
+        };
         let span = windows
             .iter()
             .map(|w| w.span())
@@ -225,6 +280,7 @@ impl Sink {
             query: query.to_owned(),
             sources,
             windowed,
+            incremental,
             span,
             target_topic: target_shared.options.topic.clone(),
             encoder: Encoder::try_new(
@@ -241,7 +297,11 @@ impl Sink {
                 .map_err(|e| DataFusionError::External(Box::new(e)))??
         };
         let status = Arc::new(Mutex::new(SinkStatus {
-            mode: if windowed { "windowed" } else { "append" },
+            mode: match (windowed, incremental) {
+                (true, Some(_)) => "incremental",
+                (true, None) => "windowed",
+                (false, _) => "append",
+            },
             delivery: match delivery {
                 Delivery::AtLeastOnce => "at_least_once",
                 Delivery::ExactlyOnce => "exactly_once",
@@ -258,10 +318,16 @@ impl Sink {
             stop: Arc::clone(&stop),
             emitted_up_to,
             from: BTreeMap::new(),
+            states: WindowStates::default(),
+            chunks: VecDeque::new(),
         };
         log::info!(
             "sink '{name}' started into '{target}' ({}, {})",
-            if windowed { "windowed" } else { "append" },
+            match (windowed, incremental) {
+                (true, Some(_)) => "windowed, incremental",
+                (true, None) => "windowed, re-reading open windows",
+                (false, _) => "append",
+            },
             match delivery {
                 Delivery::AtLeastOnce => "at least once",
                 Delivery::ExactlyOnce => "exactly once",
@@ -319,6 +385,25 @@ fn scoped(state: &SessionState, streams: Arc<StreamScope>, live: Arc<LiveScope>)
     SessionContext::new_with_state(state)
 }
 
+/// The session an incremental sink plans its ticks in: one partition (a tick's rows are
+/// few, and its plan splits most simply without exchanges), on the CPU (a tick's new rows
+/// and closing windows are far too few to repay a trip to a device; see `incremental.rs`).
+fn incremental_session(
+    state: &SessionState,
+    streams: Arc<StreamScope>,
+    live: Arc<LiveScope>,
+) -> SessionContext {
+    let mut state = state.clone();
+    let config = state.config_mut();
+    config.options_mut().execution.target_partitions = 1;
+    if let Some(fulmen) = config.options_mut().extensions.get_mut::<FulmenConfig>() {
+        fulmen.gpu_mode = GpuMode::Off;
+    }
+    config.set_extension(streams);
+    config.set_extension(live);
+    SessionContext::new_with_state(state)
+}
+
 struct Runner {
     name: String,
     plan: Plan,
@@ -326,8 +411,11 @@ struct Runner {
     status: Arc<Mutex<SinkStatus>>,
     stop: Arc<AtomicBool>,
     emitted_up_to: Option<i64>,
-    /// Append mode: per partition, the first offset not yet processed.
+    /// Append and incremental sinks: per partition, the first offset not yet processed.
     from: BTreeMap<i32, i64>,
+    /// Incremental sinks: the open windows' states, and the rows they hold, by tick.
+    states: WindowStates,
+    chunks: VecDeque<Chunk>,
 }
 
 impl Runner {
@@ -375,6 +463,57 @@ impl Runner {
     }
 
     fn tick(&mut self, runtime: &tokio::runtime::Runtime) -> Result<()> {
+        let output = if self.plan.incremental.is_some() {
+            self.incremental(runtime)
+        } else {
+            self.rerun(runtime)
+        };
+        let state_rows = self.states.rows();
+        self.status_mut().state_rows = state_rows as u64;
+        let Some(output) = output? else {
+            return Ok(());
+        };
+        let written = self.deliver(&output)?;
+
+        // The output is out and the offsets committed: move on.
+        if let Some(w) = output.watermark {
+            self.emitted_up_to = Some(w);
+            if let Some(left) = output.left {
+                self.states = left;
+                let cutoff = self.plan.span.map(|s| w.saturating_sub(s));
+                self.chunks
+                    .retain(|c| c.latest.is_some_and(|t| cutoff.is_none_or(|cut| t >= cut)));
+            }
+        }
+        if let Some(range) = output.ranges.values().next() {
+            for (p, (_, to)) in range {
+                self.from.insert(*p, *to);
+            }
+        }
+        if written > 0 {
+            log::debug!("sink '{}': wrote {written} messages", self.name);
+        }
+        let state_rows = self.states.rows() as u64;
+        let emitted_up_to = self.emitted_up_to;
+        let mut status = self.status_mut();
+        if let Some(when) = output.closed_at.filter(|_| written > 0) {
+            status.latency.observe(when.elapsed().as_secs_f64());
+        }
+        status.runs += 1;
+        status.rows_written += written;
+        status.emitted_up_to = emitted_up_to;
+        status.state_rows = state_rows;
+        Ok(())
+    }
+
+    fn status_mut(&self) -> std::sync::MutexGuard<'_, SinkStatus> {
+        self.status.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Windowed sinks that re-read their open windows, and append sinks: the query over the
+    /// live tables' snapshots (windowed: emitting the windows that closed since the previous
+    /// tick) or over the rows that arrived since it (append).
+    fn rerun(&mut self, runtime: &tokio::runtime::Runtime) -> Result<Option<Output>> {
         let plan = &self.plan;
         let mut closed_at = None;
         let (streams, ranges, watermark) = if plan.windowed {
@@ -385,55 +524,158 @@ impl Runner {
                 .collect::<Option<Vec<_>>>();
             // The smallest watermark, and when it got there: windows up to it closed then.
             let Some((watermark, when)) = watermarks.and_then(|w| w.into_iter().min()) else {
-                return Ok(());
+                return Ok(None);
             };
             closed_at = Some(when);
             if self.emitted_up_to.is_some_and(|e| watermark <= e) {
-                return Ok(());
+                return Ok(None);
             }
             let scope = StreamScope::new(self.emitted_up_to, Some(watermark));
             (scope, HashMap::new(), Some(watermark))
         } else {
             let source = &plan.sources[0];
-            let to = source.ingested();
-            let range: OffsetRange = to
-                .iter()
-                .map(|(p, to)| (*p, (self.from.get(p).copied().unwrap_or(i64::MIN), *to)))
-                .filter(|(_, (from, to))| from < to)
-                .collect();
-            if range.is_empty() {
-                return Ok(());
+            let range = self.new_rows(source);
+            if !range.values().any(|(from, to)| from < to) {
+                return Ok(None);
             }
             let ranges = HashMap::from([(source.name.clone(), range)]);
             (StreamScope::new(None, None), ranges, None)
         };
         let live = Arc::new(LiveScope::new(ranges.clone()));
-        let session = scoped(&plan.state, Arc::new(streams), live);
+        let session = scoped(&plan.state, Arc::new(streams), Arc::clone(&live));
         let batches = runtime.block_on(async {
             let frame = session.sql(&plan.query).await?;
             frame.collect().await
         })?;
+        self.status_mut().rows_read += live.rows() as u64;
+        let commits = self.commits(watermark, |source| match watermark {
+            Some(w) => source.needed_from(w, plan.span),
+            None => ranges
+                .get(&source.name)
+                .map(|r| r.iter().map(|(p, (_, to))| (*p, *to)).collect())
+                .unwrap_or_default(),
+        });
+        Ok(Some(Output {
+            batches,
+            commits,
+            ranges,
+            watermark,
+            closed_at,
+            left: None,
+        }))
+    }
 
-        // Offsets to commit once the output is safe.
-        let mut commits: Vec<(Arc<Shared>, BTreeMap<i32, i64>, String)> = Vec::new();
+    /// Incremental windowed sinks (see `incremental.rs`): the rows that arrived since the
+    /// previous tick go into the open windows' states; the windows the watermark passed are
+    /// finished from theirs.
+    fn incremental(&mut self, runtime: &tokio::runtime::Runtime) -> Result<Option<Output>> {
+        let plan = &self.plan;
+        let kind = plan.incremental.expect("an incremental sink");
+        let source = &plan.sources[0];
+        let range = self.new_rows(source);
+        let fresh = range.values().any(|(from, to)| from < to);
+        let watermark = source
+            .watermark_and_when()
+            .filter(|(w, _)| self.emitted_up_to.is_none_or(|e| *w > e));
+        if !fresh && watermark.is_none() {
+            return Ok(None);
+        }
+        // New rows go to every window ending after the last one emitted.
+        let scope = StreamScope::new(self.emitted_up_to, None);
+        let rows = if fresh {
+            range.clone()
+        } else {
+            OffsetRange::new()
+        };
+        let live = Arc::new(LiveScope::new(HashMap::from([(source.name.clone(), rows)])));
+        let session = incremental_session(&plan.state, Arc::new(scope), Arc::clone(&live));
+        let split = runtime.block_on(async {
+            let physical = session
+                .sql(&plan.query)
+                .await?
+                .create_physical_plan()
+                .await?;
+            incremental::split(physical, kind).map_err(|why| {
+                plan_datafusion_err!("the sink's query can no longer run incrementally: {why}")
+            })
+        })?;
+        if fresh {
+            let states = runtime.block_on(collect(Arc::clone(&split.lower), session.task_ctx()))?;
+            // Taken in: the rows are not read again, whatever happens to the rest of the tick.
+            self.states.add(states);
+            self.status_mut().rows_read += live.rows() as u64;
+            let (first, latest) = source.range_extent(&range);
+            self.chunks.push_back(Chunk { first, latest });
+            for (p, (_, to)) in &range {
+                self.from.insert(*p, *to);
+            }
+            runtime.block_on(self.states.merge_if_due(&split, session.task_ctx()))?;
+        }
+        let Some((watermark, closed_at)) = watermark else {
+            return Ok(None);
+        };
+        let (closing, left) = self.states.closing(&split, self.emitted_up_to, watermark)?;
+        let batches = runtime.block_on(collect(split.finished(closing)?, session.task_ctx()))?;
+        // Rows are needed again on a restart while a window they lie in is open.
+        let cutoff = plan.span.map(|s| watermark.saturating_sub(s));
+        let mut needed = self.from.clone();
+        for chunk in &self.chunks {
+            if chunk
+                .latest
+                .is_some_and(|t| cutoff.is_none_or(|cut| t >= cut))
+            {
+                for (p, o) in &chunk.first {
+                    needed
+                        .entry(*p)
+                        .and_modify(|n| *n = (*n).min(*o))
+                        .or_insert(*o);
+                }
+            }
+        }
+        let commits = self.commits(Some(watermark), |_| needed.clone());
+        Ok(Some(Output {
+            batches,
+            commits,
+            ranges: HashMap::new(),
+            watermark: Some(watermark),
+            closed_at: Some(closed_at),
+            left: Some(left),
+        }))
+    }
+
+    /// Per partition of `source`, the offsets `[from, to)` of the rows ingested since the
+    /// previous tick (every partition ingested so far, those with nothing new included).
+    fn new_rows(&self, source: &Shared) -> OffsetRange {
+        source
+            .ingested()
+            .iter()
+            .map(|(p, to)| (*p, (self.from.get(p).copied().unwrap_or(i64::MIN), *to)))
+            .collect()
+    }
+
+    /// The offsets to commit for each source with a consumer group, once the output is out.
+    fn commits(
+        &self,
+        watermark: Option<i64>,
+        offsets: impl Fn(&Shared) -> BTreeMap<i32, i64>,
+    ) -> Vec<Commit> {
         let metadata = match watermark {
             Some(w) => format!("fulmen.sink={};emitted_up_to={w}", self.name),
             None => format!("fulmen.sink={}", self.name),
         };
-        for source in &plan.sources {
-            if source.options.group_id.is_none() {
-                continue;
-            }
-            let offsets = match watermark {
-                Some(w) => source.needed_from(w, plan.span),
-                None => ranges
-                    .get(&source.name)
-                    .map(|r| r.iter().map(|(p, (_, to))| (*p, *to)).collect())
-                    .unwrap_or_default(),
-            };
-            commits.push((Arc::clone(source), offsets, metadata.clone()));
-        }
+        self.plan
+            .sources
+            .iter()
+            .filter(|s| s.options.group_id.is_some())
+            .map(|s| (Arc::clone(s), offsets(s), metadata.clone()))
+            .collect()
+    }
 
+    /// Writes a tick's output and commits its offsets: in one transaction (exactly once), or
+    /// flushed and then committed (at least once). The number of messages written.
+    fn deliver(&mut self, output: &Output) -> Result<u64> {
+        let plan = &self.plan;
+        let commits = &output.commits;
         let transactional = plan.delivery == Delivery::ExactlyOnce;
         if transactional {
             self.producer
@@ -441,7 +683,7 @@ impl Runner {
                 .begin_transaction()
                 .map_err(kafka_error)?;
         }
-        let written = match write(&mut self.producer, plan, &batches) {
+        let written = match write(&mut self.producer, plan, &output.batches) {
             Ok(n) => n,
             Err(e) => {
                 if transactional {
@@ -486,7 +728,7 @@ impl Runner {
             // more, directly: the same values, harmless on a broker, and what makes a
             // restart resume on librdkafka's mock cluster, which acknowledges
             // TxnOffsetCommit without storing it.
-            for (source, offsets, metadata) in &commits {
+            for (source, offsets, metadata) in commits {
                 if let Err(e) = source.commit(offsets, metadata) {
                     log::warn!(
                         "sink {}: committing offsets again after the transaction: {e}",
@@ -496,34 +738,39 @@ impl Runner {
             }
         } else {
             self.producer.flush(Duration::from_secs(30))?;
-            for (source, offsets, metadata) in &commits {
+            for (source, offsets, metadata) in commits {
                 if !offsets.is_empty() {
                     source.commit(offsets, metadata)?;
                 }
             }
         }
-
-        // The output is out and the offsets committed: move on.
-        if let Some(w) = watermark {
-            self.emitted_up_to = Some(w);
-        }
-        if let Some(range) = ranges.values().next() {
-            for (p, (_, to)) in range {
-                self.from.insert(*p, *to);
-            }
-        }
-        if written > 0 {
-            log::debug!("sink '{}': wrote {written} messages", self.name);
-        }
-        let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(when) = closed_at.filter(|_| written > 0) {
-            status.latency.observe(when.elapsed().as_secs_f64());
-        }
-        status.runs += 1;
-        status.rows_written += written;
-        status.emitted_up_to = self.emitted_up_to;
-        Ok(())
+        Ok(written)
     }
+}
+
+/// Offsets to commit for a source, with their metadata.
+type Commit = (Arc<Shared>, BTreeMap<i32, i64>, String);
+
+/// What a tick produced.
+struct Output {
+    batches: Vec<RecordBatch>,
+    /// Offsets to commit once the output is safe.
+    commits: Vec<Commit>,
+    /// Append sinks: the offsets read, per source.
+    ranges: HashMap<String, OffsetRange>,
+    /// Windowed sinks: windows ending at or before this are now emitted …
+    watermark: Option<i64>,
+    /// … since the watermark reached it then.
+    closed_at: Option<Instant>,
+    /// Incremental sinks: the states of the windows still open.
+    left: Option<WindowStates>,
+}
+
+/// Rows an incremental sink took in one tick: per partition the first offset, and the
+/// latest event time (a restart must read them again while a window they lie in is open).
+struct Chunk {
+    first: BTreeMap<i32, i64>,
+    latest: Option<i64>,
 }
 
 /// Sends every row of `batches` to the sink's topic; the number of messages sent.

@@ -247,6 +247,8 @@ impl Handler {
             Field::new("delivery", DataType::Utf8, false),
             Field::new("runs", DataType::UInt64, false),
             Field::new("rows_written", DataType::UInt64, false),
+            Field::new("rows_read", DataType::UInt64, false),
+            Field::new("state_rows", DataType::UInt64, false),
             Field::new("emitted_up_to", ns, true),
             Field::new("failures", DataType::UInt64, false),
             Field::new("last_error", DataType::Utf8, true),
@@ -266,6 +268,12 @@ impl Handler {
             )),
             Arc::new(UInt64Array::from_iter_values(
                 sinks.iter().map(|s| s.3.rows_written),
+            )),
+            Arc::new(UInt64Array::from_iter_values(
+                sinks.iter().map(|s| s.3.rows_read),
+            )),
+            Arc::new(UInt64Array::from_iter_values(
+                sinks.iter().map(|s| s.3.state_rows),
             )),
             Arc::new(TimestampNanosecondArray::from_iter(
                 sinks.iter().map(|s| s.3.emitted_up_to),

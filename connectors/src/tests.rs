@@ -17,6 +17,8 @@ use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
 use crate::Streams;
 
+mod incremental;
+
 fn cluster(topics: &[(&str, i32)]) -> MockCluster<'static, DefaultProducerContext> {
     let cluster = MockCluster::new(1).expect("mock cluster");
     for (topic, partitions) in topics {
@@ -144,6 +146,16 @@ fn json(card: &str, amount: f64, ts_ms: i64) -> Vec<u8> {
         fulmen_fraud::rfc3339(ts_ms)
     )
     .into_bytes()
+}
+
+/// Each sink's mode, by name.
+fn modes(streams: &Streams) -> BTreeMap<String, &'static str> {
+    streams
+        .sinks()
+        .list()
+        .into_iter()
+        .map(|(name, _, _, status)| (name, status.mode))
+        .collect()
 }
 
 /// Waits until every sink has emitted the windows ending at or before `up_to_ms`.
@@ -397,7 +409,13 @@ async fn malformed_messages_are_counted_and_dead_lettered_and_retention_holds() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn windowed_sinks_equal_the_same_batch_sql_and_late_rows_are_counted() {
-    let cluster = cluster(&[("events", 2), ("out_t", 1), ("out_h", 1), ("out_s", 1)]);
+    let cluster = cluster(&[
+        ("events", 2),
+        ("out_t", 1),
+        ("out_h", 1),
+        ("out_s", 1),
+        ("out_r", 1),
+    ]);
     let servers = cluster.bootstrap_servers();
     let (ctx, streams) = session();
     // 600 rows, 100 ms apart, each up to 1.5 s early (out of order within the 2 s watermark).
@@ -435,6 +453,8 @@ async fn windowed_sinks_equal_the_same_batch_sql_and_late_rows_are_counted() {
             "s",
             "SESSION(events, ts, INTERVAL '700 milliseconds', card)",
         ),
+        // Created with fulmen.stream.incremental off: re-read at each tick.
+        ("r", "TUMBLE(events, ts, INTERVAL '10 seconds')"),
     ];
     let select = |from: &str| {
         format!(
@@ -443,6 +463,9 @@ async fn windowed_sinks_equal_the_same_batch_sql_and_late_rows_are_counted() {
         )
     };
     for (suffix, from) in windows {
+        if suffix == "r" {
+            query(&ctx, "SET fulmen.stream.incremental = false").await;
+        }
         query(
             &ctx,
             &format!(
@@ -516,7 +539,22 @@ async fn windowed_sinks_equal_the_same_batch_sql_and_late_rows_are_counted() {
         assert_eq!(got, expected, "{from}");
     }
     let sinks = text(&ctx, "SHOW SINKS").await;
-    assert!(sinks.contains("windowed"), "{sinks}");
+    assert!(
+        sinks.contains("incremental") && sinks.contains("windowed"),
+        "{sinks}"
+    );
+    // TUMBLE and HOP keep their open windows' states; SESSION windows are re-read.
+    assert_eq!(
+        modes(&streams),
+        [
+            ("s_h", "incremental"),
+            ("s_r", "windowed"),
+            ("s_s", "windowed"),
+            ("s_t", "incremental")
+        ]
+        .map(|(n, m)| (n.to_owned(), m))
+        .into()
+    );
     let status = streams
         .tables()
         .into_iter()
@@ -714,6 +752,17 @@ async fn the_fraud_pipeline_raises_exactly_the_planted_alerts() {
         }
     }
     assert_eq!(alerts, generated.planted);
+    // All three rules, the profile join and count(DISTINCT …) included, run incrementally.
+    assert_eq!(
+        modes(&streams),
+        [
+            ("countries", "incremental"),
+            ("spend", "incremental"),
+            ("velocity", "incremental")
+        ]
+        .map(|(n, m)| (n.to_owned(), m))
+        .into()
+    );
     let status = streams
         .tables()
         .into_iter()

@@ -117,6 +117,9 @@ pub struct FulmenConfig {
     pub gpu_memory_limit: Option<usize>,
     /// `fulmen.gpu.on_error`: what a device error does to the query.
     pub gpu_on_error: OnError,
+    /// `fulmen.stream.incremental`: whether windowed sinks keep their open windows' partial
+    /// aggregate states (where their query allows) instead of re-reading open windows.
+    pub stream_incremental: bool,
 }
 
 impl Default for FulmenConfig {
@@ -133,6 +136,7 @@ impl Default for FulmenConfig {
             gpu_join: true,
             gpu_memory_limit: None,
             gpu_on_error: OnError::Fallback,
+            stream_incremental: true,
         }
     }
 }
@@ -203,6 +207,13 @@ const SETTINGS: &[Setting] = &[
                       memory) does: fallback (redo the work on the CPU, log the error and \
                       count it for the device) or fail (the query fails with the error).",
     },
+    Setting {
+        key: "stream.incremental",
+        description: "Whether a windowed sink (CREATE SINK over TUMBLE or HOP) keeps its \
+                      open windows' partial aggregate states, adding each tick's new rows, \
+                      instead of re-reading its open windows at every tick: true or false \
+                      (read when the sink starts).",
+    },
 ];
 
 impl FulmenConfig {
@@ -230,6 +241,7 @@ impl FulmenConfig {
             "gpu.join" => self.gpu_join.to_string(),
             "gpu.memory_limit" => self.gpu_memory_limit.unwrap_or(0).to_string(),
             "gpu.on_error" => self.gpu_on_error.to_string(),
+            "stream.incremental" => self.stream_incremental.to_string(),
             _ => String::new(),
         }
     }
@@ -302,6 +314,9 @@ impl ExtensionOptions for FulmenConfig {
                     Some(parse_bytes("gpu.memory_limit", value, MEMORY_LIMIT)?).filter(|&b| b > 0)
             }
             "gpu.on_error" => self.gpu_on_error = value.parse()?,
+            "stream.incremental" => {
+                self.stream_incremental = parse_flag("stream.incremental", value)?
+            }
             other => return Err(Self::unknown_key(other)),
         }
         Ok(())
@@ -377,6 +392,8 @@ mod tests {
         c.set("gpu.join", "false").unwrap();
         c.set("gpu.memory_limit", "1G").unwrap();
         c.set("gpu.on_error", "Fail").unwrap();
+        c.set("stream.incremental", "false").unwrap();
+        assert!(!c.stream_incremental);
         assert_eq!(c.gpu_on_error, OnError::Fail);
         assert!(!c.gpu_filter && !c.gpu_projection && c.gpu_batch_rows == 4096);
         assert_eq!(c.gpu_batch_bytes, 16 << 20);
@@ -406,6 +423,7 @@ mod tests {
                     "1073741824".to_string()
                 ),
                 ("fulmen.gpu.on_error".to_string(), "fail".to_string()),
+                ("fulmen.stream.incremental".to_string(), "false".to_string()),
             ]
         );
     }
