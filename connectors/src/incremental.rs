@@ -1,7 +1,7 @@
-//! Incremental windows: a windowed sink whose query aggregates over `TUMBLE` or `HOP` windows
-//! keeps, per open window and group, the partial state of its aggregates (DataFusion's
-//! accumulator states), adds each tick's new rows to it, and finishes a window's states only
-//! when the watermark passes its end.
+//! Incremental windows: a windowed sink whose query aggregates over `TUMBLE`, `HOP` or
+//! `SESSION` windows keeps, per open window and group, the partial state of its aggregates
+//! (DataFusion's accumulator states), adds each tick's new rows to it, and finishes a window's
+//! states only when the watermark passes its end.
 //!
 //! Each tick's plan is split at the aggregation nearest the stream:
 //!
@@ -21,16 +21,22 @@
 //! ```
 //!
 //! So a tick's work follows the rows that arrived and the windows that close, not the rows
-//! held, and the state is bounded by open windows × groups. A query that cannot be split
-//! this way (`SESSION` windows, which merge as rows arrive; no aggregation over the window;
-//! a limit, window function or outer join between the window and the aggregation; the stream
-//! read twice) is run by re-reading its open windows each tick, and [`split`] says why.
+//! held, and the state is bounded by open windows × groups. `SESSION` windows grow and merge
+//! as rows arrive: a tick's rows form sessions of their own, and whenever states arrive the
+//! sessions of a key that meet are widened to their union and their states merged, before
+//! the watermark decides which closed. A query that cannot be split this way (no
+//! aggregation over the window, or one not grouping by the window's bounds; a limit, window
+//! function or outer join between the window and the aggregation; the stream read twice) is
+//! run by re-reading its open windows each tick, and [`split`] says why.
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{Array, AsArray, BooleanArray, RecordBatch};
-use datafusion::arrow::compute::{cast, filter_record_batch, not};
-use datafusion::arrow::datatypes::{DataType, Int64Type, TimeUnit};
+use datafusion::arrow::array::{Array, ArrayRef, AsArray, BooleanArray, Int64Array, RecordBatch};
+use datafusion::arrow::compute::{
+    SortColumn, cast, concat_batches, filter_record_batch, lexsort_to_indices, not,
+};
+use datafusion::arrow::datatypes::{DataType, Int64Type, SchemaRef, TimeUnit};
+use datafusion::arrow::row::{RowConverter, SortField};
 use datafusion::common::JoinType;
 use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::error::{DataFusionError, Result};
@@ -42,7 +48,7 @@ use datafusion::physical_plan::joins::{
     CrossJoinExec, HashJoinExec, NestedLoopJoinExec, SortMergeJoinExec,
 };
 use datafusion::physical_plan::{ExecutionPlan, collect};
-use fulmen_engine::streaming::WindowKind;
+use fulmen_engine::streaming::{WindowKind, session_key};
 
 /// How many state rows the unmerged part may reach (beside the merged part's size) before
 /// the states are merged.
@@ -63,6 +69,15 @@ pub(crate) struct Split {
     /// and what is added to it to give the end, in the column's unit.
     end_column: usize,
     end_shift: i64,
+    /// `SESSION` windows: where the states' sessions lie, to merge those that overlap.
+    sessions: Option<Sessions>,
+}
+
+/// Where a `SESSION` window's states keep their sessions: the group columns holding each
+/// state's session start and end, and those holding the session key (if any).
+struct Sessions {
+    start_column: usize,
+    key_columns: Vec<usize>,
 }
 
 /// Splits `plan` (one window function of `kind` over one live table), or says why not.
@@ -70,16 +85,15 @@ pub(crate) fn split(
     plan: Arc<dyn ExecutionPlan>,
     kind: WindowKind,
 ) -> std::result::Result<Split, String> {
-    let size = match kind {
-        WindowKind::Tumble { size } | WindowKind::Hop { size, .. } => size,
-        WindowKind::Session { .. } => {
-            return Err("SESSION windows grow and merge as rows arrive".into());
-        }
-    };
     let mut path = Vec::new();
     if !path_to_window(&plan, &mut path) {
         return Err("its plan has no window function".into());
     }
+    let window = path.last().expect("the path ends at the window");
+    let (size, session_key) = match kind {
+        WindowKind::Tumble { size } | WindowKind::Hop { size, .. } => (size, None),
+        WindowKind::Session { .. } => (0, session_key(window)),
+    };
     // `path` runs from the root to the WindowExec; the aggregation nearest it is split.
     let Some(at) = path.iter().rposition(|p| aggregate(p).is_some()) else {
         return Err("it has no aggregation over its window".into());
@@ -130,6 +144,30 @@ pub(crate) fn split(
             .iter()
             .position(|(e, _)| e.downcast_ref::<Column>().is_some_and(|c| c.name() == name))
     };
+    let sessions = match kind {
+        WindowKind::Session { .. } => {
+            // A session grows and merges with others as rows arrive: its states carry both
+            // bounds, and its key, so that the states of sessions that meet can be merged.
+            let (Some(_), Some(start_column)) = (named("window_end"), named("window_start")) else {
+                return Err(
+                    "its aggregation over SESSION windows does not group by both window_start \
+                     and window_end"
+                        .into(),
+                );
+            };
+            let key_columns = match &session_key {
+                Some(key) => vec![named(key).ok_or_else(|| {
+                    format!("its aggregation does not group by the session key '{key}'")
+                })?],
+                None => Vec::new(),
+            };
+            Some(Sessions {
+                start_column,
+                key_columns,
+            })
+        }
+        _ => None,
+    };
     let (end_column, end_shift) = match (named("window_end"), named("window_start")) {
         (Some(i), _) => (i, 0),
         (None, Some(i)) => {
@@ -158,6 +196,7 @@ pub(crate) fn split(
         limit,
         end_column,
         end_shift,
+        sessions,
     };
     // Both plans the states go through must take them as they are.
     split
@@ -172,47 +211,46 @@ pub(crate) fn split(
 impl Split {
     /// The whole plan, finishing the aggregate over `states` (those of the closing windows).
     pub fn finished(&self, states: Vec<RecordBatch>) -> Result<Arc<dyn ExecutionPlan>> {
-        let memory = MemorySourceConfig::try_new_exec(&[states], self.partial.schema(), None)?;
-        let n = self.partial.aggr_expr().len();
-        let last = AggregateExec::try_new(
-            AggregateMode::Final,
-            self.partial.group_expr().as_final(),
-            self.partial.aggr_expr().to_vec(),
-            vec![None; n],
-            memory,
-            self.partial.input_schema(),
-        )?
-        .with_limit_options(self.limit);
-        if last.schema().fields() != self.finish.schema().fields() {
-            return Err(DataFusionError::Internal(format!(
-                "final aggregate gives {:?}, the plan expects {:?}",
-                last.schema(),
-                self.finish.schema()
-            )));
-        }
+        let last = self
+            .over_states(AggregateMode::Final, states, &self.finish.schema())?
+            .with_limit_options(self.limit);
         replace(&self.plan, &self.finish, Arc::new(last))
     }
 
     /// A plan merging `states` into one state per group (PartialReduce).
     fn merger(&self, states: Vec<RecordBatch>) -> Result<Arc<dyn ExecutionPlan>> {
+        let schema = self.partial.schema();
+        Ok(Arc::new(self.over_states(
+            AggregateMode::PartialReduce,
+            states,
+            &schema,
+        )?))
+    }
+
+    /// An aggregate in `mode` over `states`, which must give `expected`'s columns.
+    fn over_states(
+        &self,
+        mode: AggregateMode,
+        states: Vec<RecordBatch>,
+        expected: &SchemaRef,
+    ) -> Result<AggregateExec> {
         let memory = MemorySourceConfig::try_new_exec(&[states], self.partial.schema(), None)?;
         let n = self.partial.aggr_expr().len();
-        let merge = AggregateExec::try_new(
-            AggregateMode::PartialReduce,
+        let aggregate = AggregateExec::try_new(
+            mode,
             self.partial.group_expr().as_final(),
             self.partial.aggr_expr().to_vec(),
             vec![None; n],
             memory,
             self.partial.input_schema(),
         )?;
-        if merge.schema().fields() != self.partial.schema().fields() {
+        if aggregate.schema().fields() != expected.fields() {
             return Err(DataFusionError::Internal(format!(
-                "merged states are {:?}, the states {:?}",
-                merge.schema(),
-                self.partial.schema()
+                "the {mode:?} aggregate over the states gives {:?}, not {expected:?}",
+                aggregate.schema()
             )));
         }
-        Ok(Arc::new(merge))
+        Ok(aggregate)
     }
 }
 
@@ -242,12 +280,21 @@ impl WindowStates {
 
     /// Merges every state into one per group and window once the unmerged ones outgrow the
     /// merged, so that each state row is merged a bounded number of times on average.
+    /// Sessions are merged whenever states arrive: a session's state may have to join
+    /// another's before the watermark decides whether it closed.
     pub async fn merge_if_due(&mut self, split: &Split, task: Arc<TaskContext>) -> Result<()> {
-        if self.recent_rows <= self.merged_rows.max(MERGE_AT_LEAST) {
+        let due = match split.sessions {
+            Some(_) => self.recent_rows > 0,
+            None => self.recent_rows > self.merged_rows.max(MERGE_AT_LEAST),
+        };
+        if !due {
             return Ok(());
         }
         // Kept as they are until the merge has succeeded (a failed tick loses no state).
-        let all: Vec<RecordBatch> = self.merged.iter().chain(&self.recent).cloned().collect();
+        let mut all: Vec<RecordBatch> = self.merged.iter().chain(&self.recent).cloned().collect();
+        if let Some(sessions) = &split.sessions {
+            all = vec![sessions.widen(&all, split)?];
+        }
         let merged = collect(split.merger(all)?, task).await?;
         self.merged_rows = merged.iter().map(|b| b.num_rows()).sum();
         self.merged = merged;
@@ -294,9 +341,109 @@ impl WindowStates {
     }
 }
 
+impl WindowStates {
+    /// `SESSION` windows: the earliest start of a session held (nanoseconds).
+    pub fn earliest_start(&self, split: &Split) -> Result<Option<i64>> {
+        let Some(sessions) = &split.sessions else {
+            return Ok(None);
+        };
+        let mut earliest = None;
+        for batch in self.merged.iter().chain(&self.recent) {
+            let column = batch.column(sessions.start_column);
+            for start in nanos(column, 0)?.into_iter().flatten() {
+                earliest = Some(earliest.map_or(start, |e: i64| e.min(start)));
+            }
+        }
+        Ok(earliest)
+    }
+}
+
+impl Sessions {
+    /// `states` as one batch, each session widened to the union of the sessions of its key
+    /// that meet it. A row closer than the gap to a session joins it, and a session ends
+    /// a gap after its last row, so two sessions of a key meet when one starts before the
+    /// other ends; merging the states of those that meet gives the sessions of all their
+    /// rows together.
+    fn widen(&self, states: &[RecordBatch], split: &Split) -> Result<RecordBatch> {
+        let schema = split.partial.schema();
+        let batch = concat_batches(&schema, states)?;
+        let start_column = batch.column(self.start_column);
+        let end_column = batch.column(split.end_column);
+        let raw = |column: &ArrayRef| -> Result<Vec<i64>> {
+            let values = cast(column, &DataType::Int64)?;
+            Ok(values.as_primitive::<Int64Type>().values().to_vec())
+        };
+        let (starts, ends) = (raw(start_column)?, raw(end_column)?);
+        let keys: Vec<ArrayRef> = self
+            .key_columns
+            .iter()
+            .map(|&k| Arc::clone(batch.column(k)))
+            .collect();
+        let mut order: Vec<SortColumn> = keys
+            .iter()
+            .map(|k| SortColumn {
+                values: Arc::clone(k),
+                options: None,
+            })
+            .collect();
+        order.push(SortColumn {
+            values: Arc::clone(start_column),
+            options: None,
+        });
+        let order = lexsort_to_indices(&order, None)?;
+        let rows = if keys.is_empty() {
+            None
+        } else {
+            let fields = keys
+                .iter()
+                .map(|k| SortField::new(k.data_type().clone()))
+                .collect();
+            Some(RowConverter::new(fields)?.convert_columns(&keys)?)
+        };
+        let (mut new_starts, mut new_ends) = (starts.clone(), ends.clone());
+        let mut run: Vec<usize> = Vec::new();
+        let (mut run_start, mut run_end) = (0, 0);
+        let mut previous: Option<usize> = None;
+        for row in order.values().iter().map(|&r| r as usize) {
+            let same_key = match (&rows, previous) {
+                (_, None) => false,
+                (None, Some(_)) => true,
+                (Some(rows), Some(p)) => rows.row(row) == rows.row(p),
+            };
+            if same_key && starts[row] < run_end {
+                run_end = run_end.max(ends[row]);
+            } else {
+                for r in run.drain(..) {
+                    (new_starts[r], new_ends[r]) = (run_start, run_end);
+                }
+                (run_start, run_end) = (starts[row], ends[row]);
+            }
+            run.push(row);
+            previous = Some(row);
+        }
+        for r in run {
+            (new_starts[r], new_ends[r]) = (run_start, run_end);
+        }
+        let mut columns = batch.columns().to_vec();
+        for (index, values) in [
+            (self.start_column, new_starts),
+            (split.end_column, new_ends),
+        ] {
+            let array: ArrayRef = Arc::new(Int64Array::from(values));
+            columns[index] = cast(&array, batch.column(index).data_type())?;
+        }
+        Ok(RecordBatch::try_new(schema, columns)?)
+    }
+}
+
 /// Each state row's window end, in nanoseconds.
 fn window_ends(batch: &RecordBatch, split: &Split) -> Result<Vec<Option<i64>>> {
     let column = batch.column(split.end_column);
+    nanos(column, split.end_shift)
+}
+
+/// A window column's values plus `shift` (in its unit), in nanoseconds.
+fn nanos(column: &ArrayRef, shift: i64) -> Result<Vec<Option<i64>>> {
     let DataType::Timestamp(unit, _) = column.data_type() else {
         return Err(DataFusionError::Internal(
             "window column is not a timestamp".into(),
@@ -307,7 +454,7 @@ fn window_ends(batch: &RecordBatch, split: &Split) -> Result<Vec<Option<i64>>> {
     Ok(raw
         .as_primitive::<Int64Type>()
         .iter()
-        .map(|v| v.map(|v| v.saturating_add(split.end_shift).saturating_mul(per)))
+        .map(|v| v.map(|v| v.saturating_add(shift).saturating_mul(per)))
         .collect())
 }
 

@@ -478,12 +478,11 @@ impl Runner {
         // The output is out and the offsets committed: move on.
         if let Some(w) = output.watermark {
             self.emitted_up_to = Some(w);
-            if let Some(left) = output.left {
-                self.states = left;
-                let cutoff = self.plan.span.map(|s| w.saturating_sub(s));
-                self.chunks
-                    .retain(|c| c.latest.is_some_and(|t| cutoff.is_none_or(|cut| t >= cut)));
-            }
+        }
+        if let Some((left, cutoff)) = output.left {
+            self.states = left;
+            self.chunks
+                .retain(|c| c.latest.is_some_and(|t| t >= cutoff));
         }
         if let Some(range) = output.ranges.values().next() {
             for (p, (_, to)) in range {
@@ -572,11 +571,13 @@ impl Runner {
         let plan = &self.plan;
         let kind = plan.incremental.expect("an incremental sink");
         let source = &plan.sources[0];
-        let range = self.new_rows(source);
-        let fresh = range.values().any(|(from, to)| from < to);
+        // The watermark first: every row it was computed after is then among those ingested,
+        // so the windows it closes are complete in the states.
         let watermark = source
             .watermark_and_when()
             .filter(|(w, _)| self.emitted_up_to.is_none_or(|e| *w > e));
+        let range = self.new_rows(source);
+        let fresh = range.values().any(|(from, to)| from < to);
         if !fresh && watermark.is_none() {
             return Ok(None);
         }
@@ -616,14 +617,15 @@ impl Runner {
         };
         let (closing, left) = self.states.closing(&split, self.emitted_up_to, watermark)?;
         let batches = runtime.block_on(collect(split.finished(closing)?, session.task_ctx()))?;
-        // Rows are needed again on a restart while a window they lie in is open.
-        let cutoff = plan.span.map(|s| watermark.saturating_sub(s));
+        // Rows are needed again on a restart while a window they lie in is open: one that
+        // reaches `span` back from its end, or a session starting at the earliest start held.
+        let cutoff = match plan.span {
+            Some(span) => watermark.saturating_sub(span),
+            None => left.earliest_start(&split)?.unwrap_or(watermark),
+        };
         let mut needed = self.from.clone();
         for chunk in &self.chunks {
-            if chunk
-                .latest
-                .is_some_and(|t| cutoff.is_none_or(|cut| t >= cut))
-            {
+            if chunk.latest.is_some_and(|t| t >= cutoff) {
                 for (p, o) in &chunk.first {
                     needed
                         .entry(*p)
@@ -639,7 +641,7 @@ impl Runner {
             ranges: HashMap::new(),
             watermark: Some(watermark),
             closed_at: Some(closed_at),
-            left: Some(left),
+            left: Some((left, cutoff)),
         }))
     }
 
@@ -762,8 +764,9 @@ struct Output {
     watermark: Option<i64>,
     /// … since the watermark reached it then.
     closed_at: Option<Instant>,
-    /// Incremental sinks: the states of the windows still open.
-    left: Option<WindowStates>,
+    /// Incremental sinks: the states of the windows still open, and the event time before
+    /// which no row lies in one of them.
+    left: Option<(WindowStates, i64)>,
 }
 
 /// Rows an incremental sink took in one tick: per partition the first offset, and the

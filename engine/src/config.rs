@@ -209,10 +209,10 @@ const SETTINGS: &[Setting] = &[
     },
     Setting {
         key: "stream.incremental",
-        description: "Whether a windowed sink (CREATE SINK over TUMBLE or HOP) keeps its \
-                      open windows' partial aggregate states, adding each tick's new rows, \
-                      instead of re-reading its open windows at every tick: true or false \
-                      (read when the sink starts).",
+        description: "Whether a windowed sink (CREATE SINK over TUMBLE, HOP or SESSION) \
+                      keeps its open windows' partial aggregate states, adding each tick's \
+                      new rows, instead of re-reading its open windows at every tick: true \
+                      or false (read when the sink starts).",
     },
 ];
 

@@ -5,29 +5,6 @@ use datafusion::arrow::array::{Float64Array, StringArray, TimestampNanosecondArr
 use datafusion::arrow::datatypes::{DataType, Field, Schema, TimeUnit};
 
 use super::*;
-use crate::sink::SinkStatus;
-
-fn status(streams: &Streams, sink: &str) -> SinkStatus {
-    streams
-        .sinks()
-        .list()
-        .into_iter()
-        .find(|s| s.0 == sink)
-        .unwrap_or_else(|| panic!("no sink {sink}"))
-        .3
-}
-
-async fn wait_for_rows_read(streams: &Streams, sink: &str, rows: u64) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while status(streams, sink).rows_read < rows {
-        assert!(
-            Instant::now() < deadline,
-            "sink {sink} read {:?}, waited for {rows}",
-            status(streams, sink)
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn incremental_windows_read_each_row_once_and_outlive_retention() {
@@ -135,5 +112,99 @@ async fn incremental_windows_read_each_row_once_and_outlive_retention() {
     // window holds one.
     let sink = status(&streams, "hourly");
     assert_eq!((sink.rows_read, sink.state_rows), (12_001, 1), "{sink:?}");
+    streams.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_windows_merge_across_ticks_and_equal_the_batch_sql() {
+    let cluster = cluster(&[("clicks", 1), ("sessions", 1)]);
+    let servers = cluster.bootstrap_servers();
+    let (ctx, streams) = session();
+    query(
+        &ctx,
+        &format!(
+            "CREATE EXTERNAL TABLE clicks (card VARCHAR, amount DOUBLE, ts TIMESTAMP) STORED \
+             AS KAFKA LOCATION 'clicks' OPTIONS ('bootstrap.servers' '{servers}', \
+             'start' 'earliest', 'event_time' 'ts', 'watermark' '10 seconds')"
+        ),
+    )
+    .await;
+    query(
+        &ctx,
+        &format!(
+            "CREATE EXTERNAL TABLE sessions (card VARCHAR, window_start TIMESTAMP, \
+             window_end TIMESTAMP, n BIGINT, amounts BIGINT, total DOUBLE) STORED AS KAFKA \
+             LOCATION 'sessions' OPTIONS ('bootstrap.servers' '{servers}', 'start' 'earliest')"
+        ),
+    )
+    .await;
+    let select = |from: &str| {
+        format!(
+            "SELECT card, window_start, window_end, count(*) AS n, \
+             count(DISTINCT amount) AS amounts, sum(amount) AS total \
+             FROM SESSION({from}, ts, INTERVAL '400 milliseconds', card) \
+             GROUP BY card, window_start, window_end"
+        )
+    };
+    query(
+        &ctx,
+        &format!(
+            "CREATE SINK by_session INTO sessions AS {}",
+            select("clicks")
+        ),
+    )
+    .await;
+    assert_eq!(status(&streams, "by_session").mode, "incremental");
+
+    // Three cards, a row every 50 ms (each card's every 150 ms, up to 300 ms out of order),
+    // with a 2-second pause every 700 rows: sessions run across the bursts of 500 rows the
+    // sink takes in one after another, so their states meet and merge tick after tick.
+    let mut rng = fulmen_fraud::Rng(11);
+    let rows: Vec<(String, f64, i64)> = (0..3_000)
+        .map(|i| {
+            let t = i * 50 + (i / 700) * 2_000 - rng.below(300) as i64 + 300;
+            (format!("c{}", i % 3), rng.below(5) as f64, t)
+        })
+        .collect();
+    for (n, burst) in rows.chunks(500).enumerate() {
+        let messages: Vec<_> = burst
+            .iter()
+            .map(|(c, a, t)| (0, None, json(c, *a, *t)))
+            .collect();
+        produce(&servers, "clicks", &messages);
+        wait_for_rows_read(&streams, "by_session", 500 * (n as u64 + 1)).await;
+    }
+    produce(&servers, "clicks", &[(0, None, json("zz", 0.0, 3_600_000))]);
+    wait_for_sinks(&streams, 3_000_000).await;
+
+    let batch = query(
+        &ctx,
+        "SELECT card, amount, ts FROM clicks WHERE card <> 'zz'",
+    )
+    .await;
+    let plain = FulmenContext::new().unwrap();
+    plain
+        .session_context()
+        .register_table(
+            "clicks",
+            Arc::new(MemTable::try_new(batch[0].schema(), vec![batch]).unwrap()),
+        )
+        .unwrap();
+    let order = "ORDER BY card, window_start";
+    let expected = text(&plain, &format!("{} {order}", select("clicks"))).await;
+    let sessions = count(
+        &plain,
+        &format!("SELECT count(*) FROM ({})", select("clicks")),
+    )
+    .await;
+    assert!(
+        sessions >= 9,
+        "{sessions} sessions: the pauses should split them"
+    );
+    wait_for(&ctx, "SELECT count(*) FROM sessions", sessions).await;
+    let got = text(&ctx, &format!("SELECT * FROM sessions {order}")).await;
+    assert_eq!(got, expected);
+    let sink = status(&streams, "by_session");
+    assert_eq!((sink.rows_read, sink.state_rows), (3_001, 1), "{sink:?}");
     streams.shutdown();
 }

@@ -12,7 +12,7 @@ pub mod window;
 
 use std::sync::Mutex;
 
-pub use window::{WindowKind, register_window_functions};
+pub use window::{WindowKind, register_window_functions, session_key};
 
 /// What a continuous query's tick allows its window functions to emit, and what they report
 /// back. Put into a session with `SessionConfig::set_extension`.

@@ -381,6 +381,14 @@ fn window_properties(
     ))
 }
 
+/// The key column's name of a `SESSION(t, time_col, gap, key_col)` node of a plan: `None` for
+/// any other node, and for a session without a key.
+pub fn session_key(plan: &Arc<dyn ExecutionPlan>) -> Option<String> {
+    let window = plan.downcast_ref::<WindowExec>()?;
+    let key = window.key_index?;
+    Some(window.input.schema().field(key).name().clone())
+}
+
 /// Assigns windows to its input's rows (see the module documentation).
 #[derive(Debug)]
 struct WindowExec {
