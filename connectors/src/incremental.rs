@@ -33,7 +33,7 @@ use std::sync::Arc;
 
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, BooleanArray, Int64Array, RecordBatch};
 use datafusion::arrow::compute::{
-    SortColumn, cast, concat_batches, filter_record_batch, lexsort_to_indices, not,
+    SortColumn, cast, concat_batches, filter_record_batch, lexsort_to_indices,
 };
 use datafusion::arrow::datatypes::{DataType, Int64Type, SchemaRef, TimeUnit};
 use datafusion::arrow::row::{RowConverter, SortField};
@@ -47,12 +47,23 @@ use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceC
 use datafusion::physical_plan::joins::{
     CrossJoinExec, HashJoinExec, NestedLoopJoinExec, SortMergeJoinExec,
 };
+use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{ExecutionPlan, collect};
-use fulmen_engine::streaming::{WindowKind, session_key};
+use fulmen_engine::streaming::{StreamScope, WindowKind, session_key};
 
 /// How many state rows the unmerged part may reach (beside the merged part's size) before
 /// the states are merged.
 const MERGE_AT_LEAST: usize = 1024;
+
+/// The scope a tick's rows are planned in: they go to every window ending after the last one
+/// emitted, and to every session they form (one ending before that may be a piece of a session
+/// still open: a restart's replay spreads a session's rows over ticks).
+pub(crate) fn tick_scope(kind: WindowKind, emitted_up_to: Option<i64>) -> StreamScope {
+    match kind {
+        WindowKind::Session { .. } => StreamScope::new(None, None),
+        _ => StreamScope::new(emitted_up_to, None),
+    }
+}
 
 /// A tick's plan, split at the aggregation nearest the stream.
 pub(crate) struct Split {
@@ -101,7 +112,13 @@ pub(crate) fn split(
     for node in &path[at + 1..path.len() - 1] {
         passes_rows_through(node)?;
     }
+    // Below the window too (a window over a view): a tick's rows must go through as they
+    // would among all the window's rows.
+    rows_go_through_below(window)?;
     let lowest = aggregate(&path[at]).expect("found above");
+    if lowest.mode() == &AggregateMode::Partial && lowest.limit_options().is_some() {
+        return Err("its aggregation nearest the window keeps only some groups (a limit)".into());
+    }
     let (partial, finish) = match lowest.mode() {
         AggregateMode::Partial => {
             let finish = path[..at]
@@ -303,7 +320,9 @@ impl WindowStates {
         Ok(())
     }
 
-    /// The states of windows ending in `(after, up_to]` (nanoseconds), and what is left.
+    /// The states of windows ending in `(after, up_to]` (nanoseconds), and those of windows
+    /// still open. States of windows ending at or before `after` were emitted already (a
+    /// restart's replay rebuilds pieces of them) and are dropped.
     pub fn closing(
         &self,
         split: &Split,
@@ -326,7 +345,11 @@ impl WindowStates {
             if mask.true_count() > 0 {
                 closing.push(filter_record_batch(batch, &mask)?);
             }
-            let kept = filter_record_batch(batch, &not(&mask)?)?;
+            let open: BooleanArray = ends
+                .iter()
+                .map(|end| Some(end.is_some_and(|e| e > up_to)))
+                .collect();
+            let kept = filter_record_batch(batch, &open)?;
             if kept.num_rows() > 0 {
                 let (batches, rows) = if merged {
                     (&mut left.merged, &mut left.merged_rows)
@@ -510,11 +533,40 @@ fn path_to_window(plan: &Arc<dyn ExecutionPlan>, path: &mut Vec<Arc<dyn Executio
     }
 }
 
-/// Fails unless `node`, between the window and its aggregation, gives each input row's
-/// output independently of the other rows of the stream: then the rows of a tick go through
-/// it as they would inside the whole window.
+/// Fails unless `node`, between the live table and the window or between the window and its
+/// aggregation, gives each input row's output independently of the other rows of the stream
+/// (and does not rename the window's bounds): then the rows of a tick go through it as they
+/// would among all the window's rows.
 fn passes_rows_through(node: &Arc<dyn ExecutionPlan>) -> std::result::Result<(), String> {
     let name = node.name();
+    if node.fetch().is_some() {
+        return Err(format!(
+            "{name} with a limit lies between the stream and its aggregation"
+        ));
+    }
+    // The window's bounds are found by name: nothing on the way may give that name to
+    // anything else.
+    for bound in ["window_start", "window_end"] {
+        let named = node
+            .schema()
+            .fields()
+            .iter()
+            .filter(|f| f.name() == bound)
+            .count();
+        let renamed = node.downcast_ref::<ProjectionExec>().is_some_and(|p| {
+            p.expr().iter().any(|e| {
+                e.alias == bound
+                    && e.expr
+                        .downcast_ref::<Column>()
+                        .is_none_or(|c| c.name() != bound)
+            })
+        });
+        if named > 1 || renamed {
+            return Err(format!(
+                "{name} between the stream and its aggregation makes another column {bound}"
+            ));
+        }
+    }
     if is_exchange(node) || matches!(name, "ProjectionExec" | "FilterExec") {
         return Ok(());
     }
@@ -534,12 +586,23 @@ fn passes_rows_through(node: &Arc<dyn ExecutionPlan>) -> std::result::Result<(),
         // rows; the other side holds no live rows (the stream is read once).
         Some(JoinType::Inner) => Ok(()),
         Some(other) => Err(format!(
-            "a {other} join lies between its window and its aggregation"
+            "a {other} join lies between the stream and its aggregation"
         )),
         None => Err(format!(
-            "{name} lies between its window and its aggregation"
+            "{name} lies between the stream and its aggregation"
         )),
     }
+}
+
+/// [`passes_rows_through`] for every node below `plan` but the leaves.
+fn rows_go_through_below(plan: &Arc<dyn ExecutionPlan>) -> std::result::Result<(), String> {
+    for child in plan.children() {
+        if !child.children().is_empty() {
+            passes_rows_through(child)?;
+        }
+        rows_go_through_below(child)?;
+    }
+    Ok(())
 }
 
 /// `plan` with `target` (a node of it, by identity) replaced by `with`.
@@ -569,5 +632,157 @@ fn replace(
         )
     } else {
         Ok(Arc::clone(plan))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use datafusion::arrow::array::{StringArray, TimestampNanosecondArray};
+    use datafusion::arrow::datatypes::{Field, Schema};
+    use datafusion::arrow::util::pretty::pretty_format_batches;
+    use datafusion::datasource::MemTable;
+    use fulmen_engine::FulmenContext;
+
+    use super::*;
+    use crate::live::LiveScope;
+    use crate::sink::incremental_session;
+
+    const SECOND: i64 = 1_000_000_000;
+
+    /// `sql`'s plan in an incremental tick's session, over a table `t` of `rows` (card,
+    /// seconds).
+    async fn plan(
+        sql: &str,
+        kind: WindowKind,
+        rows: &[(&str, i64)],
+        emitted: Option<i64>,
+    ) -> (Arc<dyn ExecutionPlan>, Arc<TaskContext>) {
+        let ctx = FulmenContext::new().unwrap();
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("card", DataType::Utf8, false),
+            Field::new("ts", DataType::Timestamp(TimeUnit::Nanosecond, None), false),
+        ]));
+        let batch = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(StringArray::from_iter_values(rows.iter().map(|r| r.0))),
+                Arc::new(TimestampNanosecondArray::from_iter_values(
+                    rows.iter().map(|r| r.1 * SECOND),
+                )),
+            ],
+        )
+        .unwrap();
+        let table = MemTable::try_new(schema, vec![vec![batch]]).unwrap();
+        ctx.session_context()
+            .register_table("t", Arc::new(table))
+            .unwrap();
+        let session = incremental_session(
+            &ctx.session_context().state(),
+            Arc::new(tick_scope(kind, emitted)),
+            Arc::new(LiveScope::default()),
+        );
+        session
+            .sql("CREATE VIEW distinct_t AS SELECT DISTINCT card, ts FROM t")
+            .await
+            .unwrap();
+        let frame = session.sql(sql).await.unwrap();
+        (
+            frame.create_physical_plan().await.unwrap(),
+            session.task_ctx(),
+        )
+    }
+
+    /// One tick of an incremental session sink over `rows`, as `Runner::incremental` runs
+    /// it: planned in the tick's scope, the lower plan's states added and merged.
+    async fn tick(states: &mut WindowStates, rows: &[(&str, i64)], emitted: Option<i64>) -> Split {
+        let kind = WindowKind::Session { gap: 10 * SECOND };
+        let sql = "SELECT card, window_start, window_end, count(*) AS n \
+                   FROM SESSION(t, ts, INTERVAL '10 seconds', card) \
+                   GROUP BY card, window_start, window_end";
+        let (plan, task) = plan(sql, kind, rows, emitted).await;
+        let split = split(plan, kind).unwrap_or_else(|why| panic!("not split: {why}"));
+        let new = collect(Arc::clone(&split.lower), Arc::clone(&task))
+            .await
+            .unwrap();
+        states.add(new);
+        states.merge_if_due(&split, task).await.unwrap();
+        split
+    }
+
+    #[tokio::test]
+    async fn queries_whose_rows_do_not_go_through_one_by_one_are_not_split() {
+        let minute = WindowKind::Tumble { size: 60 * SECOND };
+        let why = async |sql: &str| {
+            let (plan, _) = plan(sql, minute, &[("a", 0)], None).await;
+            split(plan, minute).err().unwrap_or_default()
+        };
+        let tumble = "TUMBLE(t, ts, INTERVAL '1 minute')";
+        assert_eq!(
+            why(&format!(
+                "SELECT card, window_start, count(*) FROM {tumble} GROUP BY card, window_start"
+            ))
+            .await,
+            ""
+        );
+        for (sql, reason) in [
+            (
+                format!(
+                    "SELECT window_start, count(*) FROM (SELECT * FROM {tumble} \
+                     WHERE card <> 'x' LIMIT 10) GROUP BY window_start"
+                ),
+                "limit",
+            ),
+            (
+                "SELECT window_start, count(*) FROM TUMBLE(distinct_t, ts, INTERVAL '1 minute') \
+                 GROUP BY window_start"
+                    .to_owned(),
+                "AggregateExec",
+            ),
+            (
+                format!(
+                    "SELECT window_start, count(*) FROM (SELECT card, window_start - \
+                     INTERVAL '1 hour' AS window_start FROM {tumble}) GROUP BY window_start"
+                ),
+                "another column window_start",
+            ),
+            (
+                format!("SELECT card, count(*) FROM {tumble} GROUP BY card"),
+                "window_end or window_start",
+            ),
+        ] {
+            let got = why(&sql).await;
+            assert!(got.contains(reason), "{sql}: {got:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_session_replayed_over_ticks_after_a_restart_is_emitted_whole() {
+        // Emitted up to 12 s before the restart; card a's session [0 s, 19 s) was open.
+        // The replay brings its rows in two ticks: the first alone would form [0 s, 10 s),
+        // which ends before 12 s but is a piece of the open session, not an emitted one.
+        // Card b's session [1 s, 11 s) was emitted before the restart: replayed, it is
+        // dropped, not emitted again.
+        let emitted = Some(12 * SECOND);
+        let mut states = WindowStates::default();
+        tick(&mut states, &[("a", 0), ("b", 1)], emitted).await;
+        let split = tick(&mut states, &[("a", 9), ("c", 30)], emitted).await;
+        let (closing, left) = states.closing(&split, emitted, 25 * SECOND).unwrap();
+        let ctx = FulmenContext::new().unwrap();
+        let out = collect(
+            split.finished(closing).unwrap(),
+            ctx.session_context().task_ctx(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            pretty_format_batches(&out).unwrap().to_string(),
+            "+------+---------------------+---------------------+---+\n\
+             | card | window_start        | window_end          | n |\n\
+             +------+---------------------+---------------------+---+\n\
+             | a    | 1970-01-01T00:00:00 | 1970-01-01T00:00:19 | 2 |\n\
+             +------+---------------------+---------------------+---+"
+        );
+        // Card c's session [30 s, 40 s) stays open.
+        assert_eq!(left.rows(), 1);
     }
 }

@@ -427,10 +427,13 @@ impl TableProvider for LiveTable {
         if let Some(scope) = &scope {
             scope.touch(&self.shared);
         }
-        let batches = self.shared.snapshot(range.as_ref());
+        let (batches, extent) = self.shared.snapshot(range.as_ref());
         if let Some(scope) = &scope {
             let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
             scope.rows.fetch_add(rows, Ordering::Relaxed);
+            if range.is_some() {
+                *scope.extent.lock().unwrap_or_else(|p| p.into_inner()) = Some(extent);
+            }
         }
         let parts = state.config().target_partitions().max(1);
         let mut partitions: Vec<Vec<RecordBatch>> =
@@ -451,6 +454,16 @@ impl TableProvider for LiveTable {
 /// Offsets per partition: `[from, to)` of each.
 pub type OffsetRange = BTreeMap<i32, (i64, i64)>;
 
+/// What a read of an [`OffsetRange`] found: per partition the smallest offset, and the latest
+/// event time (nanoseconds; `None` when no row had one).
+#[derive(Debug, Clone, Default)]
+pub struct Extent {
+    /// See the type.
+    pub first: BTreeMap<i32, i64>,
+    /// See the type.
+    pub latest: Option<i64>,
+}
+
 /// Put into a continuous query's session: which rows of each live table a tick reads, and
 /// which live tables the query touched.
 #[derive(Debug, Default)]
@@ -459,6 +472,7 @@ pub struct LiveScope {
     touched: Mutex<Vec<Arc<Shared>>>,
     scans: AtomicUsize,
     rows: AtomicUsize,
+    extent: Mutex<Option<Extent>>,
 }
 
 impl LiveScope {
@@ -470,6 +484,7 @@ impl LiveScope {
             touched: Mutex::new(Vec::new()),
             scans: AtomicUsize::new(0),
             rows: AtomicUsize::new(0),
+            extent: Mutex::new(None),
         }
     }
 
@@ -502,6 +517,14 @@ impl LiveScope {
     pub fn rows(&self) -> usize {
         self.rows.load(Ordering::Relaxed)
     }
+
+    /// What the last scan of a range read (see [`Extent`]).
+    pub fn extent(&self) -> Option<Extent> {
+        self.extent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
 }
 
 impl Shared {
@@ -519,11 +542,14 @@ impl Shared {
         self.stop.store(true, Ordering::Release);
     }
 
-    /// The rows held now, or only those in `range`.
-    pub fn snapshot(&self, range: Option<&OffsetRange>) -> Vec<RecordBatch> {
+    /// The rows held now, or only those in `range` with their [`Extent`] (taken together,
+    /// so that what the extent tells is what was read).
+    pub fn snapshot(&self, range: Option<&OffsetRange>) -> (Vec<RecordBatch>, Extent) {
         let state = self.lock();
+        let mut extent = Extent::default();
         let Some(range) = range else {
-            return state.batches.iter().map(|s| s.batch.clone()).collect();
+            let all = state.batches.iter().map(|s| s.batch.clone()).collect();
+            return (all, extent);
         };
         let mut out = Vec::new();
         for stored in Self::newest_in(&state, range) {
@@ -534,16 +560,30 @@ impl Shared {
                 .zip(stored.offsets.values())
                 .map(|(p, o)| Some(range.get(p).is_some_and(|(from, to)| o >= from && o < to)))
                 .collect();
+            if keep.true_count() == 0 {
+                continue;
+            }
+            let times = self.event_nanos(&stored.batch);
+            for row in (0..stored.batch.num_rows()).filter(|&r| keep.value(r)) {
+                let (p, o) = (stored.partitions.value(row), stored.offsets.value(row));
+                extent
+                    .first
+                    .entry(p)
+                    .and_modify(|f| *f = (*f).min(o))
+                    .or_insert(o);
+                if let Some(t) = times.as_ref().filter(|t| t.is_valid(row)) {
+                    let t = t.value(row);
+                    extent.latest = Some(extent.latest.map_or(t, |l| l.max(t)));
+                }
+            }
             if keep.true_count() == stored.batch.num_rows() {
                 out.push(stored.batch.clone());
-            } else if keep.true_count() > 0
-                && let Ok(batch) = filter_record_batch(&stored.batch, &keep)
-            {
+            } else if let Ok(batch) = filter_record_batch(&stored.batch, &keep) {
                 out.push(batch);
             }
         }
         out.reverse();
-        out
+        (out, extent)
     }
 
     /// The stored batches that may hold rows of `range`, newest first. Each partition is
@@ -612,32 +652,6 @@ impl Shared {
             }
         }
         needed
-    }
-
-    /// Of the rows held in `range`: per partition the smallest offset, and the latest event
-    /// time (nanoseconds; `None` when no row has one).
-    pub fn range_extent(&self, range: &OffsetRange) -> (BTreeMap<i32, i64>, Option<i64>) {
-        let state = self.lock();
-        let mut first: BTreeMap<i32, i64> = BTreeMap::new();
-        let mut latest: Option<i64> = None;
-        for stored in Self::newest_in(&state, range) {
-            let times = self.event_nanos(&stored.batch);
-            for row in 0..stored.batch.num_rows() {
-                let p = stored.partitions.value(row);
-                let o = stored.offsets.value(row);
-                if !range
-                    .get(&p)
-                    .is_some_and(|(from, to)| o >= *from && o < *to)
-                {
-                    continue;
-                }
-                first.entry(p).and_modify(|f| *f = (*f).min(o)).or_insert(o);
-                if let Some(t) = times.as_ref().filter(|t| t.is_valid(row)) {
-                    latest = Some(latest.map_or(t.value(row), |l| l.max(t.value(row))));
-                }
-            }
-        }
-        (first, latest)
     }
 
     /// Commits `offsets` (with `metadata`) for the table's consumer group.
