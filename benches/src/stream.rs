@@ -468,6 +468,15 @@ pub struct FraudReport {
     pub planted: usize,
 }
 
+/// A card's partition: by card (as a keyed producer would), spread evenly, since the mock
+/// cluster drops what overflows a partition.
+fn card_partition(card: &str, partitions: i32) -> i32 {
+    let hash = card
+        .bytes()
+        .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
+    (hash % partitions as u32) as i32
+}
+
 /// Runs the fraud pipeline over `cards` cards and `minutes` of event time (about 1.3
 /// transactions per card and 10 minutes), all produced before the pipeline starts, with
 /// incremental windows or re-reading open windows. With `pace`, the pipeline's events are
@@ -499,23 +508,18 @@ pub async fn fraud(
     cluster.create_topic("transactions-dead-letters", 1, 1)?;
     let producer = new_producer(&servers)?;
     for t in &generated.transactions {
-        // By card (as a keyed producer would), spread evenly: the mock cluster drops what
-        // overflows a partition.
-        let hash = t
-            .card
-            .bytes()
-            .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
-        let partition = (hash % partitions as u32) as i32;
+        let partition = card_partition(&t.card, partitions);
         let value = t.to_json();
         if pace.is_none() {
             send(&producer, "transactions", partition, value.as_bytes());
         }
         send(&producer, "fraud_ingest", partition, value.as_bytes());
     }
+    let heartbeat = heartbeat.to_json();
     for p in 0..partitions {
         for topic in ["transactions", "fraud_ingest"] {
             if topic == "fraud_ingest" || pace.is_none() {
-                send(&producer, topic, p, heartbeat.to_json().as_bytes());
+                send(&producer, topic, p, heartbeat.as_bytes());
             }
         }
     }
@@ -558,29 +562,22 @@ pub async fn fraud(
     let paced = pace.map(|speedup| {
         let servers = servers.clone();
         let transactions = generated.transactions.clone();
+        let heartbeat = heartbeat.clone();
         std::thread::spawn(move || -> Result<()> {
             let producer = new_producer(&servers)?;
             let started = Instant::now();
-            for t in transactions.iter().chain([&heartbeat]) {
+            for t in &transactions {
                 let due = (t.ts_ms - fulmen_fraud::START_MS) as f64 / speedup;
                 let wait = due - started.elapsed().as_secs_f64() * 1000.0;
-                if wait > 1.0 && t.card != "heartbeat" {
+                if wait > 1.0 {
                     std::thread::sleep(Duration::from_secs_f64(wait / 1000.0));
                 }
-                let hash = t
-                    .card
-                    .bytes()
-                    .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
-                let value = t.to_json();
-                if t.card == "heartbeat" {
-                    for p in 0..partitions {
-                        send(&producer, "transactions", p, value.as_bytes());
-                    }
-                } else {
-                    let partition = (hash % partitions as u32) as i32;
-                    send(&producer, "transactions", partition, value.as_bytes());
-                }
+                let partition = card_partition(&t.card, partitions);
+                send(&producer, "transactions", partition, t.to_json().as_bytes());
                 producer.poll(Duration::ZERO);
+            }
+            for p in 0..partitions {
+                send(&producer, "transactions", p, heartbeat.as_bytes());
             }
             producer.flush(Duration::from_secs(60))?;
             Ok(())

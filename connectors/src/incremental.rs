@@ -96,11 +96,10 @@ pub(crate) fn split(
     plan: Arc<dyn ExecutionPlan>,
     kind: WindowKind,
 ) -> std::result::Result<Split, String> {
-    let mut path = Vec::new();
-    if !path_to_window(&plan, &mut path) {
-        return Err("its plan has no window function".into());
-    }
-    let window = path.last().expect("the path ends at the window");
+    let Some(path) = path_to_window(&plan) else {
+        return Err("its plan has not exactly one window function".into());
+    };
+    let window = &path[path.len() - 1];
     let (size, session_key) = match kind {
         WindowKind::Tumble { size } | WindowKind::Hop { size, .. } => (size, None),
         WindowKind::Session { .. } => (0, session_key(window)),
@@ -215,17 +214,20 @@ pub(crate) fn split(
         end_shift,
         sessions,
     };
-    // Both plans the states go through must take them as they are.
-    split
-        .finished(Vec::new())
-        .map_err(|e| format!("its final aggregate cannot take the states: {e}"))?;
-    split
-        .merger(Vec::new())
-        .map_err(|e| format!("its states cannot be merged: {e}"))?;
     Ok(split)
 }
 
 impl Split {
+    /// Whether both plans the states go through take them as they are (checked once, when
+    /// the sink starts: every tick's plan has the same shape).
+    pub fn check(&self) -> std::result::Result<(), String> {
+        self.finished(Vec::new())
+            .map_err(|e| format!("its final aggregate cannot take the states: {e}"))?;
+        self.merger(Vec::new())
+            .map_err(|e| format!("its states cannot be merged: {e}"))?;
+        Ok(())
+    }
+
     /// The whole plan, finishing the aggregate over `states` (those of the closing windows).
     pub fn finished(&self, states: Vec<RecordBatch>) -> Result<Arc<dyn ExecutionPlan>> {
         let last = self
@@ -506,31 +508,25 @@ fn is_exchange(plan: &Arc<dyn ExecutionPlan>) -> bool {
     )
 }
 
-/// Pushes the path from `plan` to its one WindowExec onto `path`; false (with `path` as it
-/// was) when there is none, or more than one.
-fn path_to_window(plan: &Arc<dyn ExecutionPlan>, path: &mut Vec<Arc<dyn ExecutionPlan>>) -> bool {
-    fn windows(plan: &Arc<dyn ExecutionPlan>) -> usize {
-        usize::from(is_window(plan)) + plan.children().into_iter().map(windows).sum::<usize>()
-    }
-    if windows(plan) != 1 {
-        return false;
-    }
-    let mut node = Arc::clone(plan);
-    loop {
-        path.push(Arc::clone(&node));
-        if is_window(&node) {
-            return true;
+/// The path from `plan` to its one WindowExec (`None` when it has none, or more than one).
+fn path_to_window(plan: &Arc<dyn ExecutionPlan>) -> Option<Vec<Arc<dyn ExecutionPlan>>> {
+    fn walk(
+        node: &Arc<dyn ExecutionPlan>,
+        path: &mut Vec<Arc<dyn ExecutionPlan>>,
+        found: &mut Vec<Vec<Arc<dyn ExecutionPlan>>>,
+    ) {
+        path.push(Arc::clone(node));
+        if is_window(node) {
+            found.push(path.clone());
         }
-        let next = node
-            .children()
-            .into_iter()
-            .find(|c| windows(c) == 1)
-            .map(Arc::clone);
-        match next {
-            Some(child) => node = child,
-            None => return false,
+        for child in node.children() {
+            walk(child, path, found);
         }
+        path.pop();
     }
+    let mut found = Vec::new();
+    walk(plan, &mut Vec::new(), &mut found);
+    if found.len() == 1 { found.pop() } else { None }
 }
 
 /// Fails unless `node`, between the live table and the window or between the window and its
@@ -701,6 +697,7 @@ mod tests {
                    GROUP BY card, window_start, window_end";
         let (plan, task) = plan(sql, kind, rows, emitted).await;
         let split = split(plan, kind).unwrap_or_else(|why| panic!("not split: {why}"));
+        split.check().unwrap();
         let new = collect(Arc::clone(&split.lower), Arc::clone(&task))
             .await
             .unwrap();
@@ -714,7 +711,10 @@ mod tests {
         let minute = WindowKind::Tumble { size: 60 * SECOND };
         let why = async |sql: &str| {
             let (plan, _) = plan(sql, minute, &[("a", 0)], None).await;
-            split(plan, minute).err().unwrap_or_default()
+            split(plan, minute)
+                .and_then(|s| s.check())
+                .err()
+                .unwrap_or_default()
         };
         let tumble = "TUMBLE(t, ts, INTERVAL '1 minute')";
         assert_eq!(

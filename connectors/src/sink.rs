@@ -208,8 +208,8 @@ impl Sink {
                     Arc::new(LiveScope::default()),
                 );
                 let physical = session.sql(query).await?.create_physical_plan().await?;
-                match incremental::split(physical, *kind) {
-                    Ok(_) => Some(*kind),
+                match incremental::split(physical, *kind).and_then(|s| s.check()) {
+                    Ok(()) => Some(*kind),
                     Err(why) => {
                         log::info!("sink '{name}' re-reads its open windows each tick: {why}");
                         None

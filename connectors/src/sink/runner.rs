@@ -14,7 +14,7 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::SessionState;
 use datafusion::physical_plan::collect;
 use datafusion::prelude::SessionContext;
-use fulmen_engine::streaming::StreamScope;
+use fulmen_engine::streaming::{StreamScope, WindowKind};
 use fulmen_engine::{FulmenConfig, GpuMode};
 use rdkafka::consumer::Consumer;
 use rdkafka::producer::Producer as _;
@@ -100,8 +100,8 @@ impl Runner {
     }
 
     fn tick(&mut self, runtime: &tokio::runtime::Runtime) -> Result<()> {
-        let output = if self.plan.incremental.is_some() {
-            self.incremental(runtime)
+        let output = if let Some(kind) = self.plan.incremental {
+            self.incremental(kind, runtime)
         } else {
             self.rerun(runtime)
         };
@@ -204,9 +204,12 @@ impl Runner {
     /// Incremental windowed sinks (see `incremental.rs`): the rows that arrived since the
     /// previous tick go into the open windows' states; the windows the watermark passed are
     /// finished from theirs.
-    fn incremental(&mut self, runtime: &tokio::runtime::Runtime) -> Result<Option<Output>> {
+    fn incremental(
+        &mut self,
+        kind: WindowKind,
+        runtime: &tokio::runtime::Runtime,
+    ) -> Result<Option<Output>> {
         let plan = &self.plan;
-        let kind = plan.incremental.expect("an incremental sink");
         let source = &plan.sources[0];
         // The watermark first: every row it was computed after is then among those ingested,
         // so the windows it closes are complete in the states.
