@@ -120,6 +120,9 @@ pub struct FulmenConfig {
     /// `fulmen.stream.incremental`: whether windowed sinks keep their open windows' partial
     /// aggregate states (where their query allows) instead of re-reading open windows.
     pub stream_incremental: bool,
+    /// `fulmen.cache.memory_limit`: bytes of each device that cached tables (`CACHE
+    /// TABLE`) may hold together (`None`: half the device's memory).
+    pub cache_memory_limit: Option<usize>,
 }
 
 impl Default for FulmenConfig {
@@ -137,6 +140,7 @@ impl Default for FulmenConfig {
             gpu_memory_limit: None,
             gpu_on_error: OnError::Fallback,
             stream_incremental: true,
+            cache_memory_limit: None,
         }
     }
 }
@@ -208,6 +212,13 @@ const SETTINGS: &[Setting] = &[
                       count it for the device) or fail (the query fails with the error).",
     },
     Setting {
+        key: "cache.memory_limit",
+        description: "Device memory that cached tables (CACHE TABLE) may hold together on \
+                      each device, in bytes (suffixes K, M, G allowed), or 0 for half the \
+                      device's memory. A CACHE TABLE that would pass it fails and caches \
+                      nothing; the rest of the device is the queries' working memory.",
+    },
+    Setting {
         key: "stream.incremental",
         description: "Whether a windowed sink (CREATE SINK over TUMBLE, HOP or SESSION) \
                       keeps its open windows' partial aggregate states, adding each tick's \
@@ -242,6 +253,7 @@ impl FulmenConfig {
             "gpu.memory_limit" => self.gpu_memory_limit.unwrap_or(0).to_string(),
             "gpu.on_error" => self.gpu_on_error.to_string(),
             "stream.incremental" => self.stream_incremental.to_string(),
+            "cache.memory_limit" => self.cache_memory_limit.unwrap_or(0).to_string(),
             _ => String::new(),
         }
     }
@@ -317,6 +329,10 @@ impl ExtensionOptions for FulmenConfig {
             "stream.incremental" => {
                 self.stream_incremental = parse_flag("stream.incremental", value)?
             }
+            "cache.memory_limit" => {
+                self.cache_memory_limit =
+                    Some(parse_bytes("cache.memory_limit", value, CACHE_LIMIT)?).filter(|&b| b > 0)
+            }
             other => return Err(Self::unknown_key(other)),
         }
         Ok(())
@@ -335,6 +351,7 @@ impl ExtensionOptions for FulmenConfig {
 }
 
 const MEMORY_LIMIT: &str = "bytes, such as 268435456, 256M or 0 for the whole device";
+const CACHE_LIMIT: &str = "bytes, such as 1073741824, 1G or 0 for half the device";
 
 fn parse_flag(key: &str, value: &str) -> Result<bool> {
     match value.trim().to_ascii_lowercase().as_str() {
@@ -423,6 +440,7 @@ mod tests {
                     "1073741824".to_string()
                 ),
                 ("fulmen.gpu.on_error".to_string(), "fail".to_string()),
+                ("fulmen.cache.memory_limit".to_string(), "0".to_string()),
                 ("fulmen.stream.incremental".to_string(), "false".to_string()),
             ]
         );

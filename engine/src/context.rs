@@ -15,6 +15,7 @@ use datafusion::datasource::MemTable;
 use datafusion::datasource::file_format::options::ArrowReadOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::SessionStateBuilder;
+use datafusion::execution::cache::cache_manager::CacheManagerConfig;
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::logical_expr::{DdlStatement, LogicalPlan};
 use datafusion::prelude::{
@@ -22,6 +23,7 @@ use datafusion::prelude::{
 };
 use url::Url;
 
+use crate::cache::statements::CacheSummary;
 use crate::gpu::{GpuOverrides, placement_report};
 use crate::object_store::{FulmenObjectStoreRegistry, StoreKind, build_store, take_store_options};
 use crate::streaming::register_window_functions;
@@ -112,7 +114,13 @@ impl FulmenContext {
         let session = session
             .with_information_schema(true)
             .with_option_extension(config);
+        // Tables of files see the files their location holds at each query: DataFusion's
+        // own default keeps a location's listing for the life of the session, so that files
+        // added later are never read, and a cached table could not tell that its source
+        // changed. `SET datafusion.runtime.list_files_cache_limit = '1M'` brings it back.
+        let listings = CacheManagerConfig::default().with_list_files_cache_limit(0);
         let runtime = RuntimeEnvBuilder::new()
+            .with_cache_manager(listings)
             .with_object_store_registry(Arc::new(FulmenObjectStoreRegistry::new()))
             .build_arc()
             // Building a runtime with the default memory pool and disk manager cannot fail
@@ -167,6 +175,9 @@ impl FulmenContext {
     /// store from the environment and the statement's `aws.*` / `gcp.*` / `azure.*` /
     /// `http.*` options.
     pub async fn sql(&self, sql: &str) -> Result<DataFrame> {
+        if let Some(frame) = crate::cache::statements::handle(self, sql).await? {
+            return Ok(frame);
+        }
         let handlers = self
             .handlers
             .read()
@@ -234,6 +245,37 @@ impl FulmenContext {
         }
         let table = MemTable::try_new(schema, vec![batches])?;
         self.ctx.read_table(Arc::new(table))
+    }
+
+    /// Keeps table `name`'s rows in device memory (`CACHE TABLE name`; see
+    /// `cache/mod.rs`): later queries read them where the kernels run.
+    pub async fn cache_table(&self, name: &str) -> Result<CacheSummary> {
+        crate::cache::statements::cache_table(self, name, None).await
+    }
+
+    /// Stores `query`'s rows as in-memory table `name` and caches it (`CACHE TABLE name AS
+    /// query`).
+    pub async fn cache_query(&self, name: &str, query: &str) -> Result<CacheSummary> {
+        crate::cache::statements::cache_table(self, name, Some(query)).await
+    }
+
+    /// Puts table `name` back on its source and frees its device memory (`UNCACHE TABLE`).
+    /// Whether it was cached.
+    pub async fn uncache_table(&self, name: &str) -> Result<bool> {
+        crate::cache::statements::uncache_table(self, name, true).await
+    }
+
+    /// Takes a new snapshot of cached table `name` (`REFRESH CACHE name`).
+    pub async fn refresh_cache(&self, name: &str) -> Result<CacheSummary> {
+        crate::cache::statements::refresh_cache(self, name).await
+    }
+
+    /// The session's devices, one row each, as `SHOW DEVICES` lists them.
+    pub async fn devices(&self) -> Result<Vec<RecordBatch>> {
+        crate::cache::statements::show_devices(self)
+            .await?
+            .collect()
+            .await
     }
 
     /// Registers a file or a folder of files as table `name`, choosing the reader from the

@@ -5,6 +5,7 @@
 //! remote URLs, the built-in TPC-H sample data, the GPU operators (`physical_plan`) and the
 //! rule that places them (`gpu::GpuOverrides`; see DESIGN.md §2 and §5).
 
+pub mod cache;
 pub mod config;
 pub mod context;
 pub mod display;

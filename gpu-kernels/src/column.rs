@@ -298,6 +298,14 @@ impl DeviceColumn {
             + self.validity.as_ref().map_or(0, |b| b.len())
     }
 
+    /// The bytes the column holds of its device's budget (each buffer's size class), as
+    /// the device's memory usage counts them.
+    pub fn reserved_bytes(&self) -> usize {
+        self.values.reserved()
+            + self.offsets.as_ref().map_or(0, |b| b.reserved())
+            + self.validity.as_ref().map_or(0, |b| b.reserved())
+    }
+
     /// The device holding the column.
     pub fn device(&self) -> &Device {
         self.values.device()

@@ -123,6 +123,12 @@ impl DeviceBuffer {
         &self.device
     }
 
+    /// The bytes the buffer holds of its device's budget: its length rounded up to the
+    /// pool's size class (what the device's memory usage counts for it).
+    pub fn reserved(&self) -> usize {
+        self.class
+    }
+
     /// Usable length in bytes.
     pub fn len(&self) -> usize {
         self.len

@@ -5,6 +5,12 @@
 //! complete when it is a meta-command or its last statement ends with `;`.
 
 use datafusion::sql::sqlparser::keywords::ALL_KEYWORDS;
+
+/// Words of Fulmen's own statements (`CACHE TABLE`, `SHOW DEVICES`, `CREATE SINK`, …)
+/// that SQL's keywords may lack.
+const FULMEN_WORDS: &[&str] = &[
+    "CACHE", "UNCACHE", "REFRESH", "DEVICES", "SINK", "SINKS", "STREAMS",
+];
 use rustyline::completion::{Completer, FilenameCompleter, Pair};
 use rustyline::validate::{ValidationContext, ValidationResult, Validator};
 use rustyline::{Context, Helper, Highlighter, Hinter};
@@ -85,6 +91,7 @@ impl ShellHelper {
         found.extend(
             ALL_KEYWORDS
                 .iter()
+                .chain(FULMEN_WORDS)
                 .filter(|k| k.to_ascii_lowercase().starts_with(&lower))
                 .map(|k| {
                     if keep_lower {
@@ -94,7 +101,8 @@ impl ShellHelper {
                     }
                 }),
         );
-        found.dedup();
+        let mut seen = std::collections::HashSet::new();
+        found.retain(|w| seen.insert(w.clone()));
         (start, found)
     }
 }
@@ -162,6 +170,10 @@ mod tests {
         assert!(found.contains(&"lineitem".to_string()), "{found:?}");
         let (start, found) = h.candidates("\\ti", 3);
         assert_eq!((start, found), (0, vec!["\\timing".to_string()]));
+        let (_, found) = h.candidates("SHOW DEV", 8);
+        assert_eq!(found, vec!["DEVICES".to_string()]);
+        let (_, found) = h.candidates("unca", 4);
+        assert_eq!(found, vec!["uncache".to_string()]);
         let (_, found) = h.candidates("\\format c", 9);
         assert_eq!(found, vec!["csv".to_string()]);
     }

@@ -251,10 +251,7 @@ impl Shell {
                 self.run_quiet(sql)?;
             }
             MetaCommand::Devices => {
-                self.run_quiet(
-                    "SELECT device, name, state, reason, memory_budget, memory_in_use, \
-                     launches, syncs, h2d_bytes, d2h_bytes, device_errors FROM fulmen_devices()",
-                )?;
+                self.run_quiet("SHOW DEVICES")?;
             }
             MetaCommand::Describe(name) => {
                 // As in SQL: a quoted name is exact, an unquoted one is folded to lower case.

@@ -36,6 +36,9 @@ pub fn schema() -> SchemaRef {
         count("memory_budget"),
         count("memory_in_use"),
         count("memory_peak"),
+        count("memory_cached"),
+        count("memory_working"),
+        text("cached_tables", false),
         count("allocations"),
         count("driver_allocations"),
         count("launches"),
@@ -52,8 +55,11 @@ pub fn schema() -> SchemaRef {
 }
 
 /// The listing of the devices `config` selects: `state` is `in service` or `quarantined`
-/// (with the `reason`); memory figures are the session's (its `fulmen.gpu.memory_limit`
-/// quota where it has one, else the whole device's); the counts are what Fulmen asked of the
+/// (with the `reason`); `memory_in_use` and `memory_peak` are the session's (its
+/// `fulmen.gpu.memory_limit` quota where it has one, else the whole device's);
+/// `memory_cached` is what cached tables hold of the device, `memory_working` the rest of
+/// what the device holds (queries' working memory), and `cached_tables` names the cached
+/// tables with their bytes and chunks there; the counts are what Fulmen asked of the
 /// device since the process opened it ([`fulmen_kernels::DeviceCounts`]: `allocations` from
 /// the pool, `driver_allocations` of those from the driver, and launches, host syncs and
 /// copies as the driver calls the CUDA backend makes for them, on every backend alike), and
@@ -87,6 +93,14 @@ pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
         counts(&|d| d.memory_budget() as u64),
         counts(&|d| d.memory_usage().0 as u64),
         counts(&|d| d.memory_usage().1 as u64),
+        counts(&|d| crate::cache::cached_bytes_on(d) as u64),
+        counts(&|d| {
+            let cached = crate::cache::cached_bytes_on(d);
+            d.device_memory_usage().0.saturating_sub(cached) as u64
+        }),
+        Arc::new(StringArray::from_iter_values(
+            devices.iter().map(crate::cache::statements::tables_on),
+        )),
         of(&|c| c.allocations),
         of(&|c| c.driver_allocations),
         of(&|c| c.launches),

@@ -261,6 +261,12 @@ pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -
                 gpu.join_type(),
                 describe(gpu.devices())
             ));
+        } else if let Some(scan) = node.downcast_ref::<crate::physical_plan::GpuScanExec>() {
+            lines.push(format!(
+                "GpuScanExec reads cached table {} on {}",
+                scan.data().name(),
+                describe(scan.data().devices())
+            ));
         } else if let Decision::Cpu(name, reason) = decide(node, fulmen, &available) {
             lines.push(format!("{name} stays on CPU: {reason}"));
         }

@@ -120,6 +120,7 @@ pub mod gpu_filter;
 pub mod gpu_hash_join;
 pub mod gpu_metrics;
 pub mod gpu_projection;
+pub mod gpu_scan;
 pub mod gpu_stream;
 pub mod once;
 
@@ -127,6 +128,7 @@ pub use gpu_aggregate::GpuAggregateExec;
 pub use gpu_filter::GpuFilterExec;
 pub use gpu_hash_join::GpuHashJoinExec;
 pub use gpu_projection::GpuProjectionExec;
+pub use gpu_scan::GpuScanExec;
 
 use std::sync::Arc;
 
@@ -140,6 +142,8 @@ pub fn resident(plan: &Arc<dyn ExecutionPlan>) -> Option<&dyn gpu_stream::Device
         Some(p)
     } else if let Some(p) = plan.downcast_ref::<GpuHashJoinExec>() {
         Some(p)
+    } else if let Some(p) = plan.downcast_ref::<GpuScanExec>() {
+        Some(p)
     } else {
         None
     }
@@ -147,7 +151,7 @@ pub fn resident(plan: &Arc<dyn ExecutionPlan>) -> Option<&dyn gpu_stream::Device
 
 /// Whether executing a partition of `plan` a second time reads the same rows again, so a
 /// partition whose device state was lost can be computed again from its input: scans of
-/// files and memory under filters and projections (CPU or GPU). Not repartitions (each of
+/// files and memory (cached or not) under filters and projections (CPU or GPU). Not repartitions (each of
 /// their output partitions can be taken once), joins (outer joins count their finished
 /// partitions) or live tables (a second read sees other rows).
 pub(crate) fn re_executable(plan: &Arc<dyn ExecutionPlan>) -> bool {
@@ -158,7 +162,8 @@ pub(crate) fn re_executable(plan: &Arc<dyn ExecutionPlan>) -> bool {
         || plan.is::<FilterExec>()
         || plan.is::<ProjectionExec>()
         || plan.is::<GpuFilterExec>()
-        || plan.is::<GpuProjectionExec>();
+        || plan.is::<GpuProjectionExec>()
+        || plan.is::<GpuScanExec>();
     passes && plan.children().into_iter().all(re_executable)
 }
 

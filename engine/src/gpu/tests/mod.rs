@@ -24,6 +24,7 @@ use crate::config::{GpuMode, OnError};
 use crate::{FulmenConfig, FulmenContext};
 
 mod aggregate;
+mod cache;
 mod filter_projection;
 mod fused;
 mod join;

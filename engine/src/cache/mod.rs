@@ -1,0 +1,431 @@
+//! GPU-resident tables: `CACHE TABLE t` copies a table's rows into device memory once, so
+//! that later queries read them where the kernels run instead of uploading them again.
+//!
+//! - **Placement.** The rows are cut into device chunks (`fulmen.gpu.batch_rows` /
+//!   `_bytes`, as any device batch) and the chunks dealt over the session's devices in
+//!   turn: chunk k lives on device k mod n. A scan of the table ([`GpuScanExec`]) has a
+//!   partition per device (or a multiple of that, to reach `target_partitions`), and
+//!   partition p reads chunks of device p mod n, which is the device every GPU operator
+//!   runs partition p on: a filter, projection, aggregation or join probe over a cached
+//!   table takes its chunks on the device that holds them, with nothing uploaded.
+//! - **Memory.** Cached chunks are ordinary device buffers, counted apart as the cache:
+//!   together the cached tables hold at most `fulmen.cache.memory_limit` of each device
+//!   (half the device by default). A CACHE that would pass it, or that meets a full device,
+//!   fails with the sizes and caches nothing. Queries use the rest, and split their
+//!   batches or finish on the CPU when it runs short, as they always do.
+//! - **Consistency.** A cached table is a snapshot of its source, which the cache watches:
+//!   a table of files (their paths, sizes and modification times) or of memory (its
+//!   batches). A scan whose source no longer matches the snapshot, or that was written
+//!   through SQL (INSERT, UPDATE, DELETE) since, reads the source instead, so no query sees
+//!   stale rows; `REFRESH CACHE t` takes a new snapshot. `DROP TABLE t` and replacing `t`
+//!   drop the cached rows with the table. `CACHE TABLE t AS SELECT …` first stores the
+//!   query's rows as an in-memory table `t` (which `UNCACHE TABLE t` keeps).
+//! - **Faults.** A chunk whose device is quarantined is read from the source instead (its
+//!   rows, by their place in the source); a device lost while a chunk is in flight makes the
+//!   consumer redo it from the source the same way.
+//!
+//! [`GpuScanExec`]: crate::physical_plan::gpu_scan::GpuScanExec
+
+pub mod statements;
+pub mod table;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use datafusion::arrow::array::RecordBatch;
+use datafusion::arrow::compute::concat_batches;
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::datasource::memory::MemorySourceConfig;
+use datafusion::datasource::physical_plan::FileScanConfig;
+use datafusion::datasource::source::DataSourceExec;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::TaskContext;
+use datafusion::physical_plan::ExecutionPlan;
+use fulmen_kernels::{Device, DeviceBatch};
+use futures::StreamExt;
+
+use crate::physical_plan::coalesce::{BatchLimit, Coalescer, host_bytes};
+
+pub use table::CachedTable;
+
+/// A table's rows in device memory: its chunks, by the device that holds them.
+#[derive(Debug)]
+pub struct CachedData {
+    name: String,
+    schema: SchemaRef,
+    devices: Arc<Vec<Device>>,
+    /// `shards[d]`: the chunks on `devices[d]`, in the order of the source's rows.
+    shards: Vec<Vec<CachedChunk>>,
+    rows: usize,
+    source: Fingerprint,
+}
+
+/// One device chunk of a cached table.
+#[derive(Debug)]
+pub struct CachedChunk {
+    /// The rows, on their device (in device types: strings for string views).
+    pub batch: DeviceBatch,
+    /// The place of its first row among the source's rows (partitions in order).
+    pub first_row: usize,
+}
+
+impl CachedData {
+    /// The table's name when it was cached.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The host schema of the cached rows (the source's).
+    pub fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
+
+    /// The devices the chunks are dealt over, in order.
+    pub fn devices(&self) -> &Arc<Vec<Device>> {
+        &self.devices
+    }
+
+    /// The chunks on the `d`-th device.
+    pub fn shard(&self, d: usize) -> &[CachedChunk] {
+        self.shards.get(d).map_or(&[], Vec::as_slice)
+    }
+
+    /// Rows cached.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Chunks cached, on every device.
+    pub fn chunks(&self) -> usize {
+        self.shards.iter().map(Vec::len).sum()
+    }
+
+    /// Device bytes the table holds on `device` (size classes, as the device counts them).
+    pub fn bytes_on(&self, device: &Device) -> usize {
+        self.devices
+            .iter()
+            .zip(&self.shards)
+            .filter(|(d, _)| *d == device)
+            .flat_map(|(_, chunks)| chunks)
+            .map(|c| batch_bytes(&c.batch))
+            .sum()
+    }
+
+    /// Device bytes the table holds on every device.
+    pub fn bytes(&self) -> usize {
+        self.shards
+            .iter()
+            .flatten()
+            .map(|c| batch_bytes(&c.batch))
+            .sum()
+    }
+
+    /// The source's identity when the rows were cached.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.source
+    }
+}
+
+fn batch_bytes(batch: &DeviceBatch) -> usize {
+    batch.columns().iter().map(|c| c.reserved_bytes()).sum()
+}
+
+/// The cached tables alive in this process (dropped ones leave on their own).
+fn registry() -> &'static Mutex<Vec<Weak<CachedData>>> {
+    static REGISTRY: OnceLock<Mutex<Vec<Weak<CachedData>>>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// Every cached table alive in this process, in the order they were cached.
+pub fn cached_tables() -> Vec<Arc<CachedData>> {
+    let mut all = registry().lock().unwrap_or_else(|p| p.into_inner());
+    all.retain(|w| w.strong_count() > 0);
+    all.iter().filter_map(Weak::upgrade).collect()
+}
+
+/// Device bytes the cached tables of this process hold on `device`.
+pub fn cached_bytes_on(device: &Device) -> usize {
+    cached_tables().iter().map(|t| t.bytes_on(device)).sum()
+}
+
+/// What a source was when its rows were cached: its files (path, size, modification time)
+/// or its in-memory batches (rows of each, by partition). Two equal fingerprints mean the
+/// same rows in the same order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fingerprint(BTreeSet<String>);
+
+/// The fingerprint of a source scan: a single scan of files or of memory, else `None`
+/// (the cache cannot tell when such a source changes).
+pub fn fingerprint(plan: &Arc<dyn ExecutionPlan>) -> Option<Fingerprint> {
+    let scan = plan.downcast_ref::<DataSourceExec>()?;
+    let source = scan.data_source();
+    let mut parts = BTreeSet::new();
+    if let Some(files) = source.downcast_ref::<FileScanConfig>() {
+        for file in files.file_groups.iter().flat_map(|g| g.iter()) {
+            let meta = &file.object_meta;
+            parts.insert(format!(
+                "file {} {} {} {:?}",
+                meta.location,
+                meta.size,
+                meta.last_modified.timestamp_nanos_opt().unwrap_or_default(),
+                file.partition_values
+            ));
+        }
+    } else if let Some(memory) = source.downcast_ref::<MemorySourceConfig>() {
+        for (p, batches) in memory.partitions().iter().enumerate() {
+            let rows: Vec<usize> = batches.iter().map(RecordBatch::num_rows).collect();
+            parts.insert(format!("memory {p} {rows:?}"));
+        }
+    } else {
+        return None;
+    }
+    Some(Fingerprint(parts))
+}
+
+/// The rows the source says it has (exactly or as an estimate).
+fn source_rows(source: &Arc<dyn ExecutionPlan>) -> Option<usize> {
+    use datafusion::common::stats::Precision;
+    use datafusion::physical_plan::{StatisticsArgs, StatisticsContext};
+    let stats = StatisticsContext::new()
+        .compute(source.as_ref(), &StatisticsArgs::new())
+        .ok()?;
+    match stats.num_rows {
+        Precision::Exact(n) | Precision::Inexact(n) => Some(n),
+        Precision::Absent => None,
+    }
+}
+
+/// How much of each device the cache may hold: `limit`, or half the device.
+fn cache_limit(device: &Device, limit: Option<usize>) -> usize {
+    limit.unwrap_or(device.memory_budget() / 2)
+}
+
+/// Reads `source` (a scan of the table's files or memory, every column) and copies its
+/// rows to `devices` in chunks of at most `batch` (fewer rows where the source's
+/// statistics show that every device would not get one otherwise), dealt in turn. Nothing stays cached when
+/// any of it fails: the error says why, with the sizes when the rows do not fit.
+#[allow(clippy::too_many_arguments)]
+pub async fn cache(
+    name: &str,
+    source: &Arc<dyn ExecutionPlan>,
+    task: Arc<TaskContext>,
+    devices: Arc<Vec<Device>>,
+    batch: BatchLimit,
+    limit: Option<usize>,
+) -> Result<Arc<CachedData>> {
+    let fingerprint = fingerprint(source).ok_or_else(|| {
+        DataFusionError::Plan(format!(
+            "CACHE TABLE {name}: only tables of files or of memory can be cached (the cache \
+             watches them for changes); CACHE TABLE {name}_cached AS SELECT * FROM {name} \
+             caches a snapshot of its rows"
+        ))
+    })?;
+    if devices.is_empty() {
+        return Err(DataFusionError::Plan(format!(
+            "CACHE TABLE {name}: no device in service to cache it on"
+        )));
+    }
+    let n = devices.len();
+    // Chunks small enough that every device gets a share, where the source tells its rows.
+    let batch = match source_rows(source) {
+        Some(rows) if rows > 0 => BatchLimit::new(batch.rows.min(rows.div_ceil(n)), batch.bytes),
+        _ => batch,
+    };
+    let room: Vec<usize> = devices
+        .iter()
+        .map(|d| cache_limit(d, limit).saturating_sub(cached_bytes_on(d)))
+        .collect();
+    let mut held = vec![0usize; n];
+    let mut shards: Vec<Vec<CachedChunk>> = (0..n).map(|_| Vec::new()).collect();
+    let mut pending = Coalescer::new(batch);
+    let (mut rows, mut chunks) = (0usize, 0usize);
+    // Why the rows stopped fitting, once they did: the rest is only counted.
+    let mut full: Option<String> = None;
+    let mut needed = 0usize;
+    let mut place = |group: Vec<RecordBatch>,
+                     full: &mut Option<String>,
+                     needed: &mut usize,
+                     chunks: &mut usize|
+     -> Result<()> {
+        if group.is_empty() {
+            return Ok(());
+        }
+        let chunk = match group.len() {
+            1 => group.into_iter().next().unwrap_or_else(|| unreachable!()),
+            _ => concat_batches(&group[0].schema(), &group)?,
+        };
+        let estimate = host_bytes(&chunk);
+        let d = *chunks % n;
+        let first_row = rows;
+        rows += chunk.num_rows();
+        *chunks += 1;
+        if full.is_some() {
+            *needed += estimate;
+            return Ok(());
+        }
+        if held[d] + estimate > room[d] {
+            *full = Some(format!(
+                "{} has room for {} more of the cache",
+                devices[d],
+                size(room[d].saturating_sub(held[d]))
+            ));
+            *needed += estimate;
+            return Ok(());
+        }
+        match DeviceBatch::upload(&devices[d], &chunk) {
+            Ok(batch) => {
+                let bytes = batch_bytes(&batch);
+                held[d] += bytes;
+                *needed += bytes;
+                shards[d].push(CachedChunk { batch, first_row });
+                Ok(())
+            }
+            Err(e @ fulmen_kernels::KernelError::OutOfDeviceMemory { .. }) => {
+                *full = Some(format!("the device ran out of memory: {e}"));
+                *needed += estimate;
+                Ok(())
+            }
+            Err(e) => Err(DataFusionError::Execution(format!(
+                "CACHE TABLE {name}: {}: {e}; nothing was cached",
+                devices[d]
+            ))),
+        }
+    };
+    for partition in 0..source.properties().partitioning.partition_count() {
+        let mut stream = source.execute(partition, Arc::clone(&task))?;
+        while let Some(next) = stream.next().await {
+            let next = next?;
+            if pending.closes_before(&next) {
+                place(pending.take(), &mut full, &mut needed, &mut chunks)?;
+            }
+            pending.push(next);
+            if pending.is_full() {
+                place(pending.take(), &mut full, &mut needed, &mut chunks)?;
+            }
+        }
+    }
+    place(pending.take(), &mut full, &mut needed, &mut chunks)?;
+    if let Some(why) = full {
+        let limit_text = match limit {
+            Some(l) => format!("fulmen.cache.memory_limit is {} per device", size(l)),
+            None => "fulmen.cache.memory_limit is half of each device".to_string(),
+        };
+        let cached: usize = devices.iter().map(cached_bytes_on).sum();
+        return Err(DataFusionError::ResourcesExhausted(format!(
+            "CACHE TABLE {name}: its {rows} rows need about {} of device memory, more than \
+             the cache has room for on {} ({} already held by other cached tables; \
+             {limit_text}); {why}. Nothing was cached",
+            size(needed),
+            crate::gpu::devices::describe(&devices),
+            size(cached)
+        )));
+    }
+    let data = Arc::new(CachedData {
+        name: name.to_string(),
+        schema: source.schema(),
+        devices,
+        shards,
+        rows,
+        source: fingerprint,
+    });
+    registry()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(Arc::downgrade(&data));
+    Ok(data)
+}
+
+/// `12.3 MiB`.
+pub fn size(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// A source's rows read again on the host, for chunks whose device is gone: the source
+/// scan is executed once (partitions in order, as when it was cached), the first time a
+/// chunk needs it, and its rows kept for the other chunks of the query.
+#[derive(Debug)]
+pub struct Reread {
+    plan: Arc<dyn ExecutionPlan>,
+    task: Arc<TaskContext>,
+    rows: Mutex<Option<Arc<Vec<RecordBatch>>>>,
+}
+
+impl Reread {
+    /// Rows of `plan` (the source scan with the query's projection), read on demand.
+    pub fn new(plan: Arc<dyn ExecutionPlan>, task: Arc<TaskContext>) -> Self {
+        Self {
+            plan,
+            task,
+            rows: Mutex::new(None),
+        }
+    }
+
+    /// Rows `first .. first + len` of the source, as one batch. It blocks while the source
+    /// is read (on a thread of its own, so that it may be called from any context).
+    pub fn rows(&self, first: usize, len: usize) -> Result<RecordBatch> {
+        let all = {
+            let mut held = self.rows.lock().unwrap_or_else(|p| p.into_inner());
+            match &*held {
+                Some(all) => Arc::clone(all),
+                None => {
+                    let all = Arc::new(self.read_all()?);
+                    *held = Some(Arc::clone(&all));
+                    all
+                }
+            }
+        };
+        let mut pieces = Vec::new();
+        let (mut at, end) = (0usize, first + len);
+        for batch in all.iter() {
+            let (from, to) = (at, at + batch.num_rows());
+            at = to;
+            if to <= first || from >= end {
+                continue;
+            }
+            let start = first.max(from) - from;
+            let stop = end.min(to) - from;
+            pieces.push(batch.slice(start, stop - start));
+        }
+        let got: usize = pieces.iter().map(RecordBatch::num_rows).sum();
+        if got != len {
+            return Err(DataFusionError::Execution(format!(
+                "a cached table's source no longer has rows {first}..{end} (it has {at}); \
+                 REFRESH CACHE takes a new snapshot"
+            )));
+        }
+        Ok(concat_batches(&self.plan.schema(), &pieces)?)
+    }
+
+    fn read_all(&self) -> Result<Vec<RecordBatch>> {
+        let (plan, task) = (Arc::clone(&self.plan), Arc::clone(&self.task));
+        let read = std::thread::spawn(move || -> Result<Vec<RecordBatch>> {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async move {
+                let mut all = Vec::new();
+                for p in 0..plan.properties().partitioning.partition_count() {
+                    let mut stream = plan.execute(p, Arc::clone(&task))?;
+                    while let Some(batch) = stream.next().await {
+                        all.push(batch?);
+                    }
+                }
+                Ok(all)
+            })
+        });
+        read.join().map_err(|_| {
+            DataFusionError::Execution("reading a cached table's source panicked".into())
+        })?
+    }
+}

@@ -1,0 +1,367 @@
+//! Cached tables (`CACHE TABLE`, see `cache/mod.rs`): TPC-H over tables in device memory
+//! answers as DataFusion does with no column uploaded; a cache that does not fit, a source
+//! that changes, a device lost mid-query, concurrent queries, and the statements' errors.
+
+use std::sync::Arc;
+
+use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::physical_plan::ExecutionPlan;
+
+use super::{
+    Work, cpu_config, devices_of, gpu_config, needs_emulator, plan_has, plan_of, rows_of, run,
+    session, tpch_contexts,
+};
+use crate::FulmenContext;
+use crate::config::OnError;
+
+/// More bytes than an operator's programs, descriptor tables and counts take per batch,
+/// and fewer than any column of the tests' tables: an upload this large moved data.
+const CONTROL_BYTES: usize = 4096;
+
+const TPCH_TABLES: [&str; 8] = [
+    "lineitem", "orders", "customer", "part", "partsupp", "supplier", "nation", "region",
+];
+
+/// A statement's rows as text (it must succeed).
+async fn text(ctx: &FulmenContext, sql: &str) -> String {
+    let batches = ctx
+        .sql(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .collect()
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    pretty_format_batches(&batches).unwrap().to_string()
+}
+
+/// A statement's error (it must fail).
+async fn error(ctx: &FulmenContext, sql: &str) -> String {
+    let result = match ctx.sql(sql).await {
+        Ok(frame) => frame.collect().await.map(|_| ()),
+        Err(e) => Err(e),
+    };
+    match result {
+        Ok(()) => panic!("{sql}: expected an error"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Each GPU filter, projection or aggregation that reads a cached table's scan directly:
+/// its name, the bytes it uploaded, and the bytes its scan downloaded.
+fn reads_of_cached(plan: &Arc<dyn ExecutionPlan>) -> Vec<(String, usize, usize)> {
+    let get = |node: &Arc<dyn ExecutionPlan>, name: &str| {
+        node.metrics()
+            .and_then(|m| m.sum_by_name(name))
+            .map_or(0, |v| v.as_usize())
+    };
+    let mut reads = Vec::new();
+    let _ = plan.apply(|node| {
+        let gpu = matches!(
+            node.name(),
+            "GpuFilterExec" | "GpuProjectionExec" | "GpuAggregateExec"
+        );
+        for child in node.children() {
+            if gpu && child.name() == "GpuScanExec" {
+                let (up, down) = (get(node, "h2d_bytes"), get(child, "d2h_bytes"));
+                reads.push((node.name().to_string(), up, down));
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    reads
+}
+
+/// The 22 TPC-H queries over the eight tables cached on two devices answer as DataFusion
+/// does. Every table is read from device memory (`GpuScanExec`); the filters, projections
+/// and aggregations reading it take its chunks where they lie, uploading no column (only
+/// their programs and counts) and downloading nothing from the scan; both devices work; and
+/// the queries upload a fraction of what they do over the same tables uncached.
+#[tokio::test]
+async fn tpch_over_cached_tables_answers_as_datafusion_with_no_column_uploaded() {
+    let set = "emulated:2/cache-tpch";
+    let (gpu, cpu) = tpch_contexts(set, 2, None);
+    let (plain, _) = tpch_contexts(set, 2, None);
+    for table in TPCH_TABLES {
+        let summary = gpu.cache_table(table).await.unwrap();
+        assert!(summary.rows > 0 && summary.bytes > 0, "{summary:?}");
+    }
+    let listed = text(&gpu, "SHOW DEVICES").await;
+    assert!(listed.contains("lineitem ("), "{listed}");
+    let devices = devices_of(set);
+    let before: Vec<u64> = devices.iter().map(|d| d.counters().1).collect();
+    let (mut cached_up, mut plain_up) = (0usize, 0usize);
+    for q in 1..=22 {
+        let sql = crate::tpch::QUERIES[q - 1];
+        let plan = plan_of(&gpu, sql).await;
+        let got = rows_of(&gpu, &plan).await;
+        let (_, want) = run(&cpu, sql).await;
+        assert_eq!(got, want, "Q{q}");
+        assert!(plan_has(&plan, "GpuScanExec"), "Q{q} reads no cached table");
+        let work = Work::of(&plan);
+        assert!(work.nothing_fell_back(), "Q{q}: {work:?}");
+        for (name, up, down) in reads_of_cached(&plan) {
+            assert!(up < CONTROL_BYTES, "Q{q}: {name} uploaded {up} bytes");
+            assert_eq!(down, 0, "Q{q}: the scan under {name} downloaded");
+        }
+        cached_up += super::metric_sum(&plan, "h2d_bytes");
+        let plain_plan = plan_of(&plain, sql).await;
+        rows_of(&plain, &plain_plan).await;
+        plain_up += super::metric_sum(&plain_plan, "h2d_bytes");
+    }
+    println!(
+        "TPC-H SF 0.01, 22 queries on {set}: {cached_up} bytes uploaded over cached tables, \
+         {plain_up} over the same tables uncached"
+    );
+    // What is still uploaded: join build sides, collected on the host (8.4 MB of the
+    // 10.9), and partial aggregates brought back up after a repartition.
+    assert!(
+        cached_up * 3 < plain_up,
+        "cached {cached_up} bytes up, uncached {plain_up}"
+    );
+    for (d, b) in devices.iter().zip(before) {
+        assert!(d.counters().1 > b, "{d} did no work");
+    }
+}
+
+/// A CACHE TABLE larger than the cache's room fails, saying the sizes, and leaves nothing
+/// on the device; the table still answers from its source.
+#[tokio::test]
+async fn a_cache_that_does_not_fit_fails_with_its_sizes_and_caches_nothing() {
+    if super::on_cuda() {
+        println!("a_cache_that_does_not_fit…: not on shared CUDA devices (it reads their memory)");
+        return;
+    }
+    let set = "emulated:1/cache-full";
+    let (gpu, cpu) = tpch_contexts(set, 2, None);
+    let device = devices_of(set)[0].clone();
+    let held = device.device_memory_usage().0;
+    text(&gpu, "SET fulmen.cache.memory_limit = '256K'").await;
+    let e = error(&gpu, "CACHE TABLE lineitem").await;
+    assert!(
+        e.contains("need about") && e.contains("256.0 KiB") && e.contains("Nothing was cached"),
+        "{e}"
+    );
+    assert_eq!(device.device_memory_usage().0, held, "memory left held");
+    assert!(crate::cache::cached_bytes_on(&device) == 0);
+    let sql = "SELECT count(*), sum(l_quantity) FROM lineitem";
+    let plan = plan_of(&gpu, sql).await;
+    assert!(!plan_has(&plan, "GpuScanExec"));
+    assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+    // A limit the table fits in caches it.
+    text(&gpu, "SET fulmen.cache.memory_limit = '64M'").await;
+    let summary = gpu.cache_table("lineitem").await.unwrap();
+    assert_eq!(crate::cache::cached_bytes_on(&device), summary.bytes);
+    assert!(summary.bytes <= 64 << 20);
+}
+
+/// A source written after caching (an INSERT, a file added to a table's folder) is read
+/// instead of the stale snapshot until REFRESH CACHE takes a new one.
+#[tokio::test]
+async fn a_changed_source_is_read_until_the_cache_is_refreshed() {
+    let set = "emulated:1/cache-changes";
+    let gpu = session(gpu_config(set), 2);
+    let cpu = session(cpu_config(), 2);
+    let sql = "SELECT count(*), sum(a), min(b) FROM t WHERE a % 3 <> 0";
+    for ctx in [&gpu, &cpu] {
+        text(
+            ctx,
+            "CREATE TABLE t AS SELECT value AS a, value * 2 AS b FROM range(5000)",
+        )
+        .await;
+    }
+    text(&gpu, "CACHE TABLE t").await;
+    let plan = plan_of(&gpu, sql).await;
+    assert!(plan_has(&plan, "GpuScanExec"));
+    assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+    for ctx in [&gpu, &cpu] {
+        text(ctx, "INSERT INTO t VALUES (7001, -5), (7002, -6)").await;
+    }
+    let plan = plan_of(&gpu, sql).await;
+    assert!(!plan_has(&plan, "GpuScanExec"), "a stale snapshot was read");
+    assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+    text(&gpu, "REFRESH CACHE t").await;
+    let plan = plan_of(&gpu, sql).await;
+    assert!(plan_has(&plan, "GpuScanExec"));
+    assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+
+    // A table of files: a file added to its folder.
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("f");
+    std::fs::create_dir(&folder).unwrap();
+    let path = folder.to_str().unwrap();
+    let copy = |n: u32| {
+        format!("COPY (SELECT value AS a, value * 2 AS b FROM range({n})) TO '{path}/p{n}.parquet'")
+    };
+    text(&cpu, &copy(3000)).await;
+    let create = format!("CREATE EXTERNAL TABLE f STORED AS PARQUET LOCATION '{path}/'");
+    for ctx in [&gpu, &cpu] {
+        text(ctx, &create).await;
+    }
+    let sql = "SELECT count(*), sum(a) FROM f WHERE b > 10";
+    text(&gpu, "CACHE TABLE f").await;
+    let plan = plan_of(&gpu, sql).await;
+    assert!(plan_has(&plan, "GpuScanExec"));
+    assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+    text(&cpu, &copy(4000)).await;
+    let plan = plan_of(&gpu, sql).await;
+    assert!(!plan_has(&plan, "GpuScanExec"), "a stale snapshot was read");
+    let got = rows_of(&gpu, &plan).await;
+    assert_eq!(got, run(&cpu, sql).await.1);
+    assert!(got.contains("6988"), "both files are read: {got}");
+}
+
+/// UNCACHE TABLE and DROP TABLE free a cached table's device memory; SHOW DEVICES lists
+/// what each device holds.
+#[tokio::test]
+async fn uncache_and_drop_free_the_device_memory() {
+    if super::on_cuda() {
+        println!("uncache_and_drop…: not on shared CUDA devices (it reads their memory)");
+        return;
+    }
+    let set = "emulated:2/cache-free";
+    let gpu = session(gpu_config(set), 2);
+    let devices = devices_of(set);
+    text(
+        &gpu,
+        "CREATE TABLE t AS SELECT value AS a FROM range(300000)",
+    )
+    .await;
+    text(&gpu, "SET fulmen.gpu.batch_rows = 100000").await;
+    let cached = text(&gpu, "CACHE TABLE t").await;
+    assert!(
+        cached.contains("| t ") && cached.contains("300000"),
+        "{cached}"
+    );
+    let held: Vec<usize> = devices.iter().map(crate::cache::cached_bytes_on).collect();
+    assert!(
+        held.iter().all(|&b| b > 0),
+        "every device holds chunks: {held:?}"
+    );
+    let listed = text(&gpu, "SHOW DEVICES").await;
+    assert!(
+        listed.contains("t (") && listed.contains("memory_cached"),
+        "{listed}"
+    );
+    assert!(gpu.uncache_table("t").await.unwrap());
+    assert!(
+        devices
+            .iter()
+            .all(|d| crate::cache::cached_bytes_on(d) == 0)
+    );
+    assert!(!text(&gpu, "SHOW DEVICES").await.contains("t ("));
+    text(&gpu, "CACHE TABLE t").await;
+    assert!(devices.iter().all(|d| crate::cache::cached_bytes_on(d) > 0));
+    text(&gpu, "DROP TABLE t").await;
+    assert!(
+        devices
+            .iter()
+            .all(|d| crate::cache::cached_bytes_on(d) == 0)
+    );
+    // CACHE … AS SELECT stores the rows as a table of their own; UNCACHE keeps it.
+    let summary = gpu
+        .cache_query("s", "SELECT value % 7 AS k, value AS v FROM range(1000)")
+        .await
+        .unwrap();
+    assert_eq!(summary.rows, 1000);
+    text(&gpu, "UNCACHE TABLE s").await;
+    assert!(text(&gpu, "SELECT count(*) FROM s").await.contains("1000"));
+}
+
+/// A device lost while queries read its chunks: the chunks in flight are redone from the
+/// source, the device is quarantined, and later queries read its rows from the source.
+#[tokio::test]
+async fn a_device_lost_mid_query_has_its_chunks_read_from_the_source() {
+    if needs_emulator("a_device_lost_mid_query…") {
+        return;
+    }
+    let set = "emulated:2/cache-lost";
+    let (gpu, cpu) = tpch_contexts(set, 2, None);
+    text(&gpu, "SET fulmen.gpu.on_error = 'fallback'").await;
+    text(&gpu, "SET fulmen.gpu.batch_rows = 8192").await;
+    gpu.cache_table("lineitem").await.unwrap();
+    let lost = devices_of(set)[1].clone();
+    lost.inject_faults(fulmen_kernels::FaultPlan {
+        lose_device_at_launch: Some(3),
+        ..Default::default()
+    })
+    .unwrap();
+    for q in [1, 6] {
+        let sql = crate::tpch::QUERIES[q - 1];
+        let plan = plan_of(&gpu, sql).await;
+        assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1, "Q{q}");
+    }
+    assert!(lost.quarantined().is_some(), "the device was not lost");
+    let listed = text(&gpu, "SHOW DEVICES").await;
+    assert!(listed.contains("quarantined"), "{listed}");
+    let sql = crate::tpch::QUERIES[0];
+    let plan = plan_of(&gpu, sql).await;
+    assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+    assert!(
+        Work::of(&plan).cpu_batches > 0,
+        "the lost chunks were not re-read"
+    );
+}
+
+/// Several queries at once over the same cached tables answer as DataFusion does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_queries_over_cached_tables() {
+    let set = "emulated:2/cache-concurrent";
+    let (gpu, cpu) = tpch_contexts(set, 2, None);
+    for table in ["lineitem", "orders"] {
+        gpu.cache_table(table).await.unwrap();
+    }
+    let queries = [1, 3, 4, 6, 12];
+    let runs = queries.map(|q| {
+        let gpu = gpu.clone();
+        tokio::spawn(async move {
+            let plan = plan_of(&gpu, crate::tpch::QUERIES[q - 1]).await;
+            rows_of(&gpu, &plan).await
+        })
+    });
+    for (q, handle) in queries.into_iter().zip(runs) {
+        let got = handle.await.unwrap();
+        assert_eq!(got, run(&cpu, crate::tpch::QUERIES[q - 1]).await.1, "Q{q}");
+    }
+}
+
+/// The statements' mistakes are clear errors that change nothing.
+#[tokio::test]
+async fn the_cache_statements_errors_are_clear() {
+    let gpu = session(
+        crate::FulmenConfig {
+            gpu_on_error: OnError::Fail,
+            ..gpu_config("emulated:1/cache-errors")
+        },
+        2,
+    );
+    text(&gpu, "CREATE TABLE t AS VALUES (1), (2)").await;
+    text(&gpu, "CACHE TABLE t").await;
+    let e = error(&gpu, "CACHE TABLE t").await;
+    assert!(e.contains("cached already"), "{e}");
+    let e = error(&gpu, "CACHE TABLE t AS SELECT 1").await;
+    assert!(e.contains("already exists"), "{e}");
+    let e = error(&gpu, "CACHE TABLE nope").await;
+    assert!(e.contains("nope"), "{e}");
+    let e = error(&gpu, "UNCACHE TABLE nope").await;
+    assert!(e.contains("nope"), "{e}");
+    text(&gpu, "UNCACHE TABLE IF EXISTS nope").await;
+    let e = error(
+        &gpu,
+        "CACHE TABLE u OPTIONS ('shard_key' = 'a') AS SELECT 1 AS a",
+    )
+    .await;
+    assert!(e.contains("no options"), "{e}");
+    let e = error(&gpu, "REFRESH CACHE nope").await;
+    assert!(e.contains("nope"), "{e}");
+    text(&gpu, "UNCACHE TABLE t").await;
+    let e = error(&gpu, "REFRESH CACHE t").await;
+    assert!(e.contains("not cached"), "{e}");
+    let e = error(&gpu, "UNCACHE TABLE t").await;
+    assert!(e.contains("not cached"), "{e}");
+    text(&gpu, "SET fulmen.gpu.mode = 'off'").await;
+    let e = error(&gpu, "CACHE TABLE t").await;
+    assert!(e.contains("fulmen.gpu.mode is off"), "{e}");
+    assert!(text(&gpu, "SELECT count(*) FROM t").await.contains('2'));
+}
+

@@ -1,0 +1,262 @@
+//! `GpuScanExec`: the scan of a cached table (see `cache/mod.rs`). Its partition p reads
+//! the chunks of device p mod n, which is where GPU operators run partition p, so a GPU
+//! parent on the same devices takes the chunks as they lie; a host parent gets them
+//! downloaded (counted). A chunk whose device is out of service is read from the source.
+
+use std::fmt;
+use std::sync::Arc;
+
+use datafusion::arrow::datatypes::{Schema, SchemaRef};
+use datafusion::common::Statistics;
+use datafusion::common::stats::Precision;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::EquivalenceProperties;
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricsSet};
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, StatisticsArgs,
+    StatisticsContext,
+};
+use fulmen_kernels::{Device, DeviceBatch};
+use futures::StreamExt;
+
+use super::gpu_stream::{
+    BatchOn, Chunk, ChunkStream, DeviceResident, GpuMetrics, Redo, count_batch,
+};
+use crate::cache::{CachedData, Reread};
+
+/// The scan of a cached table's device chunks.
+#[derive(Debug)]
+pub struct GpuScanExec {
+    data: Arc<CachedData>,
+    projection: Option<Vec<usize>>,
+    /// The source's scan with the same projection: read only for chunks whose device is
+    /// gone.
+    source: Arc<dyn ExecutionPlan>,
+    schema: SchemaRef,
+    properties: Arc<PlanProperties>,
+    statistics: Arc<Statistics>,
+    metrics: ExecutionPlanMetricsSet,
+}
+
+impl GpuScanExec {
+    /// A scan of `data`'s columns `projection` (all when `None`) in at least
+    /// `target_partitions` partitions (a multiple of the devices), reading `source` for
+    /// chunks whose device is gone.
+    pub fn try_new(
+        data: Arc<CachedData>,
+        projection: Option<Vec<usize>>,
+        source: Arc<dyn ExecutionPlan>,
+        target_partitions: usize,
+    ) -> Result<Self> {
+        let schema = match &projection {
+            Some(p) => Arc::new(data.schema().project(p)?),
+            None => Arc::clone(data.schema()),
+        };
+        if schema.fields() != source.schema().fields() {
+            return Err(DataFusionError::Internal(format!(
+                "GpuScanExec: the source scan of {} gives other columns than the cache",
+                data.name()
+            )));
+        }
+        let n = data.devices().len().max(1);
+        let partitions = target_partitions.max(1).div_ceil(n) * n;
+        let properties = PlanProperties::new(
+            EquivalenceProperties::new(Arc::clone(&schema)),
+            Partitioning::UnknownPartitioning(partitions),
+            EmissionType::Incremental,
+            Boundedness::Bounded,
+        );
+        let statistics = StatisticsContext::new()
+            .compute(source.as_ref(), &StatisticsArgs::new())
+            .unwrap_or_else(|_| Arc::new(Statistics::new_unknown(&schema)));
+        Ok(Self {
+            data,
+            projection,
+            source,
+            schema,
+            properties: Arc::new(properties),
+            statistics,
+            metrics: ExecutionPlanMetricsSet::new(),
+        })
+    }
+
+    /// The cached table it reads.
+    pub fn data(&self) -> &Arc<CachedData> {
+        &self.data
+    }
+
+    fn partitions(&self) -> usize {
+        self.properties.partitioning.partition_count()
+    }
+
+    /// The device of `partition` (its index among the table's devices) and the chunks it
+    /// reads: chunk j of that device belongs to the partition when j mod (partitions per
+    /// device) is the partition's slot.
+    fn chunks_of(&self, partition: usize) -> (usize, Vec<usize>) {
+        let n = self.data.devices().len().max(1);
+        let (d, slot, per) = (partition % n, partition / n, self.partitions() / n);
+        let chunks = (0..self.data.shard(d).len())
+            .filter(|j| j % per == slot)
+            .collect();
+        (d, chunks)
+    }
+
+    /// The partition's chunks: on their device (the columns asked for, shared with the
+    /// cache), or read from the source when the device is out of service. The stream is
+    /// not metered yet (see [`GpuMetrics::work`]).
+    fn chunks(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<(ChunkStream, GpuMetrics)> {
+        let (d, chunks) = self.chunks_of(partition);
+        let device: Device = self.data.devices()[d].clone();
+        let metrics = GpuMetrics::new(&self.metrics, partition, &device, &context);
+        let reread = Arc::new(Reread::new(Arc::clone(&self.source), context));
+        let (data, projection) = (Arc::clone(&self.data), self.projection.clone());
+        let host_schema = Arc::clone(&self.schema);
+        let out = metrics.clone();
+        let stream = futures::stream::iter(chunks).map(move |j| {
+            let cached = &data.shard(d)[j];
+            let (first, len) = (cached.first_row, cached.batch.num_rows());
+            let read = Arc::clone(&reread);
+            let redo = Redo::new(move || read.rows(first, len));
+            if let Some(why) = device.quarantined() {
+                log::debug!("{device} is quarantined ({why}): reading cached rows from the source");
+                count_batch(&out, BatchOn::Fallback);
+                let batch = redo.run()?;
+                out.record_batch(&batch);
+                return Ok(Chunk::Host(batch));
+            }
+            let batch = project(&cached.batch, projection.as_deref())?;
+            // Not a batch of device work (`gpu_batches`): the chunk is only handed on.
+            let chunk = Chunk::Device(batch, Arc::clone(&host_schema), redo);
+            out.record_chunk(&chunk);
+            Ok(chunk)
+        });
+        Ok((Box::pin(stream), metrics))
+    }
+}
+
+/// The columns `projection` of a device batch (all when `None`), sharing its buffers.
+fn project(batch: &DeviceBatch, projection: Option<&[usize]>) -> Result<DeviceBatch> {
+    let Some(p) = projection else {
+        return Ok(batch.clone());
+    };
+    let schema: Schema = batch.schema().project(p)?;
+    let columns = p.iter().map(|&i| batch.columns()[i].clone()).collect();
+    DeviceBatch::try_new(Arc::new(schema), columns, batch.num_rows())
+        .map_err(|e| DataFusionError::External(Box::new(e)))
+}
+
+impl DeviceResident for GpuScanExec {
+    fn execute_chunks(&self, partition: usize, context: Arc<TaskContext>) -> Result<ChunkStream> {
+        let (chunks, metrics) = self.chunks(partition, context)?;
+        Ok(metrics.work().chunks(chunks))
+    }
+
+    fn resident_devices(&self) -> &Arc<Vec<Device>> {
+        self.data.devices()
+    }
+}
+
+impl DisplayAs for GpuScanExec {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        let columns: Vec<&str> = self
+            .schema
+            .fields()
+            .iter()
+            .map(|f| f.name().as_str())
+            .collect();
+        match t {
+            DisplayFormatType::TreeRender => {
+                writeln!(f, "table={}", self.data.name())?;
+                write!(f, "chunks={}", self.data.chunks())
+            }
+            _ => write!(
+                f,
+                "GpuScanExec: table={}, device={}, chunks={}, rows={}, projection=[{}]",
+                self.data.name(),
+                crate::gpu::devices::describe(self.data.devices()),
+                self.data.chunks(),
+                self.data.rows(),
+                columns.join(", ")
+            ),
+        }
+    }
+}
+
+impl ExecutionPlan for GpuScanExec {
+    fn name(&self) -> &str {
+        "GpuScanExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        Vec::new()
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        if children.is_empty() {
+            Ok(self)
+        } else {
+            Err(DataFusionError::Internal(
+                "GpuScanExec has no children".into(),
+            ))
+        }
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(
+            &Arc<dyn datafusion::physical_expr::PhysicalExpr>,
+        ) -> Result<datafusion::common::tree_node::TreeNodeRecursion>,
+    ) -> Result<datafusion::common::tree_node::TreeNodeRecursion> {
+        Ok(datafusion::common::tree_node::TreeNodeRecursion::Continue)
+    }
+
+    /// The chunks on the host: downloaded (counted), or redone from the source when their
+    /// device is lost.
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let (chunks, metrics) = self.chunks(partition, context)?;
+        let work = metrics.work();
+        let batches = chunks.map(move |chunk| chunk?.host_for_cpu(&metrics));
+        Ok(work.batches(Arc::clone(&self.schema), batches))
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
+    }
+
+    fn statistics_from_inputs(
+        &self,
+        _input_stats: &[Arc<Statistics>],
+        args: &StatisticsArgs,
+    ) -> Result<Arc<Statistics>> {
+        match args.partition() {
+            None => Ok(Arc::clone(&self.statistics)),
+            Some(p) => {
+                let (d, chunks) = self.chunks_of(p);
+                let rows = chunks
+                    .iter()
+                    .map(|&j| self.data.shard(d)[j].batch.num_rows())
+                    .sum();
+                let mut stats = Statistics::new_unknown(&self.schema);
+                stats.num_rows = Precision::Exact(rows);
+                Ok(Arc::new(stats))
+            }
+        }
+    }
+}
