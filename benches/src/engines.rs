@@ -82,9 +82,13 @@ pub struct EngineRun {
     pub outcomes: Vec<Outcome>,
 }
 
-fn datafusion_session(engine: Engine, gpu: GpuMode) -> Result<SessionContext> {
+/// The session of a DataFusion-based engine, with its Fulmen context where it has one.
+fn datafusion_session(
+    engine: Engine,
+    gpu: GpuMode,
+) -> Result<(SessionContext, Option<FulmenContext>)> {
     let gpu_mode = match engine {
-        Engine::DataFusion => return Ok(SessionContext::new()),
+        Engine::DataFusion => return Ok((SessionContext::new(), None)),
         Engine::Fulmen => GpuMode::Off,
         Engine::FulmenGpu => gpu,
         Engine::DuckDb => bail!("DuckDB is not a DataFusion session"),
@@ -98,7 +102,8 @@ fn datafusion_session(engine: Engine, gpu: GpuMode) -> Result<SessionContext> {
         // being redone on the CPU.
         config.gpu_on_error = fulmen_engine::OnError::Fail;
     }
-    Ok(FulmenContext::with_config(config).session_context().clone())
+    let fulmen = FulmenContext::with_config(config);
+    Ok((fulmen.session_context().clone(), Some(fulmen)))
 }
 
 /// Runs `queries` (name, SQL) on the DataFusion-based `engines`, interleaved so that no
@@ -113,10 +118,12 @@ pub async fn run_datafusion(
     tables: &[&str],
     queries: &[(String, String)],
     iterations: usize,
+    resident: bool,
 ) -> Result<Vec<EngineRun>> {
     let mut sessions = Vec::with_capacity(engines.len());
+    let mut cached = None;
     for &engine in engines {
-        let ctx = datafusion_session(engine, gpu)?;
+        let (ctx, fulmen) = datafusion_session(engine, gpu)?;
         for table in tables {
             let path = data.join(format!("{table}.parquet"));
             ctx.register_parquet(
@@ -126,6 +133,9 @@ pub async fn run_datafusion(
             )
             .await
             .with_context(|| format!("registering {}", path.display()))?;
+        }
+        if let (Engine::FulmenGpu, true, Some(fulmen)) = (engine, resident, &fulmen) {
+            cached = Some(cache_tables(fulmen, tables).await?);
         }
         sessions.push(ctx);
     }
@@ -189,10 +199,38 @@ pub async fn run_datafusion(
         .zip(outcomes)
         .map(|(&engine, outcomes)| EngineRun {
             engine,
-            note: (engine == Engine::FulmenGpu).then(|| fulmen_gpu_note(gpu)),
+            note: (engine == Engine::FulmenGpu).then(|| {
+                let note = fulmen_gpu_note(gpu);
+                match &cached {
+                    Some(cached) => format!("{note}; {cached}"),
+                    None => note,
+                }
+            }),
             outcomes,
         })
         .collect())
+}
+
+/// Caches every table on fulmen-gpu's devices (`--resident`) before anything is timed: what
+/// the note says of it. A table that cannot be cached fails the run.
+async fn cache_tables(fulmen: &FulmenContext, tables: &[&str]) -> Result<String> {
+    let (mut rows, mut bytes) = (0usize, 0usize);
+    for table in tables {
+        let summary = fulmen
+            .cache_table(table)
+            .await
+            .with_context(|| format!("--resident: caching {table}"))?;
+        eprintln!(
+            "cached {table}: {} rows, {} chunks, {} device bytes on {}",
+            summary.rows, summary.chunks, summary.bytes, summary.devices
+        );
+        rows += summary.rows;
+        bytes += summary.bytes;
+    }
+    Ok(format!(
+        "every table cached on the devices before timing (--resident: {rows} rows, {})",
+        fulmen_engine::cache::size(bytes)
+    ))
 }
 
 /// Where `fulmen-gpu` ran: the devices it found, and what of the plans runs on them.

@@ -2,9 +2,10 @@
 //! that later queries read them where the kernels run instead of uploading them again.
 //!
 //! - **Placement.** The rows are cut into device chunks (`fulmen.gpu.batch_rows` /
-//!   `_bytes`, as any device batch) and the chunks dealt over the session's devices in
-//!   turn: chunk k lives on device k mod n. A scan of the table ([`GpuScanExec`]) has a
-//!   partition per device (or a multiple of that, to reach `target_partitions`), and
+//!   `_bytes`, as any device batch; smaller, down to 65 536 rows, where that gives every
+//!   device some) and the chunks dealt over the session's devices in turn, from the device
+//!   the cache holds least of. A scan of the table ([`GpuScanExec`]) has a partition per
+//!   device (or a multiple of that, to reach `target_partitions`), and
 //!   partition p reads chunks of device p mod n, which is the device every GPU operator
 //!   runs partition p on: a filter, projection, aggregation or join probe over a cached
 //!   table takes its chunks on the device that holds them, with nothing uploaded.
@@ -148,8 +149,9 @@ pub fn cached_bytes_on(device: &Device) -> usize {
     cached_tables().iter().map(|t| t.bytes_on(device)).sum()
 }
 
-/// What a source was when its rows were cached: its files (path, size, modification time)
-/// or its in-memory batches (rows of each, by partition). Two equal fingerprints mean the
+/// What a source was when its rows were cached: its files (path, size, modification time,
+/// entity tag and version where the store has them) or its in-memory batches (the rows and
+/// the arrays of each, by partition). Two equal fingerprints mean the
 /// same rows in the same order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fingerprint(BTreeSet<String>);
@@ -164,23 +166,36 @@ pub fn fingerprint(plan: &Arc<dyn ExecutionPlan>) -> Option<Fingerprint> {
         for file in files.file_groups.iter().flat_map(|g| g.iter()) {
             let meta = &file.object_meta;
             parts.insert(format!(
-                "file {} {} {} {:?}",
+                "file {} {} {} {:?} {:?} {:?}",
                 meta.location,
                 meta.size,
                 meta.last_modified.timestamp_nanos_opt().unwrap_or_default(),
+                meta.e_tag,
+                meta.version,
                 file.partition_values
             ));
         }
     } else if let Some(memory) = source.downcast_ref::<MemorySourceConfig>() {
+        // Each batch by its rows and its columns' arrays (shared by every scan of the same
+        // batches; a write replaces them).
         for (p, batches) in memory.partitions().iter().enumerate() {
-            let rows: Vec<usize> = batches.iter().map(RecordBatch::num_rows).collect();
-            parts.insert(format!("memory {p} {rows:?}"));
+            for (i, batch) in batches.iter().enumerate() {
+                let arrays: Vec<usize> = batch
+                    .columns()
+                    .iter()
+                    .map(|c| Arc::as_ptr(c) as *const u8 as usize)
+                    .collect();
+                parts.insert(format!("memory {p} {i} {} {arrays:x?}", batch.num_rows()));
+            }
         }
     } else {
         return None;
     }
     Some(Fingerprint(parts))
 }
+
+/// The fewest rows a chunk is cut to so that every device gets some of a table.
+const MIN_SPREAD_ROWS: usize = 1 << 16;
 
 /// The rows the source says it has (exactly or as an estimate).
 fn source_rows(source: &Arc<dyn ExecutionPlan>) -> Option<usize> {
@@ -202,7 +217,8 @@ fn cache_limit(device: &Device, limit: Option<usize>) -> usize {
 
 /// Reads `source` (a scan of the table's files or memory, every column) and copies its
 /// rows to `devices` in chunks of at most `batch` (fewer rows where the source's
-/// statistics show that every device would not get one otherwise), dealt in turn. Nothing stays cached when
+/// statistics show that every device would not get one otherwise), dealt in turn. Nothing
+/// stays cached when
 /// any of it fails: the error says why, with the sizes when the rows do not fit.
 #[allow(clippy::too_many_arguments)]
 pub async fn cache(
@@ -226,85 +242,67 @@ pub async fn cache(
         )));
     }
     let n = devices.len();
-    // Chunks small enough that every device gets a share, where the source tells its rows.
+    // Chunks small enough that every device gets a share, where the source tells its rows,
+    // but not so small that a device's share of a small table costs more in fixed costs
+    // (launches, waits, a join's build per partition) than it saves.
     let batch = match source_rows(source) {
-        Some(rows) if rows > 0 => BatchLimit::new(batch.rows.min(rows.div_ceil(n)), batch.bytes),
+        Some(rows) if rows > 0 => {
+            let share = rows.div_ceil(n).max(MIN_SPREAD_ROWS);
+            BatchLimit::new(batch.rows.min(share), batch.bytes)
+        }
         _ => batch,
     };
-    let room: Vec<usize> = devices
-        .iter()
-        .map(|d| cache_limit(d, limit).saturating_sub(cached_bytes_on(d)))
-        .collect();
-    let mut held = vec![0usize; n];
-    let mut shards: Vec<Vec<CachedChunk>> = (0..n).map(|_| Vec::new()).collect();
-    let mut pending = Coalescer::new(batch);
-    let (mut rows, mut chunks) = (0usize, 0usize);
-    // Why the rows stopped fitting, once they did: the rest is only counted.
-    let mut full: Option<String> = None;
-    let mut needed = 0usize;
-    let mut place = |group: Vec<RecordBatch>,
-                     full: &mut Option<String>,
-                     needed: &mut usize,
-                     chunks: &mut usize|
-     -> Result<()> {
-        if group.is_empty() {
-            return Ok(());
-        }
-        let chunk = match group.len() {
-            1 => group.into_iter().next().unwrap_or_else(|| unreachable!()),
-            _ => concat_batches(&group[0].schema(), &group)?,
-        };
-        let estimate = host_bytes(&chunk);
-        let d = *chunks % n;
-        let first_row = rows;
-        rows += chunk.num_rows();
-        *chunks += 1;
-        if full.is_some() {
-            *needed += estimate;
-            return Ok(());
-        }
-        if held[d] + estimate > room[d] {
-            *full = Some(format!(
-                "{} has room for {} more of the cache",
-                devices[d],
-                size(room[d].saturating_sub(held[d]))
-            ));
-            *needed += estimate;
-            return Ok(());
-        }
-        match DeviceBatch::upload(&devices[d], &chunk) {
-            Ok(batch) => {
-                let bytes = batch_bytes(&batch);
-                held[d] += bytes;
-                *needed += bytes;
-                shards[d].push(CachedChunk { batch, first_row });
-                Ok(())
-            }
-            Err(e @ fulmen_kernels::KernelError::OutOfDeviceMemory { .. }) => {
-                *full = Some(format!("the device ran out of memory: {e}"));
-                *needed += estimate;
-                Ok(())
-            }
-            Err(e) => Err(DataFusionError::Execution(format!(
-                "CACHE TABLE {name}: {}: {e}; nothing was cached",
-                devices[d]
-            ))),
-        }
+    // One CACHE at a time: each counts the room the others left.
+    static CACHING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _one_at_a_time = CACHING.lock().await;
+    // The first chunk goes to the device the cache holds least of, so that tables of one
+    // chunk spread over the devices too.
+    let first = (0..n)
+        .min_by_key(|&d| cached_bytes_on(&devices[d]))
+        .unwrap_or_default();
+    let mut loader = Loader {
+        name,
+        first,
+        room: devices
+            .iter()
+            .map(|d| cache_limit(d, limit).saturating_sub(cached_bytes_on(d)))
+            .collect(),
+        held: vec![0; n],
+        shards: (0..n).map(|_| Vec::new()).collect(),
+        devices: &devices,
+        rows: 0,
+        chunks: 0,
+        full: None,
+        needed: 0,
     };
+    let mut pending = Coalescer::new(batch);
     for partition in 0..source.properties().partitioning.partition_count() {
         let mut stream = source.execute(partition, Arc::clone(&task))?;
         while let Some(next) = stream.next().await {
             let next = next?;
-            if pending.closes_before(&next) {
-                place(pending.take(), &mut full, &mut needed, &mut chunks)?;
-            }
-            pending.push(next);
-            if pending.is_full() {
-                place(pending.take(), &mut full, &mut needed, &mut chunks)?;
+            // A source batch longer than a chunk is cut (a slice shares its buffers).
+            let mut at = 0;
+            while at < next.num_rows() {
+                let piece = next.slice(at, batch.rows.min(next.num_rows() - at));
+                at += piece.num_rows();
+                if pending.closes_before(&piece) {
+                    loader.place(pending.take())?;
+                }
+                pending.push(piece);
+                if pending.is_full() {
+                    loader.place(pending.take())?;
+                }
             }
         }
     }
-    place(pending.take(), &mut full, &mut needed, &mut chunks)?;
+    loader.place(pending.take())?;
+    let Loader {
+        shards,
+        rows,
+        full,
+        needed,
+        ..
+    } = loader;
     if let Some(why) = full {
         let limit_text = match limit {
             Some(l) => format!("fulmen.cache.memory_limit is {} per device", size(l)),
@@ -335,6 +333,80 @@ pub async fn cache(
     Ok(data)
 }
 
+/// Deals a table's chunks over the devices while they fit, then only counts the rest.
+struct Loader<'a> {
+    name: &'a str,
+    /// The device of the first chunk.
+    first: usize,
+    devices: &'a [Device],
+    /// What the cache may still take of each device, before this table.
+    room: Vec<usize>,
+    /// What this table holds of each device so far.
+    held: Vec<usize>,
+    shards: Vec<Vec<CachedChunk>>,
+    rows: usize,
+    chunks: usize,
+    /// Why the rows stopped fitting, once they did.
+    full: Option<String>,
+    /// Device bytes of the rows so far (estimated from the host's for those not uploaded).
+    needed: usize,
+}
+
+impl Loader<'_> {
+    /// Places the chunk `group` makes on the next device in turn.
+    fn place(&mut self, group: Vec<RecordBatch>) -> Result<()> {
+        if group.is_empty() {
+            return Ok(());
+        }
+        let chunk = match group.len() {
+            1 => group.into_iter().next().unwrap_or_else(|| unreachable!()),
+            _ => concat_batches(&group[0].schema(), &group)?,
+        };
+        let estimate = host_bytes(&chunk);
+        let d = (self.first + self.chunks) % self.devices.len();
+        let first_row = self.rows;
+        self.rows += chunk.num_rows();
+        self.chunks += 1;
+        if self.full.is_none() && self.held[d] + estimate > self.room[d] {
+            let left = self.room[d].saturating_sub(self.held[d]);
+            self.stop(format!(
+                "{} has room for {} more of the cache",
+                self.devices[d],
+                size(left)
+            ));
+        }
+        if self.full.is_some() {
+            self.needed += estimate;
+            return Ok(());
+        }
+        match DeviceBatch::upload(&self.devices[d], &chunk) {
+            Ok(batch) => {
+                let bytes = batch_bytes(&batch);
+                self.held[d] += bytes;
+                self.needed += bytes;
+                self.shards[d].push(CachedChunk { batch, first_row });
+            }
+            Err(e @ fulmen_kernels::KernelError::OutOfDeviceMemory { .. }) => {
+                self.stop(format!("the device ran out of memory: {e}"));
+                self.needed += estimate;
+            }
+            Err(e) => {
+                return Err(DataFusionError::Execution(format!(
+                    "CACHE TABLE {}: {}: {e}; nothing was cached",
+                    self.name, self.devices[d]
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows do not fit: what was uploaded is freed at once.
+    fn stop(&mut self, why: String) {
+        self.full = Some(why);
+        self.shards.iter_mut().for_each(Vec::clear);
+    }
+}
+
 /// `12.3 MiB`.
 pub fn size(bytes: usize) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -352,42 +424,83 @@ pub fn size(bytes: usize) -> String {
 }
 
 /// A source's rows read again on the host, for chunks whose device is gone: the source
-/// scan is executed once (partitions in order, as when it was cached), the first time a
-/// chunk needs it, and its rows kept for the other chunks of the query.
+/// scan (with the query's projection) is executed once per cached scan, the first time a
+/// chunk needs it, partitions in order as when it was cached, and its rows are kept on the
+/// host for the scan's other chunks until the query ends.
 #[derive(Debug)]
 pub struct Reread {
     plan: Arc<dyn ExecutionPlan>,
     task: Arc<TaskContext>,
-    rows: Mutex<Option<Arc<Vec<RecordBatch>>>>,
+    rows: tokio::sync::OnceCell<Arc<Vec<RecordBatch>>>,
 }
 
 impl Reread {
-    /// Rows of `plan` (the source scan with the query's projection), read on demand.
+    /// Rows of `plan`, read on demand.
     pub fn new(plan: Arc<dyn ExecutionPlan>, task: Arc<TaskContext>) -> Self {
         Self {
             plan,
             task,
-            rows: Mutex::new(None),
+            rows: tokio::sync::OnceCell::new(),
         }
     }
 
-    /// Rows `first .. first + len` of the source, as one batch. It blocks while the source
-    /// is read (on a thread of its own, so that it may be called from any context).
-    pub fn rows(&self, first: usize, len: usize) -> Result<RecordBatch> {
-        let all = {
-            let mut held = self.rows.lock().unwrap_or_else(|p| p.into_inner());
-            match &*held {
-                Some(all) => Arc::clone(all),
-                None => {
-                    let all = Arc::new(self.read_all()?);
-                    *held = Some(Arc::clone(&all));
-                    all
+    async fn all(&self) -> Result<&Arc<Vec<RecordBatch>>> {
+        self.rows
+            .get_or_try_init(|| async {
+                let mut all = Vec::new();
+                for p in 0..self.plan.properties().partitioning.partition_count() {
+                    let mut stream = self.plan.execute(p, Arc::clone(&self.task))?;
+                    while let Some(batch) = stream.next().await {
+                        all.push(batch?);
+                    }
                 }
+                Ok(Arc::new(all))
+            })
+            .await
+    }
+
+    /// Rows `first .. first + len` of the source, as one batch.
+    pub async fn rows_async(&self, first: usize, len: usize) -> Result<RecordBatch> {
+        let all = self.all().await?;
+        self.slice(all, first, len)
+    }
+
+    /// As [`Reread::rows_async`], blocking while the source is read (for a chunk's CPU
+    /// redo, which is not async): on a multi-threaded runtime its other workers go on;
+    /// elsewhere the read runs on a thread of its own.
+    pub fn rows(&self, first: usize, len: usize) -> Result<RecordBatch> {
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        if let Some(all) = self.rows.get() {
+            return self.slice(all, first, len);
+        }
+        let all = match Handle::try_current() {
+            Ok(handle) if handle.runtime_flavor() == RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| handle.block_on(self.all()))?
             }
+            _ => std::thread::scope(|scope| {
+                scope
+                    .spawn(|| {
+                        let runtime = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()?;
+                        runtime.block_on(self.all()).map(Arc::clone)
+                    })
+                    .join()
+                    .unwrap_or_else(|_| {
+                        Err(DataFusionError::Execution(
+                            "reading a cached table's source panicked".into(),
+                        ))
+                    })
+            })
+            .map(|_| self.rows.get().unwrap_or_else(|| unreachable!()))?,
         };
+        self.slice(all, first, len)
+    }
+
+    fn slice(&self, all: &[RecordBatch], first: usize, len: usize) -> Result<RecordBatch> {
         let mut pieces = Vec::new();
         let (mut at, end) = (0usize, first + len);
-        for batch in all.iter() {
+        for batch in all {
             let (from, to) = (at, at + batch.num_rows());
             at = to;
             if to <= first || from >= end {
@@ -406,26 +519,32 @@ impl Reread {
         }
         Ok(concat_batches(&self.plan.schema(), &pieces)?)
     }
+}
 
-    fn read_all(&self) -> Result<Vec<RecordBatch>> {
-        let (plan, task) = (Arc::clone(&self.plan), Arc::clone(&self.task));
-        let read = std::thread::spawn(move || -> Result<Vec<RecordBatch>> {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            runtime.block_on(async move {
-                let mut all = Vec::new();
-                for p in 0..plan.properties().partitioning.partition_count() {
-                    let mut stream = plan.execute(p, Arc::clone(&task))?;
-                    while let Some(batch) = stream.next().await {
-                        all.push(batch?);
-                    }
-                }
-                Ok(all)
-            })
-        });
-        read.join().map_err(|_| {
-            DataFusionError::Execution("reading a cached table's source panicked".into())
-        })?
+#[cfg(test)]
+mod tests {
+    use datafusion::arrow::array::{ArrayRef, Int64Array};
+    use datafusion::catalog::TableProvider;
+    use datafusion::datasource::MemTable;
+    use datafusion::prelude::SessionContext;
+
+    use super::*;
+
+    /// Two in-memory sources with the same row counts but other arrays differ: a write that
+    /// keeps every row count is still seen.
+    #[tokio::test]
+    async fn a_memory_source_rewritten_with_the_same_row_counts_is_seen() {
+        let table = |v: i64| {
+            let column: ArrayRef = Arc::new(Int64Array::from(vec![v; 3]));
+            let batch = RecordBatch::try_from_iter([("a", column)]).unwrap();
+            MemTable::try_new(batch.schema(), vec![vec![batch]]).unwrap()
+        };
+        let state = SessionContext::new().state();
+        let (one, other) = (table(1), table(2));
+        let first = fingerprint(&one.scan(&state, None, &[], None).await.unwrap()).unwrap();
+        let again = fingerprint(&one.scan(&state, Some(&vec![0]), &[], None).await.unwrap());
+        assert_eq!(Some(first.clone()), again, "the same batches");
+        let other = fingerprint(&other.scan(&state, None, &[], None).await.unwrap());
+        assert_ne!(Some(first), other);
     }
 }

@@ -15,6 +15,7 @@ use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::catalog::TableProvider;
 use datafusion::dataframe::DataFrame;
 use datafusion::datasource::MemTable;
+use datafusion::datasource::listing::ListingTable;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::sql::sqlparser::ast::Statement;
 use datafusion::sql::sqlparser::dialect::GenericDialect;
@@ -74,28 +75,41 @@ impl CacheSummary {
     }
 }
 
-/// The words of `sql` up to `n`, lowercased (comments and a trailing `;` aside).
-fn leading_words(sql: &str, n: usize) -> Vec<String> {
+/// `sql` without its leading `--` comments and blank space.
+fn statement_text(sql: &str) -> &str {
     let mut text = sql.trim_start();
     while let Some(rest) = text.strip_prefix("--") {
         text = rest.split_once('\n').map_or("", |(_, r)| r).trim_start();
     }
-    text.split(|c: char| c.is_whitespace() || c == ';')
+    text
+}
+
+/// The first `n` words of `sql`, as written (a trailing `;` aside).
+fn words(sql: &str, n: usize) -> Vec<&str> {
+    statement_text(sql)
+        .split(|c: char| c.is_whitespace() || c == ';')
         .filter(|w| !w.is_empty())
         .take(n)
-        .map(str::to_ascii_lowercase)
         .collect()
 }
 
 /// Answers `sql` when it is one of the cache's statements.
 pub async fn handle(ctx: &FulmenContext, sql: &str) -> Result<Option<DataFrame>> {
-    let words = leading_words(sql, 4);
-    let first: Vec<&str> = words.iter().map(String::as_str).collect();
+    let written = words(sql, 4);
+    let lower: Vec<String> = written.iter().map(|w| w.to_ascii_lowercase()).collect();
+    let first: Vec<&str> = lower.iter().map(String::as_str).collect();
     match first.as_slice() {
         ["show", "devices"] => show_devices(ctx).await.map(Some),
-        ["refresh", "cache", name] => {
-            let name = name.trim_matches('"');
-            Ok(Some(refresh_cache(ctx, name).await?.frame(ctx)?))
+        ["refresh", "cache", _] => {
+            // The name as written: quoted, exact; bare, folded to lower case as SQL does.
+            let name = match written[2]
+                .strip_prefix('"')
+                .and_then(|w| w.strip_suffix('"'))
+            {
+                Some(exact) => exact.to_string(),
+                None => written[2].to_ascii_lowercase(),
+            };
+            Ok(Some(refresh_cache(ctx, &name).await?.frame(ctx)?))
         }
         ["refresh", "cache", ..] => Err(DataFusionError::Plan("usage: REFRESH CACHE table".into())),
         ["cache", ..] | ["uncache", ..] => {
@@ -136,6 +150,14 @@ pub async fn handle(ctx: &FulmenContext, sql: &str) -> Result<Option<DataFrame>>
             }
         }
         _ => Ok(None),
+    }
+}
+
+fn kind_of(t: datafusion::datasource::TableType) -> &'static str {
+    match t {
+        datafusion::datasource::TableType::Base => "table of another kind",
+        datafusion::datasource::TableType::View => "view",
+        datafusion::datasource::TableType::Temporary => "temporary table",
     }
 }
 
@@ -185,6 +207,17 @@ pub async fn cache_table(
                 return Err(DataFusionError::Plan(format!(
                     "CACHE TABLE {name}: it is cached already (REFRESH CACHE {name} takes a new \
                      snapshot)"
+                )));
+            }
+            // The cache must be able to tell when the source changes: files it can list
+            // again, or memory batches it can compare (a live table or a view changes
+            // without a trace it could see).
+            if !(provider.is::<MemTable>() || provider.is::<ListingTable>()) {
+                return Err(DataFusionError::Plan(format!(
+                    "CACHE TABLE {name}: only tables of files or of memory can be cached by name \
+                     (the cache watches them for changes; {name} is a {}); CACHE TABLE \
+                     {name}_snapshot AS SELECT * FROM {name} caches a snapshot of its rows",
+                    kind_of(provider.table_type())
                 )));
             }
             provider

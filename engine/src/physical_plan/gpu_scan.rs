@@ -4,7 +4,7 @@
 //! downloaded (counted). A chunk whose device is out of service is read from the source.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use datafusion::arrow::datatypes::{Schema, SchemaRef};
 use datafusion::common::Statistics;
@@ -38,6 +38,9 @@ pub struct GpuScanExec {
     properties: Arc<PlanProperties>,
     statistics: Arc<Statistics>,
     metrics: ExecutionPlanMetricsSet,
+    /// The source's rows on the host, once a chunk whose device is gone needs them (one
+    /// read for every partition of the scan).
+    reread: OnceLock<Arc<Reread>>,
 }
 
 impl GpuScanExec {
@@ -79,6 +82,7 @@ impl GpuScanExec {
             properties: Arc::new(properties),
             statistics,
             metrics: ExecutionPlanMetricsSet::new(),
+            reread: OnceLock::new(),
         })
     }
 
@@ -114,27 +118,37 @@ impl GpuScanExec {
         let (d, chunks) = self.chunks_of(partition);
         let device: Device = self.data.devices()[d].clone();
         let metrics = GpuMetrics::new(&self.metrics, partition, &device, &context);
-        let reread = Arc::new(Reread::new(Arc::clone(&self.source), context));
+        let reread = Arc::clone(
+            self.reread
+                .get_or_init(|| Arc::new(Reread::new(Arc::clone(&self.source), context))),
+        );
         let (data, projection) = (Arc::clone(&self.data), self.projection.clone());
         let host_schema = Arc::clone(&self.schema);
         let out = metrics.clone();
-        let stream = futures::stream::iter(chunks).map(move |j| {
+        let stream = futures::stream::iter(chunks).then(move |j| {
             let cached = &data.shard(d)[j];
             let (first, len) = (cached.first_row, cached.batch.num_rows());
             let read = Arc::clone(&reread);
-            let redo = Redo::new(move || read.rows(first, len));
-            if let Some(why) = device.quarantined() {
-                log::debug!("{device} is quarantined ({why}): reading cached rows from the source");
-                count_batch(&out, BatchOn::Fallback);
-                let batch = redo.run()?;
-                out.record_batch(&batch);
-                return Ok(Chunk::Host(batch));
+            let (device, out) = (device.clone(), out.clone());
+            let chunk = match device.quarantined() {
+                Some(_) => None,
+                None => Some(project(&cached.batch, projection.as_deref())),
+            };
+            let host_schema = Arc::clone(&host_schema);
+            async move {
+                let Some(batch) = chunk else {
+                    log::debug!("{device} is quarantined: reading cached rows from the source");
+                    count_batch(&out, BatchOn::Fallback);
+                    let batch = read.rows_async(first, len).await?;
+                    out.record_batch(&batch);
+                    return Ok(Chunk::Host(batch));
+                };
+                // Not a batch of device work (`gpu_batches`): the chunk is only handed on.
+                let redo = Redo::new(move || read.rows(first, len));
+                let chunk = Chunk::Device(batch?, host_schema, redo);
+                out.record_chunk(&chunk);
+                Ok(chunk)
             }
-            let batch = project(&cached.batch, projection.as_deref())?;
-            // Not a batch of device work (`gpu_batches`): the chunk is only handed on.
-            let chunk = Chunk::Device(batch, Arc::clone(&host_schema), redo);
-            out.record_chunk(&chunk);
-            Ok(chunk)
         });
         Ok((Box::pin(stream), metrics))
     }

@@ -90,7 +90,7 @@ async fn tpch_over_cached_tables_answers_as_datafusion_with_no_column_uploaded()
     assert!(listed.contains("lineitem ("), "{listed}");
     let devices = devices_of(set);
     let before: Vec<u64> = devices.iter().map(|d| d.counters().1).collect();
-    let (mut cached_up, mut plain_up) = (0usize, 0usize);
+    let (mut cached_up, mut plain_up, mut direct) = (0usize, 0usize, 0usize);
     for q in 1..=22 {
         let sql = crate::tpch::QUERIES[q - 1];
         let plan = plan_of(&gpu, sql).await;
@@ -100,7 +100,9 @@ async fn tpch_over_cached_tables_answers_as_datafusion_with_no_column_uploaded()
         assert!(plan_has(&plan, "GpuScanExec"), "Q{q} reads no cached table");
         let work = Work::of(&plan);
         assert!(work.nothing_fell_back(), "Q{q}: {work:?}");
-        for (name, up, down) in reads_of_cached(&plan) {
+        let reads = reads_of_cached(&plan);
+        direct += reads.len();
+        for (name, up, down) in reads {
             assert!(up < CONTROL_BYTES, "Q{q}: {name} uploaded {up} bytes");
             assert_eq!(down, 0, "Q{q}: the scan under {name} downloaded");
         }
@@ -111,10 +113,14 @@ async fn tpch_over_cached_tables_answers_as_datafusion_with_no_column_uploaded()
     }
     println!(
         "TPC-H SF 0.01, 22 queries on {set}: {cached_up} bytes uploaded over cached tables, \
-         {plain_up} over the same tables uncached"
+         {plain_up} over the same tables uncached; {direct} GPU operators read a cached scan"
+    );
+    assert!(
+        direct >= 22,
+        "only {direct} GPU operators read a cached scan directly"
     );
     // What is still uploaded: join build sides, collected on the host (8.4 MB of the
-    // 10.9), and partial aggregates brought back up after a repartition.
+    // 10.9 MB), and partial aggregates brought back up after a repartition.
     assert!(
         cached_up * 3 < plain_up,
         "cached {cached_up} bytes up, uncached {plain_up}"
@@ -228,6 +234,8 @@ async fn uncache_and_drop_free_the_device_memory() {
     )
     .await;
     text(&gpu, "SET fulmen.gpu.batch_rows = 100000").await;
+    let in_use = || -> Vec<usize> { devices.iter().map(|d| d.device_memory_usage().0).collect() };
+    let before = in_use();
     let cached = text(&gpu, "CACHE TABLE t").await;
     assert!(
         cached.contains("| t ") && cached.contains("300000"),
@@ -243,12 +251,15 @@ async fn uncache_and_drop_free_the_device_memory() {
         listed.contains("t (") && listed.contains("memory_cached"),
         "{listed}"
     );
+    let held_now: Vec<usize> = in_use().iter().zip(&before).map(|(a, b)| a - b).collect();
+    assert_eq!(held_now, held, "the devices hold what the cache says");
     assert!(gpu.uncache_table("t").await.unwrap());
     assert!(
         devices
             .iter()
             .all(|d| crate::cache::cached_bytes_on(d) == 0)
     );
+    assert_eq!(in_use(), before, "device memory left held");
     assert!(!text(&gpu, "SHOW DEVICES").await.contains("t ("));
     text(&gpu, "CACHE TABLE t").await;
     assert!(devices.iter().all(|d| crate::cache::cached_bytes_on(d) > 0));
@@ -258,6 +269,7 @@ async fn uncache_and_drop_free_the_device_memory() {
             .iter()
             .all(|d| crate::cache::cached_bytes_on(d) == 0)
     );
+    assert_eq!(in_use(), before, "device memory left held");
     // CACHE … AS SELECT stores the rows as a table of their own; UNCACHE keeps it.
     let summary = gpu
         .cache_query("s", "SELECT value % 7 AS k, value AS v FROM range(1000)")
@@ -286,11 +298,14 @@ async fn a_device_lost_mid_query_has_its_chunks_read_from_the_source() {
         ..Default::default()
     })
     .unwrap();
+    let mut redone = 0;
     for q in [1, 6] {
         let sql = crate::tpch::QUERIES[q - 1];
         let plan = plan_of(&gpu, sql).await;
         assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1, "Q{q}");
+        redone += Work::of(&plan).cpu_batches;
     }
+    assert!(redone > 0, "no chunk in flight was redone from the source");
     assert!(lost.quarantined().is_some(), "the device was not lost");
     let listed = text(&gpu, "SHOW DEVICES").await;
     assert!(listed.contains("quarantined"), "{listed}");
@@ -301,6 +316,39 @@ async fn a_device_lost_mid_query_has_its_chunks_read_from_the_source() {
         Work::of(&plan).cpu_batches > 0,
         "the lost chunks were not re-read"
     );
+}
+
+/// A cached table of files whose only device is quarantined is read from its files, chunk
+/// by chunk, with the answer unchanged.
+#[tokio::test]
+async fn a_quarantined_devices_chunks_are_read_from_the_files() {
+    if needs_emulator("a_quarantined_devices_chunks…") {
+        return;
+    }
+    let set = "emulated:1/cache-quarantined";
+    let gpu = session(gpu_config(set), 2);
+    let cpu = session(cpu_config(), 2);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap();
+    text(
+        &cpu,
+        &format!(
+            "COPY (SELECT value AS a, value % 7 AS b FROM range(20000)) TO '{path}/t.parquet'"
+        ),
+    )
+    .await;
+    let create = format!("CREATE EXTERNAL TABLE f STORED AS PARQUET LOCATION '{path}/t.parquet'");
+    for ctx in [&gpu, &cpu] {
+        text(ctx, &create).await;
+    }
+    text(&gpu, "SET fulmen.gpu.batch_rows = 4096").await;
+    text(&gpu, "CACHE TABLE f").await;
+    devices_of(set)[0].quarantine("a test lost it");
+    let sql = "SELECT b, count(*), sum(a) FROM f WHERE a % 3 = 1 GROUP BY b ORDER BY b";
+    let plan = plan_of(&gpu, sql).await;
+    assert!(plan_has(&plan, "GpuScanExec"));
+    assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+    assert!(Work::of(&plan).cpu_batches >= 5, "{:?}", Work::of(&plan));
 }
 
 /// Several queries at once over the same cached tables answer as DataFusion does.
@@ -359,9 +407,11 @@ async fn the_cache_statements_errors_are_clear() {
     assert!(e.contains("not cached"), "{e}");
     let e = error(&gpu, "UNCACHE TABLE t").await;
     assert!(e.contains("not cached"), "{e}");
+    text(&gpu, "CREATE VIEW v AS SELECT * FROM t").await;
+    let e = error(&gpu, "CACHE TABLE v").await;
+    assert!(e.contains("v is a view") && e.contains("AS SELECT"), "{e}");
     text(&gpu, "SET fulmen.gpu.mode = 'off'").await;
     let e = error(&gpu, "CACHE TABLE t").await;
     assert!(e.contains("fulmen.gpu.mode is off"), "{e}");
     assert!(text(&gpu, "SELECT count(*) FROM t").await.contains('2'));
 }
-
