@@ -112,7 +112,7 @@ pub struct FulmenConfig {
     pub gpu_aggregate: bool,
     /// Whether hash joins may match rows on a GPU.
     pub gpu_join: bool,
-    /// `fulmen.gpu.memory_limit`: bytes of device memory Fulmen may hold on each device
+    /// `fulmen.gpu.memory_limit`: bytes of device memory one query may hold on each device
     /// (`None`: the whole device, or 2 GiB per emulated device).
     pub gpu_memory_limit: Option<usize>,
     /// `fulmen.gpu.on_error`: what a device error does to the query.
@@ -201,9 +201,9 @@ const SETTINGS: &[Setting] = &[
     },
     Setting {
         key: "gpu.memory_limit",
-        description: "Device memory Fulmen may hold on each device, in bytes (suffixes K, M, \
-                      G allowed), or 0 for the whole device. Operators whose state outgrows \
-                      it finish on the CPU.",
+        description: "Device memory one query may hold on each device (its working memory), \
+                      in bytes (suffixes K, M, G allowed), or 0 for the whole device. Operators \
+                      whose state outgrows it finish on the CPU.",
     },
     Setting {
         key: "gpu.on_error",

@@ -14,7 +14,7 @@ use datafusion::catalog::{TableFunctionArgs, TableFunctionImpl, TableProvider};
 use datafusion::datasource::MemTable;
 use datafusion::error::{DataFusionError, Result};
 
-use super::devices::devices_with_limit;
+use super::devices::devices;
 use crate::config::FulmenConfig;
 
 /// The name SQL calls it by.
@@ -55,8 +55,8 @@ pub fn schema() -> SchemaRef {
 }
 
 /// The listing of the devices `config` selects: `state` is `in service` or `quarantined`
-/// (with the `reason`); `memory_in_use` and `memory_peak` are the session's (its
-/// `fulmen.gpu.memory_limit` quota where it has one, else the whole device's);
+/// (with the `reason`); `memory_budget`, `memory_in_use` and `memory_peak` are the whole
+/// device's (`fulmen.gpu.memory_limit` is each query's quota within it);
 /// `memory_cached` is what cached tables hold of the device, `memory_working` the rest of
 /// what the device holds (queries' working memory), and `cached_tables` names the cached
 /// tables with their bytes and chunks there; the counts are what Fulmen asked of the
@@ -65,7 +65,7 @@ pub fn schema() -> SchemaRef {
 /// copies as the driver calls the CUDA backend makes for them, on every backend alike), and
 /// `device_errors` the device errors operators met.
 pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
-    let devices = devices_with_limit(&config.devices, config.gpu_memory_limit)
+    let devices = devices(&config.devices)
         .map_err(|e| DataFusionError::Execution(format!("fulmen.devices: {e}")))?;
     let quarantine: Vec<Option<String>> = devices.iter().map(|d| d.quarantined()).collect();
     let all: Vec<fulmen_kernels::DeviceCounts> = devices.iter().map(|d| d.counts()).collect();
@@ -91,8 +91,8 @@ pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
         }))),
         Arc::new(StringArray::from(quarantine)),
         counts(&|d| d.memory_budget() as u64),
-        counts(&|d| d.memory_usage().0 as u64),
-        counts(&|d| d.memory_usage().1 as u64),
+        counts(&|d| d.device_memory_usage().0 as u64),
+        counts(&|d| d.device_memory_usage().1 as u64),
         counts(&|d| crate::cache::cached_bytes_on(d) as u64),
         counts(&|d| {
             let cached = crate::cache::cached_bytes_on(d);

@@ -21,7 +21,7 @@ use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{ExecutionPlan, StatisticsArgs, StatisticsContext};
 use fulmen_kernels::{Device, DeviceSelection};
 
-use super::devices::{describe, devices_with_limit};
+use super::devices::{describe, devices, query_devices};
 use crate::config::{FulmenConfig, GpuMode};
 use crate::physical_plan::coalesce::BatchLimit;
 use crate::physical_plan::{GpuAggregateExec, GpuFilterExec, GpuHashJoinExec, GpuProjectionExec};
@@ -58,7 +58,8 @@ impl PhysicalOptimizerRule for GpuOverrides {
         if fulmen.gpu_mode == GpuMode::Off {
             return Ok(plan);
         }
-        let available = devices_with_limit(&fulmen.devices, fulmen.gpu_memory_limit);
+        // One set of handles per plan: `fulmen.gpu.memory_limit` is each query's quota.
+        let available = query_devices(&fulmen.devices, fulmen.gpu_memory_limit);
         plan.transform_up(|node| {
             Ok(match decide(&node, fulmen, &available) {
                 Decision::Gpu(gpu) => Transformed::yes(gpu),
@@ -226,7 +227,7 @@ pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -
     if fulmen.gpu_mode == GpuMode::Off {
         return Vec::new();
     }
-    let available = devices_with_limit(&fulmen.devices, fulmen.gpu_memory_limit);
+    let available = devices(&fulmen.devices);
     let mut lines = match &available {
         Ok(devices) => quarantine_notes(devices),
         Err(_) => Vec::new(),
