@@ -280,10 +280,14 @@ pub async fn cache(
         let mut stream = source.execute(partition, Arc::clone(&task))?;
         while let Some(next) = stream.next().await {
             let next = next?;
-            // A source batch longer than a chunk is cut (a slice shares its buffers).
+            // Cut to what the chunk being made up still has room for, in rows and in bytes
+            // (a slice shares its buffers), so that no chunk passes the limit.
+            let per_row = (host_bytes(&next) / next.num_rows().max(1)).max(1);
             let mut at = 0;
             while at < next.num_rows() {
-                let piece = next.slice(at, batch.rows.min(next.num_rows() - at));
+                let rows_room = batch.rows.saturating_sub(pending.rows()).max(1);
+                let bytes_room = (batch.bytes.saturating_sub(pending.bytes()) / per_row).max(1);
+                let piece = next.slice(at, rows_room.min(bytes_room).min(next.num_rows() - at));
                 at += piece.num_rows();
                 if pending.closes_before(&piece) {
                     loader.place(pending.take())?;
@@ -385,6 +389,16 @@ impl Loader<'_> {
                 self.held[d] += bytes;
                 self.needed += bytes;
                 self.shards[d].push(CachedChunk { batch, first_row });
+                // The device's size classes can make a chunk larger than its host bytes.
+                if self.held[d] > self.room[d] {
+                    let over = format!(
+                        "{} has room for {} of the cache, and the chunks took {}",
+                        self.devices[d],
+                        size(self.room[d]),
+                        size(self.held[d])
+                    );
+                    self.stop(over);
+                }
             }
             Err(e @ fulmen_kernels::KernelError::OutOfDeviceMemory { .. }) => {
                 self.stop(format!("the device ran out of memory: {e}"));
@@ -426,12 +440,16 @@ pub fn size(bytes: usize) -> String {
 /// A source's rows read again on the host, for chunks whose device is gone: the source
 /// scan (with the query's projection) is executed once per cached scan, the first time a
 /// chunk needs it, partitions in order as when it was cached, and its rows are kept on the
-/// host for the scan's other chunks until the query ends.
+/// host for the scan's other chunks while any of its partitions runs.
+///
+/// The read runs on a thread of its own with a runtime of its own, so that it never waits
+/// for the caller's runtime (a chunk's CPU redo is not async and may block the only thread
+/// of a current-thread runtime).
 #[derive(Debug)]
 pub struct Reread {
     plan: Arc<dyn ExecutionPlan>,
     task: Arc<TaskContext>,
-    rows: tokio::sync::OnceCell<Arc<Vec<RecordBatch>>>,
+    rows: Mutex<Option<Arc<Vec<RecordBatch>>>>,
 }
 
 impl Reread {
@@ -440,61 +458,58 @@ impl Reread {
         Self {
             plan,
             task,
-            rows: tokio::sync::OnceCell::new(),
+            rows: Mutex::new(None),
         }
     }
 
-    async fn all(&self) -> Result<&Arc<Vec<RecordBatch>>> {
-        self.rows
-            .get_or_try_init(|| async {
+    /// Rows `first .. first + len` of the source, as one batch, without blocking the
+    /// caller's runtime.
+    pub async fn rows_async(self: Arc<Self>, first: usize, len: usize) -> Result<RecordBatch> {
+        tokio::task::spawn_blocking(move || self.rows(first, len))
+            .await
+            .map_err(|e| DataFusionError::Execution(format!("re-reading a cached table: {e}")))?
+    }
+
+    /// Rows `first .. first + len` of the source, as one batch, blocking while the source
+    /// is read.
+    pub fn rows(&self, first: usize, len: usize) -> Result<RecordBatch> {
+        let all = {
+            // Held while the source is read: the other chunks wait for the one read.
+            let mut held = self.rows.lock().unwrap_or_else(|p| p.into_inner());
+            match &*held {
+                Some(all) => Arc::clone(all),
+                None => {
+                    let all = Arc::new(self.read()?);
+                    *held = Some(Arc::clone(&all));
+                    all
+                }
+            }
+        };
+        self.slice(&all, first, len)
+    }
+
+    fn read(&self) -> Result<Vec<RecordBatch>> {
+        let (plan, task) = (Arc::clone(&self.plan), Arc::clone(&self.task));
+        let reader = std::thread::spawn(move || -> Result<Vec<RecordBatch>> {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async move {
                 let mut all = Vec::new();
-                for p in 0..self.plan.properties().partitioning.partition_count() {
-                    let mut stream = self.plan.execute(p, Arc::clone(&self.task))?;
+                for p in 0..plan.properties().partitioning.partition_count() {
+                    let mut stream = plan.execute(p, Arc::clone(&task))?;
                     while let Some(batch) = stream.next().await {
                         all.push(batch?);
                     }
                 }
-                Ok(Arc::new(all))
+                Ok(all)
             })
-            .await
-    }
-
-    /// Rows `first .. first + len` of the source, as one batch.
-    pub async fn rows_async(&self, first: usize, len: usize) -> Result<RecordBatch> {
-        let all = self.all().await?;
-        self.slice(all, first, len)
-    }
-
-    /// As [`Reread::rows_async`], blocking while the source is read (for a chunk's CPU
-    /// redo, which is not async): on a multi-threaded runtime its other workers go on;
-    /// elsewhere the read runs on a thread of its own.
-    pub fn rows(&self, first: usize, len: usize) -> Result<RecordBatch> {
-        use tokio::runtime::{Handle, RuntimeFlavor};
-        if let Some(all) = self.rows.get() {
-            return self.slice(all, first, len);
-        }
-        let all = match Handle::try_current() {
-            Ok(handle) if handle.runtime_flavor() == RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(|| handle.block_on(self.all()))?
-            }
-            _ => std::thread::scope(|scope| {
-                scope
-                    .spawn(|| {
-                        let runtime = tokio::runtime::Builder::new_current_thread()
-                            .enable_all()
-                            .build()?;
-                        runtime.block_on(self.all()).map(Arc::clone)
-                    })
-                    .join()
-                    .unwrap_or_else(|_| {
-                        Err(DataFusionError::Execution(
-                            "reading a cached table's source panicked".into(),
-                        ))
-                    })
-            })
-            .map(|_| self.rows.get().unwrap_or_else(|| unreachable!()))?,
-        };
-        self.slice(all, first, len)
+        });
+        reader.join().unwrap_or_else(|_| {
+            Err(DataFusionError::Execution(
+                "reading a cached table's source panicked".into(),
+            ))
+        })
     }
 
     fn slice(&self, all: &[RecordBatch], first: usize, len: usize) -> Result<RecordBatch> {

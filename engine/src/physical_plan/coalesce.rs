@@ -230,6 +230,11 @@ impl<T: Pending> Coalescer<T> {
         self.rows
     }
 
+    /// The bytes waiting.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     /// Takes what waits, leaving nothing.
     pub fn take(&mut self) -> Vec<T> {
         self.rows = 0;

@@ -4,7 +4,7 @@
 //! downloaded (counted). A chunk whose device is out of service is read from the source.
 
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, Weak};
 
 use datafusion::arrow::datatypes::{Schema, SchemaRef};
 use datafusion::common::Statistics;
@@ -38,9 +38,10 @@ pub struct GpuScanExec {
     properties: Arc<PlanProperties>,
     statistics: Arc<Statistics>,
     metrics: ExecutionPlanMetricsSet,
-    /// The source's rows on the host, once a chunk whose device is gone needs them (one
-    /// read for every partition of the scan).
-    reread: OnceLock<Arc<Reread>>,
+    /// The source's rows on the host, once a chunk whose device is gone needs them: one
+    /// read for the partitions that run together, dropped when the last of them (and the
+    /// chunks it sent on) is done.
+    reread: Mutex<Weak<Reread>>,
 }
 
 impl GpuScanExec {
@@ -82,7 +83,7 @@ impl GpuScanExec {
             properties: Arc::new(properties),
             statistics,
             metrics: ExecutionPlanMetricsSet::new(),
-            reread: OnceLock::new(),
+            reread: Mutex::new(Weak::new()),
         })
     }
 
@@ -118,10 +119,14 @@ impl GpuScanExec {
         let (d, chunks) = self.chunks_of(partition);
         let device: Device = self.data.devices()[d].clone();
         let metrics = GpuMetrics::new(&self.metrics, partition, &device, &context);
-        let reread = Arc::clone(
-            self.reread
-                .get_or_init(|| Arc::new(Reread::new(Arc::clone(&self.source), context))),
-        );
+        let reread = {
+            let mut shared = self.reread.lock().unwrap_or_else(|p| p.into_inner());
+            shared.upgrade().unwrap_or_else(|| {
+                let fresh = Arc::new(Reread::new(Arc::clone(&self.source), context));
+                *shared = Arc::downgrade(&fresh);
+                fresh
+            })
+        };
         let (data, projection) = (Arc::clone(&self.data), self.projection.clone());
         let host_schema = Arc::clone(&self.schema);
         let out = metrics.clone();
