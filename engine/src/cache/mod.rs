@@ -96,6 +96,11 @@ impl CachedData {
         self.rows
     }
 
+    /// Devices holding some of the rows.
+    pub fn shards(&self) -> usize {
+        self.shards.iter().filter(|s| !s.is_empty()).count()
+    }
+
     /// Chunks cached, on every device.
     pub fn chunks(&self) -> usize {
         self.shards.iter().map(Vec::len).sum()

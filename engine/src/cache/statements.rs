@@ -95,7 +95,7 @@ fn words(sql: &str, n: usize) -> Vec<&str> {
 
 /// Answers `sql` when it is one of the cache's statements.
 pub async fn handle(ctx: &FulmenContext, sql: &str) -> Result<Option<DataFrame>> {
-    let written = words(sql, 4);
+    let written = words(sql, 6);
     let lower: Vec<String> = written.iter().map(|w| w.to_ascii_lowercase()).collect();
     let first: Vec<&str> = lower.iter().map(String::as_str).collect();
     match first.as_slice() {
@@ -113,7 +113,15 @@ pub async fn handle(ctx: &FulmenContext, sql: &str) -> Result<Option<DataFrame>>
         }
         ["refresh", "cache", ..] => Err(DataFusionError::Plan("usage: REFRESH CACHE table".into())),
         ["cache", ..] | ["uncache", ..] => {
-            let statement = parse_one(sql)?;
+            let statement = match parse_one(sql) {
+                Ok(statement) => statement,
+                // `OPTIONS ('shard_key' 'col')`, as Spark writes options, is not SQL's
+                // `name = value`: say what is missing rather than how it fails to parse.
+                Err(_) if first[0] == "cache" && lower.iter().any(|w| w.starts_with("options")) => {
+                    return Err(no_options());
+                }
+                Err(e) => return Err(e),
+            };
             match statement {
                 Statement::Cache {
                     table_flag,
@@ -128,11 +136,8 @@ pub async fn handle(ctx: &FulmenContext, sql: &str) -> Result<Option<DataFrame>>
                              [AS query])"
                         )));
                     }
-                    if let Some(option) = options.first() {
-                        return Err(DataFusionError::NotImplemented(format!(
-                            "CACHE TABLE … OPTIONS ({option}): cached tables take no options \
-                             yet; their rows are spread in chunks over every device"
-                        )));
+                    if !options.is_empty() {
+                        return Err(no_options());
                     }
                     let name = table_name.to_string();
                     let query = query.map(|q| q.to_string());
@@ -151,6 +156,14 @@ pub async fn handle(ctx: &FulmenContext, sql: &str) -> Result<Option<DataFrame>>
         }
         _ => Ok(None),
     }
+}
+
+fn no_options() -> DataFusionError {
+    DataFusionError::NotImplemented(
+        "CACHE TABLE … OPTIONS: cached tables take no options yet (sharding on a key, \
+         'shard_key', is not built); their rows are spread in chunks over every device"
+            .into(),
+    )
 }
 
 fn kind_of(t: datafusion::datasource::TableType) -> &'static str {

@@ -196,9 +196,10 @@ impl DisplayAs for GpuScanExec {
             }
             _ => write!(
                 f,
-                "GpuScanExec: table={}, device={}, chunks={}, rows={}, projection=[{}]",
+                "GpuScanExec: table={}, device={}, shards={}, chunks={}, rows={}, projection=[{}]",
                 self.data.name(),
                 crate::gpu::devices::describe(self.data.devices()),
+                self.data.shards(),
                 self.data.chunks(),
                 self.data.rows(),
                 columns.join(", ")

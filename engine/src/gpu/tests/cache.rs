@@ -120,7 +120,7 @@ async fn tpch_over_cached_tables_answers_as_datafusion_with_no_column_uploaded()
         "only {direct} GPU operators read a cached scan directly"
     );
     // What is still uploaded: join build sides, collected on the host (8.4 MB of the
-    // 10.9 MB), and partial aggregates brought back up after a repartition.
+    // 10.7 MB), and partial aggregates brought back up after a repartition.
     assert!(
         cached_up * 3 < plain_up,
         "cached {cached_up} bytes up, uncached {plain_up}"
@@ -413,6 +413,8 @@ async fn the_cache_statements_errors_are_clear() {
     )
     .await;
     assert!(e.contains("no options"), "{e}");
+    let e = error(&gpu, "CACHE TABLE t OPTIONS ('shard_key' 'column1')").await;
+    assert!(e.contains("no options") && e.contains("shard_key"), "{e}");
     let e = error(&gpu, "REFRESH CACHE nope").await;
     assert!(e.contains("nope"), "{e}");
     text(&gpu, "UNCACHE TABLE t").await;
@@ -423,7 +425,19 @@ async fn the_cache_statements_errors_are_clear() {
     text(&gpu, "CREATE VIEW v AS SELECT * FROM t").await;
     let e = error(&gpu, "CACHE TABLE v").await;
     assert!(e.contains("v is a view") && e.contains("AS SELECT"), "{e}");
+    // Other devices, or none, read a cached table too: its chunks come down to the host, or
+    // its source is read.
+    text(&gpu, "CACHE TABLE t").await;
+    let sql = "SELECT sum(column1) FROM t";
+    text(&gpu, "SET fulmen.devices = 'emulated:1/cache-errors-other'").await;
+    let plan = plan_of(&gpu, sql).await;
+    assert!(plan_has(&plan, "GpuScanExec"));
+    assert!(rows_of(&gpu, &plan).await.contains("| 3 "));
     text(&gpu, "SET fulmen.gpu.mode = 'off'").await;
+    let plan = plan_of(&gpu, sql).await;
+    assert!(!plan_has(&plan, "GpuScanExec"));
+    assert!(rows_of(&gpu, &plan).await.contains("| 3 "));
+    text(&gpu, "UNCACHE TABLE t").await;
     let e = error(&gpu, "CACHE TABLE t").await;
     assert!(e.contains("fulmen.gpu.mode is off"), "{e}");
     assert!(text(&gpu, "SELECT count(*) FROM t").await.contains('2'));
