@@ -202,19 +202,6 @@ pub fn fingerprint(plan: &Arc<dyn ExecutionPlan>) -> Option<Fingerprint> {
 /// The fewest rows a chunk is cut to so that every device gets some of a table.
 const MIN_SPREAD_ROWS: usize = 1 << 16;
 
-/// The rows the source says it has (exactly or as an estimate).
-fn source_rows(source: &Arc<dyn ExecutionPlan>) -> Option<usize> {
-    use datafusion::common::stats::Precision;
-    use datafusion::physical_plan::{StatisticsArgs, StatisticsContext};
-    let stats = StatisticsContext::new()
-        .compute(source.as_ref(), &StatisticsArgs::new())
-        .ok()?;
-    match stats.num_rows {
-        Precision::Exact(n) | Precision::Inexact(n) => Some(n),
-        Precision::Absent => None,
-    }
-}
-
 /// How much of each device the cache may hold: `limit`, or half the device.
 fn cache_limit(device: &Device, limit: Option<usize>) -> usize {
     limit.unwrap_or(device.memory_budget() / 2)
@@ -250,7 +237,7 @@ pub async fn cache(
     // Chunks small enough that every device gets a share, where the source tells its rows,
     // but not so small that a device's share of a small table costs more in fixed costs
     // (launches, waits, a join's build per partition) than it saves.
-    let batch = match source_rows(source) {
+    let batch = match crate::gpu::overrides::estimated_rows(source) {
         Some(rows) if rows > 0 => {
             let share = rows.div_ceil(n).max(MIN_SPREAD_ROWS);
             BatchLimit::new(batch.rows.min(share), batch.bytes)

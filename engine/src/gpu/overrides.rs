@@ -207,9 +207,13 @@ fn quarantine_notes(devices: &[Device]) -> Vec<String> {
 }
 
 fn estimated_input_rows(node: &Arc<dyn ExecutionPlan>) -> Option<usize> {
-    let input = node.children().into_iter().next()?;
+    estimated_rows(node.children().into_iter().next()?)
+}
+
+/// The rows `plan`'s statistics say it makes, exactly or as an estimate.
+pub(crate) fn estimated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
     let stats = StatisticsContext::new()
-        .compute(input.as_ref(), &StatisticsArgs::new())
+        .compute(plan.as_ref(), &StatisticsArgs::new())
         .ok()?;
     match stats.num_rows {
         Precision::Exact(n) | Precision::Inexact(n) => Some(n),
