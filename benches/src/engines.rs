@@ -118,7 +118,7 @@ pub async fn run_datafusion(
     tables: &[&str],
     queries: &[(String, String)],
     iterations: usize,
-    resident: bool,
+    resident: Option<&[(String, String)]>,
 ) -> Result<Vec<EngineRun>> {
     let mut sessions = Vec::with_capacity(engines.len());
     let mut cached = None;
@@ -134,8 +134,8 @@ pub async fn run_datafusion(
             .await
             .with_context(|| format!("registering {}", path.display()))?;
         }
-        if let (Engine::FulmenGpu, true, Some(fulmen)) = (engine, resident, &fulmen) {
-            cached = Some(cache_tables(fulmen, tables).await?);
+        if let (Engine::FulmenGpu, Some(shards), Some(fulmen)) = (engine, resident, &fulmen) {
+            cached = Some(cache_tables(fulmen, tables, shards).await?);
         }
         sessions.push(ctx);
     }
@@ -211,24 +211,46 @@ pub async fn run_datafusion(
         .collect())
 }
 
-/// Caches every table on fulmen-gpu's devices (`--resident`) before anything is timed: what
-/// the note says of it. A table that cannot be cached fails the run.
-async fn cache_tables(fulmen: &FulmenContext, tables: &[&str]) -> Result<String> {
+/// Caches every table on fulmen-gpu's devices (`--resident`) before anything is timed, those
+/// in `shards` sharded by their key: what the note says of it. A table that cannot be cached
+/// fails the run.
+async fn cache_tables(
+    fulmen: &FulmenContext,
+    tables: &[&str],
+    shards: &[(String, String)],
+) -> Result<String> {
     let (mut rows, mut bytes) = (0usize, 0usize);
     for table in tables {
+        let shard_key = shards
+            .iter()
+            .find(|(t, _)| t == table)
+            .map(|(_, key)| key.clone());
+        let options = fulmen_engine::cache::CacheOptions { shard_key };
         let summary = fulmen
-            .cache_table(table)
+            .cache_table_with(table, &options)
             .await
             .with_context(|| format!("--resident: caching {table}"))?;
         eprintln!(
-            "cached {table}: {} rows, {} chunks, {} device bytes on {}",
-            summary.rows, summary.chunks, summary.bytes, summary.devices
+            "cached {table}: {} rows, {} chunks, {} device bytes on {}{}",
+            summary.rows,
+            summary.chunks,
+            summary.bytes,
+            summary.devices,
+            summary
+                .shard_key
+                .map(|k| format!(", sharded by {k}"))
+                .unwrap_or_default()
         );
         rows += summary.rows;
         bytes += summary.bytes;
     }
+    let sharded: Vec<String> = shards.iter().map(|(t, k)| format!("{t} by {k}")).collect();
+    let sharded = match sharded.is_empty() {
+        true => String::new(),
+        false => format!("; sharded: {}", sharded.join(", ")),
+    };
     Ok(format!(
-        "every table cached on the devices before timing (--resident: {rows} rows, {})",
+        "every table cached on the devices before timing (--resident: {rows} rows, {}{sharded})",
         fulmen_engine::cache::size(bytes)
     ))
 }

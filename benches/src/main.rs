@@ -139,6 +139,11 @@ struct Options {
     /// queries read them from device memory (`h2d_bytes` shows what is still uploaded).
     #[arg(long)]
     resident: bool,
+    /// With --resident, tables cached sharded by the hash of a key, as
+    /// `lineitem=l_orderkey,orders=o_orderkey` (CACHE TABLE … OPTIONS ('shard_key' …)); the
+    /// others are spread over the devices.
+    #[arg(long, value_delimiter = ',', requires = "resident")]
+    shard: Vec<String>,
 }
 
 fn machine() -> String {
@@ -244,6 +249,19 @@ async fn run(benchmark: &str, options: Options) -> Result<bool> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    let mut shard_keys = Vec::new();
+    for pair in &options.shard {
+        let Some((table, key)) = pair.split_once('=') else {
+            anyhow::bail!("--shard {pair}: expected table=key");
+        };
+        if !tables.contains(&table) {
+            anyhow::bail!(
+                "--shard {pair}: no table {table} (tables: {})",
+                tables.join(", ")
+            );
+        }
+        shard_keys.push((table.to_string(), key.to_string()));
+    }
     let mut runs = engines::run_datafusion(
         &datafusion_like,
         options.gpu_mode,
@@ -251,7 +269,7 @@ async fn run(benchmark: &str, options: Options) -> Result<bool> {
         &tables,
         &queries,
         options.iterations,
-        options.resident,
+        options.resident.then_some(shard_keys.as_slice()),
     )
     .await?;
     if order.contains(&Engine::DuckDb) {

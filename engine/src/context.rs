@@ -23,6 +23,7 @@ use datafusion::prelude::{
 };
 use url::Url;
 
+use crate::cache::CacheOptions;
 use crate::cache::statements::CacheSummary;
 use crate::gpu::{GpuOverrides, placement_report};
 use crate::object_store::{FulmenObjectStoreRegistry, StoreKind, build_store, take_store_options};
@@ -250,13 +251,25 @@ impl FulmenContext {
     /// Keeps table `name`'s rows in device memory (`CACHE TABLE name`; see
     /// `cache/mod.rs`): later queries read them where the kernels run.
     pub async fn cache_table(&self, name: &str) -> Result<CacheSummary> {
-        crate::cache::statements::cache_table(self, name, None).await
+        self.cache_table_with(name, &CacheOptions::default()).await
+    }
+
+    /// Caches table `name` with `options` (`CACHE TABLE name OPTIONS (…)`): with a
+    /// `shard_key`, its rows are dealt over the devices by the key's hash, as DataFusion
+    /// repartitions on it.
+    pub async fn cache_table_with(
+        &self,
+        name: &str,
+        options: &CacheOptions,
+    ) -> Result<CacheSummary> {
+        crate::cache::statements::cache_table(self, name, None, options).await
     }
 
     /// Stores `query`'s rows as in-memory table `name` and caches it (`CACHE TABLE name AS
     /// query`).
     pub async fn cache_query(&self, name: &str, query: &str) -> Result<CacheSummary> {
-        crate::cache::statements::cache_table(self, name, Some(query)).await
+        crate::cache::statements::cache_table(self, name, Some(query), &CacheOptions::default())
+            .await
     }
 
     /// Puts table `name` back on its source and frees its device memory (`UNCACHE TABLE`).

@@ -9,6 +9,13 @@
 //!   partition p reads chunks of device p mod n, which is the device every GPU operator
 //!   runs partition p on: a filter, projection, aggregation or join probe over a cached
 //!   table takes its chunks on the device that holds them, with nothing uploaded.
+//! - **Sharding.** `CACHE TABLE t OPTIONS ('shard_key' 'k')` deals the rows by the hash of
+//!   `k` instead: into `target_partitions` parts with DataFusion's own hash repartitioning
+//!   (the same hash and seed as its `RepartitionExec`), part p on device p mod n. A scan
+//!   of the table then says it is hash-partitioned on `k` (while `target_partitions` is
+//!   unchanged and `k` is read), so DataFusion puts no repartition between it and a join
+//!   or GROUP BY on `k`: co-sharded tables join part by part, each on its device, and an
+//!   ordinary table joined to one is repartitioned to match it.
 //! - **Memory.** Cached chunks are ordinary device buffers, counted apart as the cache:
 //!   together the cached tables hold at most `fulmen.cache.memory_limit` of each device
 //!   (half the device by default). A CACHE that would pass it, or that meets a full device,
@@ -41,7 +48,11 @@ use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_plan::ExecutionPlan;
+use datafusion::physical_plan::metrics::Time;
+use datafusion::physical_plan::repartition::BatchPartitioner;
 use fulmen_kernels::{Device, DeviceBatch};
 use futures::StreamExt;
 
@@ -59,6 +70,34 @@ pub struct CachedData {
     shards: Vec<Vec<CachedChunk>>,
     rows: usize,
     source: Fingerprint,
+    sharding: Option<Sharding>,
+}
+
+/// How a table is to be cached (`CACHE TABLE t OPTIONS (…)`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheOptions {
+    /// Deal the rows by the hash of this column rather than in turn.
+    pub shard_key: Option<String>,
+}
+
+/// A table's rows dealt by the hash of a key, as DataFusion's hash repartitioning deals
+/// them into `parts` partitions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sharding {
+    /// The key column's name.
+    pub key: String,
+    /// Its index among the source's columns.
+    pub column: usize,
+    /// Parts the rows are dealt into (part p on device p mod n).
+    pub parts: usize,
+}
+
+impl Sharding {
+    /// DataFusion's hash partitioner into the parts, over rows with the source's columns.
+    fn partitioner(&self) -> Result<BatchPartitioner> {
+        let key: Arc<dyn PhysicalExpr> = Arc::new(Column::new(&self.key, self.column));
+        BatchPartitioner::new_hash_partitioner(vec![key], self.parts, Time::new())
+    }
 }
 
 /// One device chunk of a cached table.
@@ -66,7 +105,9 @@ pub struct CachedData {
 pub struct CachedChunk {
     /// The rows, on their device (in device types: strings for string views).
     pub batch: DeviceBatch,
-    /// The place of its first row among the source's rows (partitions in order).
+    /// The part it belongs to: its hash partition for a sharded table, else 0.
+    pub part: usize,
+    /// The place of its first row among its part's rows, the source read in order.
     pub first_row: usize,
 }
 
@@ -129,6 +170,18 @@ impl CachedData {
     /// The source's identity when the rows were cached.
     pub fn fingerprint(&self) -> &Fingerprint {
         &self.source
+    }
+
+    /// How the rows are dealt by a key, when they are.
+    pub fn sharding(&self) -> Option<&Sharding> {
+        self.sharding.as_ref()
+    }
+
+    /// The options it was cached with.
+    pub fn options(&self) -> CacheOptions {
+        CacheOptions {
+            shard_key: self.sharding.as_ref().map(|s| s.key.clone()),
+        }
     }
 }
 
@@ -208,9 +261,9 @@ fn cache_limit(device: &Device, limit: Option<usize>) -> usize {
 }
 
 /// Reads `source` (a scan of the table's files or memory, every column) and copies its
-/// rows to `devices` in chunks of at most `batch` (fewer rows where the source's
-/// statistics show that every device would not get one otherwise), dealt in turn. Nothing
-/// stays cached when
+/// rows to `devices` in chunks of at most `batch`: dealt in turn (in fewer rows where the
+/// source's statistics show that every device would not get one otherwise), or with
+/// `sharding`, by the hash of its key, part p to device p mod n. Nothing stays cached when
 /// any of it fails: the error says why, with the sizes when the rows do not fit.
 #[allow(clippy::too_many_arguments)]
 pub async fn cache(
@@ -220,6 +273,7 @@ pub async fn cache(
     devices: Arc<Vec<Device>>,
     batch: BatchLimit,
     limit: Option<usize>,
+    sharding: Option<Sharding>,
 ) -> Result<Arc<CachedData>> {
     let fingerprint = fingerprint(source).ok_or_else(|| {
         DataFusionError::Plan(format!(
@@ -238,7 +292,7 @@ pub async fn cache(
     // but not so small that a device's share of a small table costs more in fixed costs
     // (launches, waits, a join's build per partition) than it saves.
     let batch = match crate::gpu::overrides::estimated_rows(source) {
-        Some(rows) if rows > 0 => {
+        Some(rows) if rows > 0 && sharding.is_none() => {
             let share = rows.div_ceil(n).max(MIN_SPREAD_ROWS);
             BatchLimit::new(batch.rows.min(share), batch.bytes)
         }
@@ -263,35 +317,34 @@ pub async fn cache(
         shards: (0..n).map(|_| Vec::new()).collect(),
         devices: &devices,
         rows: 0,
+        part_rows: vec![0; sharding.as_ref().map_or(1, |s| s.parts)],
         chunks: 0,
         full: None,
         needed: 0,
+        sharded: sharding.is_some(),
     };
-    let mut pending = Coalescer::new(batch);
+    let mut partitioner = sharding.as_ref().map(Sharding::partitioner).transpose()?;
+    let mut pending: Vec<Coalescer<RecordBatch>> = (0..loader.part_rows.len())
+        .map(|_| Coalescer::new(batch))
+        .collect();
     for partition in 0..source.properties().partitioning.partition_count() {
         let mut stream = source.execute(partition, Arc::clone(&task))?;
         while let Some(next) = stream.next().await {
             let next = next?;
-            // Cut to what the chunk being made up still has room for, in rows and in bytes
-            // (a slice shares its buffers), so that no chunk passes the limit.
-            let per_row = (host_bytes(&next) / next.num_rows().max(1)).max(1);
-            let mut at = 0;
-            while at < next.num_rows() {
-                let rows_room = batch.rows.saturating_sub(pending.rows()).max(1);
-                let bytes_room = (batch.bytes.saturating_sub(pending.bytes()) / per_row).max(1);
-                let piece = next.slice(at, rows_room.min(bytes_room).min(next.num_rows() - at));
-                at += piece.num_rows();
-                if pending.closes_before(&piece) {
-                    loader.place(pending.take())?;
-                }
-                pending.push(piece);
-                if pending.is_full() {
-                    loader.place(pending.take())?;
+            match partitioner.as_mut() {
+                None => feed(&mut loader, &mut pending[0], 0, batch, next)?,
+                Some(partitioner) => {
+                    for piece in partitioner.partition_iter(next)? {
+                        let (part, piece) = piece?;
+                        feed(&mut loader, &mut pending[part], part, batch, piece)?;
+                    }
                 }
             }
         }
     }
-    loader.place(pending.take())?;
+    for (part, pending) in pending.iter_mut().enumerate() {
+        loader.place(part, pending.take())?;
+    }
     let Loader {
         shards,
         rows,
@@ -321,12 +374,41 @@ pub async fn cache(
         shards,
         rows,
         source: fingerprint,
+        sharding,
     });
     registry()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .push(Arc::downgrade(&data));
     Ok(data)
+}
+
+/// Adds `next`'s rows to the chunk `pending` makes up for `part`, placing each chunk as it
+/// fills. Batches are cut to what the chunk still has room for, in rows and in bytes (a
+/// slice shares its buffers), so that no chunk passes the limit.
+fn feed(
+    loader: &mut Loader,
+    pending: &mut Coalescer<RecordBatch>,
+    part: usize,
+    batch: BatchLimit,
+    next: RecordBatch,
+) -> Result<()> {
+    let per_row = (host_bytes(&next) / next.num_rows().max(1)).max(1);
+    let mut at = 0;
+    while at < next.num_rows() {
+        let rows_room = batch.rows.saturating_sub(pending.rows()).max(1);
+        let bytes_room = (batch.bytes.saturating_sub(pending.bytes()) / per_row).max(1);
+        let piece = next.slice(at, rows_room.min(bytes_room).min(next.num_rows() - at));
+        at += piece.num_rows();
+        if pending.closes_before(&piece) {
+            loader.place(part, pending.take())?;
+        }
+        pending.push(piece);
+        if pending.is_full() {
+            loader.place(part, pending.take())?;
+        }
+    }
+    Ok(())
 }
 
 /// Deals a table's chunks over the devices while they fit, then only counts the rest.
@@ -341,7 +423,11 @@ struct Loader<'a> {
     held: Vec<usize>,
     shards: Vec<Vec<CachedChunk>>,
     rows: usize,
+    /// Rows placed so far in each part.
+    part_rows: Vec<usize>,
     chunks: usize,
+    /// Whether part p goes to device p mod n (else chunks go to the devices in turn).
+    sharded: bool,
     /// Why the rows stopped fitting, once they did.
     full: Option<String>,
     /// Device bytes of the rows so far (estimated from the host's for those not uploaded).
@@ -349,8 +435,9 @@ struct Loader<'a> {
 }
 
 impl Loader<'_> {
-    /// Places the chunk `group` makes on the next device in turn.
-    fn place(&mut self, group: Vec<RecordBatch>) -> Result<()> {
+    /// Places the chunk `group` makes of `part`'s rows: on the part's device when sharded,
+    /// else on the next device in turn.
+    fn place(&mut self, part: usize, group: Vec<RecordBatch>) -> Result<()> {
         if group.is_empty() {
             return Ok(());
         }
@@ -359,8 +446,13 @@ impl Loader<'_> {
             _ => concat_batches(&group[0].schema(), &group)?,
         };
         let estimate = host_bytes(&chunk);
-        let d = (self.first + self.chunks) % self.devices.len();
-        let first_row = self.rows;
+        let n = self.devices.len();
+        let d = match self.sharded {
+            true => part % n,
+            false => (self.first + self.chunks) % n,
+        };
+        let first_row = self.part_rows[part];
+        self.part_rows[part] += chunk.num_rows();
         self.rows += chunk.num_rows();
         self.chunks += 1;
         if self.full.is_none() && self.held[d] + estimate > self.room[d] {
@@ -380,7 +472,11 @@ impl Loader<'_> {
                 let bytes = batch_bytes(&batch);
                 self.held[d] += bytes;
                 self.needed += bytes;
-                self.shards[d].push(CachedChunk { batch, first_row });
+                self.shards[d].push(CachedChunk {
+                    batch,
+                    part,
+                    first_row,
+                });
                 // The device's size classes can make a chunk larger than its host bytes.
                 if self.held[d] > self.room[d] {
                     let over = format!(
@@ -430,9 +526,10 @@ pub fn size(bytes: usize) -> String {
 }
 
 /// A source's rows read again on the host, for chunks whose device is gone: the source
-/// scan (with the query's projection) is executed once per cached scan, the first time a
-/// chunk needs it, partitions in order as when it was cached, and its rows are kept on the
-/// host for the scan's other chunks while any of its partitions runs.
+/// scan is executed once per cached scan, the first time a chunk needs it, partitions in
+/// order as when it was cached (and dealt into the same parts when the table is sharded),
+/// and its rows are kept on the host for the scan's other chunks while any of its
+/// partitions runs.
 ///
 /// The read runs on a thread of its own with a runtime of its own, so that it never waits
 /// for the caller's runtime (a chunk's CPU redo is not async and may block the only thread
@@ -441,30 +538,48 @@ pub fn size(bytes: usize) -> String {
 pub struct Reread {
     plan: Arc<dyn ExecutionPlan>,
     task: Arc<TaskContext>,
-    rows: Mutex<Option<Arc<Vec<RecordBatch>>>>,
+    /// How the cached rows were dealt into parts (`plan` then reads every column).
+    sharding: Option<Sharding>,
+    /// The columns kept of the rows read (all when `None`).
+    projection: Option<Vec<usize>>,
+    /// The rows of each part.
+    rows: Mutex<Option<Arc<Vec<Vec<RecordBatch>>>>>,
 }
 
 impl Reread {
-    /// Rows of `plan`, read on demand.
-    pub fn new(plan: Arc<dyn ExecutionPlan>, task: Arc<TaskContext>) -> Self {
+    /// Rows of `plan`, read on demand: dealt into `sharding`'s parts when it is given (the
+    /// plan then reads every column of the source), and cut to `projection`.
+    pub fn new(
+        plan: Arc<dyn ExecutionPlan>,
+        task: Arc<TaskContext>,
+        sharding: Option<Sharding>,
+        projection: Option<Vec<usize>>,
+    ) -> Self {
         Self {
             plan,
             task,
+            sharding,
+            projection,
             rows: Mutex::new(None),
         }
     }
 
-    /// Rows `first .. first + len` of the source, as one batch, without blocking the
-    /// caller's runtime.
-    pub async fn rows_async(self: Arc<Self>, first: usize, len: usize) -> Result<RecordBatch> {
-        tokio::task::spawn_blocking(move || self.rows(first, len))
+    /// Rows `first .. first + len` of `part`, as one batch, without blocking the caller's
+    /// runtime.
+    pub async fn rows_async(
+        self: Arc<Self>,
+        part: usize,
+        first: usize,
+        len: usize,
+    ) -> Result<RecordBatch> {
+        tokio::task::spawn_blocking(move || self.rows(part, first, len))
             .await
             .map_err(|e| DataFusionError::Execution(format!("re-reading a cached table: {e}")))?
     }
 
-    /// Rows `first .. first + len` of the source, as one batch, blocking while the source
-    /// is read.
-    pub fn rows(&self, first: usize, len: usize) -> Result<RecordBatch> {
+    /// Rows `first .. first + len` of `part` (of the whole source when not sharded), as
+    /// one batch, blocking while the source is read.
+    pub fn rows(&self, part: usize, first: usize, len: usize) -> Result<RecordBatch> {
         let all = {
             // Held while the source is read: the other chunks wait for the one read.
             let mut held = self.rows.lock().unwrap_or_else(|p| p.into_inner());
@@ -477,24 +592,39 @@ impl Reread {
                 }
             }
         };
-        self.slice(&all, first, len)
+        let rows = self.slice(all.get(part).map_or(&[], Vec::as_slice), first, len)?;
+        match &self.projection {
+            Some(p) => Ok(rows.project(p)?),
+            None => Ok(rows),
+        }
     }
 
-    fn read(&self) -> Result<Vec<RecordBatch>> {
+    /// The source's rows by part, in the order they were cached.
+    fn read(&self) -> Result<Vec<Vec<RecordBatch>>> {
         let (plan, task) = (Arc::clone(&self.plan), Arc::clone(&self.task));
-        let reader = std::thread::spawn(move || -> Result<Vec<RecordBatch>> {
+        let sharding = self.sharding.clone();
+        let reader = std::thread::spawn(move || -> Result<Vec<Vec<RecordBatch>>> {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
+            let mut partitioner = sharding.as_ref().map(Sharding::partitioner).transpose()?;
+            let mut parts = vec![Vec::new(); sharding.as_ref().map_or(1, |s| s.parts)];
             runtime.block_on(async move {
-                let mut all = Vec::new();
                 for p in 0..plan.properties().partitioning.partition_count() {
                     let mut stream = plan.execute(p, Arc::clone(&task))?;
                     while let Some(batch) = stream.next().await {
-                        all.push(batch?);
+                        match partitioner.as_mut() {
+                            None => parts[0].push(batch?),
+                            Some(partitioner) => {
+                                for piece in partitioner.partition_iter(batch?)? {
+                                    let (part, piece) = piece?;
+                                    parts[part].push(piece);
+                                }
+                            }
+                        }
                     }
                 }
-                Ok(all)
+                Ok(parts)
             })
         });
         reader.join().unwrap_or_else(|_| {
@@ -520,8 +650,8 @@ impl Reread {
         let got: usize = pieces.iter().map(RecordBatch::num_rows).sum();
         if got != len {
             return Err(DataFusionError::Execution(format!(
-                "a cached table's source no longer has rows {first}..{end} (it has {at}); \
-                 REFRESH CACHE takes a new snapshot"
+                "a cached table's source no longer has the rows {first}..{end} of the cache's \
+                 (it has {at}); REFRESH CACHE takes a new snapshot"
             )));
         }
         Ok(concat_batches(&self.plan.schema(), &pieces)?)

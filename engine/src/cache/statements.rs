@@ -2,6 +2,7 @@
 //!
 //! ```sql
 //! CACHE TABLE t;                      -- t's rows into device memory
+//! CACHE TABLE t OPTIONS ('shard_key' 'k');  -- dealt over the devices by the hash of k
 //! CACHE TABLE t AS SELECT …;          -- the query's rows as table t, cached
 //! UNCACHE TABLE [IF EXISTS] t;        -- t reads its source again; the device memory is freed
 //! REFRESH CACHE t;                    -- a new snapshot of t's source
@@ -20,8 +21,9 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::sql::sqlparser::ast::Statement;
 use datafusion::sql::sqlparser::dialect::GenericDialect;
 use datafusion::sql::sqlparser::parser::Parser;
+use datafusion::sql::sqlparser::tokenizer::{Location, Token, Tokenizer};
 
-use super::{CachedData, CachedTable, size};
+use super::{CacheOptions, CachedData, CachedTable, Sharding, size};
 use crate::config::GpuMode;
 use crate::context::FulmenContext;
 use crate::physical_plan::coalesce::BatchLimit;
@@ -39,6 +41,8 @@ pub struct CacheSummary {
     pub bytes: usize,
     /// The devices holding them (`emulated:0,emulated:1`).
     pub devices: String,
+    /// The column the rows are dealt by, when they are sharded.
+    pub shard_key: Option<String>,
 }
 
 impl CacheSummary {
@@ -49,6 +53,7 @@ impl CacheSummary {
             chunks: data.chunks(),
             bytes: data.bytes(),
             devices: crate::gpu::devices::describe(data.devices()),
+            shard_key: data.sharding().map(|s| s.key.clone()),
         }
     }
 
@@ -59,6 +64,7 @@ impl CacheSummary {
             Field::new("chunks", DataType::UInt64, false),
             Field::new("device_bytes", DataType::UInt64, false),
             Field::new("devices", DataType::Utf8, false),
+            Field::new("shard_key", DataType::Utf8, true),
         ]));
         let batch = RecordBatch::try_new(
             Arc::clone(&schema),
@@ -68,6 +74,7 @@ impl CacheSummary {
                 Arc::new(UInt64Array::from(vec![self.chunks as u64])),
                 Arc::new(UInt64Array::from(vec![self.bytes as u64])),
                 Arc::new(StringArray::from(vec![self.devices.as_str()])),
+                Arc::new(StringArray::from(vec![self.shard_key.as_deref()])),
             ],
         )?;
         ctx.session_context()
@@ -113,35 +120,31 @@ pub async fn handle(ctx: &FulmenContext, sql: &str) -> Result<Option<DataFrame>>
         }
         ["refresh", "cache", ..] => Err(DataFusionError::Plan("usage: REFRESH CACHE table".into())),
         ["cache", ..] | ["uncache", ..] => {
-            let statement = match parse_one(sql) {
-                Ok(statement) => statement,
-                // `OPTIONS ('shard_key' 'col')`, as Spark writes options, is not SQL's
-                // `name = value`: say what is missing rather than how it fails to parse.
-                Err(_) if first[0] == "cache" && lower.iter().any(|w| w.starts_with("options")) => {
-                    return Err(no_options());
-                }
-                Err(e) => return Err(e),
+            // `OPTIONS ('shard_key' 'col')`, as Spark writes options, is not SQL's: taken
+            // out before the statement is parsed.
+            let (sql, options) = match first[0] {
+                "cache" => take_options(sql)?,
+                _ => (sql.to_string(), CacheOptions::default()),
             };
-            match statement {
+            match parse_one(&sql)? {
                 Statement::Cache {
                     table_flag,
                     table_name,
-                    options,
+                    options: parsed,
                     query,
                     ..
                 } => {
                     if let Some(flag) = table_flag {
                         return Err(DataFusionError::Plan(format!(
-                            "CACHE {flag} TABLE: no such kind of cache (usage: CACHE TABLE t \
-                             [AS query])"
+                            "CACHE {flag} TABLE: no such kind of cache ({USAGE})"
                         )));
                     }
-                    if !options.is_empty() {
-                        return Err(no_options());
+                    if !parsed.is_empty() {
+                        return Err(DataFusionError::Plan(format!("CACHE TABLE: {USAGE}")));
                     }
                     let name = table_name.to_string();
                     let query = query.map(|q| q.to_string());
-                    let summary = cache_table(ctx, &name, query.as_deref()).await?;
+                    let summary = cache_table(ctx, &name, query.as_deref(), &options).await?;
                     Ok(Some(summary.frame(ctx)?))
                 }
                 Statement::UNCache {
@@ -158,12 +161,108 @@ pub async fn handle(ctx: &FulmenContext, sql: &str) -> Result<Option<DataFrame>>
     }
 }
 
-fn no_options() -> DataFusionError {
-    DataFusionError::NotImplemented(
-        "CACHE TABLE … OPTIONS: cached tables take no options yet (sharding on a key, \
-         'shard_key', is not built); their rows are spread in chunks over every device"
-            .into(),
-    )
+const USAGE: &str = "usage: CACHE TABLE t [OPTIONS ('shard_key' 'column')] [AS query]";
+
+/// `sql` (a CACHE statement) without its `OPTIONS (…)` clause, and the options it gave:
+/// `('shard_key' 'k')` as Spark writes them, or `(shard_key = 'k')`.
+fn take_options(sql: &str) -> Result<(String, CacheOptions)> {
+    let bad =
+        |why: String| DataFusionError::Plan(format!("CACHE TABLE … OPTIONS: {why} ({USAGE})"));
+    let tokens = Tokenizer::new(&GenericDialect {}, sql)
+        .tokenize_with_location()
+        .map_err(|e| bad(e.to_string()))?;
+    let word = |t: &Token, w: &str| matches!(t, Token::Word(x) if x.quote_style.is_none() && x.value.eq_ignore_ascii_case(w));
+    // Options come before the query, if any.
+    let before_query = tokens
+        .iter()
+        .position(|t| word(&t.token, "as") || word(&t.token, "select") || word(&t.token, "with"))
+        .unwrap_or(tokens.len());
+    let Some(start) = tokens[..before_query]
+        .iter()
+        .position(|t| word(&t.token, "options"))
+    else {
+        return Ok((sql.to_string(), CacheOptions::default()));
+    };
+    let mut values = Vec::new();
+    let mut opened = false;
+    let mut end = None;
+    for (i, t) in tokens.iter().enumerate().skip(start + 1) {
+        match &t.token {
+            Token::Whitespace(_) => {}
+            Token::LParen if !opened => opened = true,
+            _ if !opened => return Err(bad("expected ( after OPTIONS".into())),
+            Token::RParen => {
+                end = Some(i);
+                break;
+            }
+            Token::Comma | Token::Eq => {}
+            Token::SingleQuotedString(v) | Token::DoubleQuotedString(v) => values.push(v.clone()),
+            Token::Word(w) => values.push(w.value.clone()),
+            Token::Number(n, _) => values.push(n.clone()),
+            other => return Err(bad(format!("unexpected {other}"))),
+        }
+    }
+    let end = end.ok_or_else(|| bad("no ) closes OPTIONS (".into()))?;
+    if values.len() % 2 != 0 {
+        return Err(bad("options come in pairs of a name and a value".into()));
+    }
+    let mut options = CacheOptions::default();
+    for pair in values.chunks(2) {
+        match pair[0].to_ascii_lowercase().as_str() {
+            "shard_key" => options.shard_key = Some(pair[1].clone()),
+            other => return Err(bad(format!("no option '{other}' (there is 'shard_key')"))),
+        }
+    }
+    let (from, to) = (
+        byte_at(sql, tokens[start].span.start),
+        byte_at(sql, tokens[end].span.end),
+    );
+    Ok((format!("{} {}", &sql[..from], &sql[to..]), options))
+}
+
+/// The byte offset in `sql` of a tokenizer's location (1-based line and character column).
+fn byte_at(sql: &str, at: Location) -> usize {
+    let mut offset = 0;
+    for (n, line) in sql.split_inclusive('\n').enumerate() {
+        if n + 1 == at.line as usize {
+            let column = (at.column as usize).saturating_sub(1);
+            return offset
+                + line
+                    .char_indices()
+                    .nth(column)
+                    .map_or(line.len(), |(b, _)| b);
+        }
+        offset += line.len();
+    }
+    sql.len()
+}
+
+/// How rows are dealt by `key`, a column of `schema`: into `parts` parts.
+fn sharding(name: &str, schema: &Schema, key: &str, parts: usize) -> Result<Sharding> {
+    let fields = schema.fields();
+    let column = fields.iter().position(|f| f.name() == key).or_else(|| {
+        let mut alike = fields
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.name().eq_ignore_ascii_case(key));
+        match (alike.next(), alike.next()) {
+            (Some((i, _)), None) => Some(i),
+            _ => None,
+        }
+    });
+    let Some(column) = column else {
+        let names: Vec<&str> = fields.iter().map(|f| f.name().as_str()).collect();
+        return Err(DataFusionError::Plan(format!(
+            "CACHE TABLE {name} OPTIONS ('shard_key' '{key}'): {name} has no column {key} (its \
+             columns: {})",
+            names.join(", ")
+        )));
+    };
+    Ok(Sharding {
+        key: fields[column].name().clone(),
+        column,
+        parts: parts.max(1),
+    })
 }
 
 fn kind_of(t: datafusion::datasource::TableType) -> &'static str {
@@ -186,12 +285,14 @@ fn parse_one(sql: &str) -> Result<Statement> {
 }
 
 /// Caches table `name` (see `cache/mod.rs`), or with `query`, stores the query's rows as
-/// an in-memory table `name` and caches that. Fails, caching nothing, when the table is
-/// already cached, its rows do not fit, or the session uses no GPU.
+/// an in-memory table `name` and caches that; sharded by `options.shard_key` when given.
+/// Fails, caching nothing, when the table is already cached, its rows do not fit, the key
+/// is not a column, or the session uses no GPU.
 pub async fn cache_table(
     ctx: &FulmenContext,
     name: &str,
     query: Option<&str>,
+    options: &CacheOptions,
 ) -> Result<CacheSummary> {
     let session = ctx.session_context();
     let config = ctx.fulmen_config();
@@ -244,6 +345,13 @@ pub async fn cache_table(
         .cloned()
         .collect();
     let state = session.state();
+    let sharding = match &options.shard_key {
+        Some(key) => {
+            let parts = state.config_options().execution.target_partitions;
+            Some(sharding(name, &source.schema(), key, parts)?)
+        }
+        None => None,
+    };
     let scan = source.scan(&state, None, &[], None).await?;
     let data = super::cache(
         name,
@@ -252,6 +360,7 @@ pub async fn cache_table(
         Arc::new(devices),
         BatchLimit::of(&config),
         config.cache_memory_limit,
+        sharding,
     )
     .await?;
     let summary = CacheSummary::of(&data);
@@ -284,18 +393,20 @@ pub async fn uncache_table(ctx: &FulmenContext, name: &str, if_exists: bool) -> 
     Ok(true)
 }
 
-/// Takes a new snapshot of cached table `name`'s source. The old rows are freed first; if
-/// the new ones cannot be cached, the table reads its source and the error says so.
+/// Takes a new snapshot of cached table `name`'s source, with the options it was cached
+/// with. The old rows are freed first; if the new ones cannot be cached, the table reads its
+/// source and the error says so.
 pub async fn refresh_cache(ctx: &FulmenContext, name: &str) -> Result<CacheSummary> {
     let provider = ctx.session_context().table_provider(name).await?;
-    if !provider.is::<CachedTable>() {
+    let Some(cached) = provider.downcast_ref::<CachedTable>() else {
         return Err(DataFusionError::Plan(format!(
             "REFRESH CACHE {name}: it is not cached (CACHE TABLE {name} caches it)"
         )));
-    }
+    };
+    let options = cached.data().options();
     drop(provider);
     uncache_table(ctx, name, false).await?;
-    cache_table(ctx, name, None).await.map_err(|e| {
+    cache_table(ctx, name, None, &options).await.map_err(|e| {
         DataFusionError::Execution(format!(
             "REFRESH CACHE {name}: {e}; {name} is no longer cached and reads its source"
         ))
@@ -314,7 +425,8 @@ pub async fn show_devices(ctx: &FulmenContext) -> Result<DataFrame> {
         .await
 }
 
-/// How `SHOW DEVICES` lists the cached tables on `device`: `t (1.5 MiB in 2 chunks)`.
+/// How `SHOW DEVICES` lists the cached tables on `device`: `t (1.5 MiB in 2 chunks)`, or
+/// for a sharded table `t (1.5 MiB in 2 chunks, sharded by k)`.
 pub fn tables_on(device: &fulmen_kernels::Device) -> String {
     super::cached_tables()
         .iter()
@@ -322,8 +434,12 @@ pub fn tables_on(device: &fulmen_kernels::Device) -> String {
             let d = t.devices().iter().position(|x| x == device)?;
             let chunks = t.shard(d).len();
             (chunks > 0).then(|| {
+                let by = match t.sharding() {
+                    Some(s) => format!(", sharded by {}", s.key),
+                    None => String::new(),
+                };
                 format!(
-                    "{} ({} in {chunks} chunk{})",
+                    "{} ({} in {chunks} chunk{}{by})",
                     t.name(),
                     size(t.bytes_on(device)),
                     if chunks == 1 { "" } else { "s" }
@@ -332,4 +448,24 @@ pub fn tables_on(device: &fulmen_kernels::Device) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// OPTIONS are taken out of the statement as written, the rest left byte for byte.
+    #[test]
+    fn options_are_taken_out_of_the_statement() {
+        let (rest, options) =
+            take_options("CACHE TABLE t\n  OPTIONS ('shard_key' 'k') AS SELECT 'it''s' AS k")
+                .unwrap();
+        assert_eq!(rest, "CACHE TABLE t\n    AS SELECT 'it''s' AS k");
+        assert_eq!(options.shard_key.as_deref(), Some("k"));
+        let (rest, options) = take_options("CACHE TABLE é OPTIONS (shard_key = \"K\");").unwrap();
+        assert_eq!(rest, "CACHE TABLE é  ;");
+        assert_eq!(options.shard_key.as_deref(), Some("K"));
+        let plain = "CACHE TABLE t AS SELECT options FROM o";
+        assert_eq!(take_options(plain).unwrap().0, plain);
+    }
 }

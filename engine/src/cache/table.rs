@@ -125,6 +125,11 @@ impl TableProvider for CachedTable {
             return Ok(source);
         }
         let partitions = state.config_options().execution.target_partitions;
+        // A sharded table's rows are found again by dealing every row by its key.
+        let source = match self.data.sharding() {
+            Some(_) if projection.is_some() => self.source.scan(state, None, &[], None).await?,
+            _ => source,
+        };
         let scan = GpuScanExec::try_new(
             Arc::clone(&self.data),
             projection.cloned(),

@@ -2,6 +2,8 @@
 //! the chunks of device p mod n, which is where GPU operators run partition p, so a GPU
 //! parent on the same devices takes the chunks as they lie; a host parent gets them
 //! downloaded (counted). A chunk whose device is out of service is read from the source.
+//! A sharded table's partition p is its hash part p, and the scan says so (`Hash([k], P)`)
+//! where DataFusion would deal rows the same way, so that it adds no repartition on `k`.
 
 use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
@@ -11,7 +13,8 @@ use datafusion::common::Statistics;
 use datafusion::common::stats::Precision;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::physical_expr::EquivalenceProperties;
+use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricsSet};
 use datafusion::physical_plan::{
@@ -31,8 +34,8 @@ use crate::cache::{CachedData, Reread};
 pub struct GpuScanExec {
     data: Arc<CachedData>,
     projection: Option<Vec<usize>>,
-    /// The source's scan with the same projection: read only for chunks whose device is
-    /// gone.
+    /// The source's scan, read only for chunks whose device is gone: with the same
+    /// projection, or of every column for a sharded table (the key deals the rows).
     source: Arc<dyn ExecutionPlan>,
     schema: SchemaRef,
     properties: Arc<PlanProperties>,
@@ -45,9 +48,11 @@ pub struct GpuScanExec {
 }
 
 impl GpuScanExec {
-    /// A scan of `data`'s columns `projection` (all when `None`) in at least
-    /// `target_partitions` partitions (a multiple of the devices), reading `source` for
-    /// chunks whose device is gone.
+    /// A scan of `data`'s columns `projection` (all when `None`), reading `source` for
+    /// chunks whose device is gone (every column when the table is sharded, else the same
+    /// projection). A table dealt in turn gets at least `target_partitions` partitions (a
+    /// multiple of the devices); a sharded one a partition per part, hash-partitioned on its
+    /// key when the parts are `target_partitions` and the key is read.
     pub fn try_new(
         data: Arc<CachedData>,
         projection: Option<Vec<usize>>,
@@ -58,22 +63,45 @@ impl GpuScanExec {
             Some(p) => Arc::new(data.schema().project(p)?),
             None => Arc::clone(data.schema()),
         };
-        if schema.fields() != source.schema().fields() {
+        let source_columns = match data.sharding() {
+            Some(_) => data.schema().fields().clone(),
+            None => schema.fields().clone(),
+        };
+        if &source_columns != source.schema().fields() {
             return Err(DataFusionError::Internal(format!(
                 "GpuScanExec: the source scan of {} gives other columns than the cache",
                 data.name()
             )));
         }
         let n = data.devices().len().max(1);
-        let partitions = target_partitions.max(1).div_ceil(n) * n;
+        let partitioning = match data.sharding() {
+            None => Partitioning::UnknownPartitioning(target_partitions.max(1).div_ceil(n) * n),
+            Some(sharding) => {
+                let key = match &projection {
+                    None => Some(sharding.column),
+                    Some(p) => p.iter().position(|&c| c == sharding.column),
+                };
+                match key {
+                    Some(at) if sharding.parts == target_partitions => {
+                        let key: Arc<dyn PhysicalExpr> = Arc::new(Column::new(&sharding.key, at));
+                        Partitioning::Hash(vec![key], sharding.parts)
+                    }
+                    _ => Partitioning::UnknownPartitioning(sharding.parts),
+                }
+            }
+        };
         let properties = PlanProperties::new(
             EquivalenceProperties::new(Arc::clone(&schema)),
-            Partitioning::UnknownPartitioning(partitions),
+            partitioning,
             EmissionType::Incremental,
             Boundedness::Bounded,
         );
         let statistics = StatisticsContext::new()
             .compute(source.as_ref(), &StatisticsArgs::new())
+            .map(|s| match data.sharding() {
+                Some(_) => Arc::new(Arc::unwrap_or_clone(s).project(projection.as_ref())),
+                None => s,
+            })
             .unwrap_or_else(|_| Arc::new(Statistics::new_unknown(&schema)));
         Ok(Self {
             data,
@@ -97,14 +125,21 @@ impl GpuScanExec {
     }
 
     /// The device of `partition` (its index among the table's devices) and the chunks it
-    /// reads: chunk j of that device belongs to the partition when j mod (partitions per
-    /// device) is the partition's slot.
+    /// reads: a sharded table's chunks of the partition's part; else chunk j of that device
+    /// when j mod (partitions per device) is the partition's slot.
     fn chunks_of(&self, partition: usize) -> (usize, Vec<usize>) {
         let n = self.data.devices().len().max(1);
-        let (d, slot, per) = (partition % n, partition / n, self.partitions() / n);
-        let chunks = (0..self.data.shard(d).len())
-            .filter(|j| j % per == slot)
-            .collect();
+        let d = partition % n;
+        let shard = self.data.shard(d);
+        let chunks = match self.data.sharding() {
+            Some(_) => (0..shard.len())
+                .filter(|&j| shard[j].part == partition)
+                .collect(),
+            None => {
+                let (slot, per) = (partition / n, (self.partitions() / n).max(1));
+                (0..shard.len()).filter(|j| j % per == slot).collect()
+            }
+        };
         (d, chunks)
     }
 
@@ -122,7 +157,16 @@ impl GpuScanExec {
         let reread = {
             let mut shared = self.reread.lock().unwrap_or_else(|p| p.into_inner());
             shared.upgrade().unwrap_or_else(|| {
-                let fresh = Arc::new(Reread::new(Arc::clone(&self.source), context));
+                let (sharding, projection) = match self.data.sharding() {
+                    Some(s) => (Some(s.clone()), self.projection.clone()),
+                    None => (None, None),
+                };
+                let fresh = Arc::new(Reread::new(
+                    Arc::clone(&self.source),
+                    context,
+                    sharding,
+                    projection,
+                ));
                 *shared = Arc::downgrade(&fresh);
                 fresh
             })
@@ -132,7 +176,7 @@ impl GpuScanExec {
         let out = metrics.clone();
         let stream = futures::stream::iter(chunks).then(move |j| {
             let cached = &data.shard(d)[j];
-            let (first, len) = (cached.first_row, cached.batch.num_rows());
+            let (part, first, len) = (cached.part, cached.first_row, cached.batch.num_rows());
             let read = Arc::clone(&reread);
             let (device, out) = (device.clone(), out.clone());
             let chunk = match device.quarantined() {
@@ -144,12 +188,12 @@ impl GpuScanExec {
                 let Some(batch) = chunk else {
                     log::debug!("{device} is quarantined: reading cached rows from the source");
                     count_batch(&out, BatchOn::Fallback);
-                    let batch = read.rows_async(first, len).await?;
+                    let batch = read.rows_async(part, first, len).await?;
                     out.record_batch(&batch);
                     return Ok(Chunk::Host(batch));
                 };
                 // Not a batch of device work (`gpu_batches`): the chunk is only handed on.
-                let redo = Redo::new(move || read.rows(first, len));
+                let redo = Redo::new(move || read.rows(part, first, len));
                 let chunk = Chunk::Device(batch?, host_schema, redo);
                 out.record_chunk(&chunk);
                 Ok(chunk)
@@ -194,16 +238,25 @@ impl DisplayAs for GpuScanExec {
                 writeln!(f, "table={}", self.data.name())?;
                 write!(f, "chunks={}", self.data.chunks())
             }
-            _ => write!(
-                f,
-                "GpuScanExec: table={}, device={}, shards={}, chunks={}, rows={}, projection=[{}]",
-                self.data.name(),
-                crate::gpu::devices::describe(self.data.devices()),
-                self.data.shards(),
-                self.data.chunks(),
-                self.data.rows(),
-                columns.join(", ")
-            ),
+            _ => {
+                write!(
+                    f,
+                    "GpuScanExec: table={}, device={}, shards={}, ",
+                    self.data.name(),
+                    crate::gpu::devices::describe(self.data.devices()),
+                    self.data.shards(),
+                )?;
+                if let Some(s) = self.data.sharding() {
+                    write!(f, "shard_key={}, parts={}, ", s.key, s.parts)?;
+                }
+                write!(
+                    f,
+                    "chunks={}, rows={}, projection=[{}]",
+                    self.data.chunks(),
+                    self.data.rows(),
+                    columns.join(", ")
+                )
+            }
         }
     }
 }
