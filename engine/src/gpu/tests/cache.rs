@@ -143,6 +143,29 @@ fn repartitioned_below(plan: &Arc<dyn ExecutionPlan>, operator: &str) -> Vec<boo
     found
 }
 
+/// What the hash joins of `plan` uploaded, and what the cached scans right under them
+/// downloaded.
+fn build_traffic(plan: &Arc<dyn ExecutionPlan>) -> (usize, usize) {
+    let get = |node: &Arc<dyn ExecutionPlan>, name: &str| {
+        node.metrics()
+            .and_then(|m| m.sum_by_name(name))
+            .map_or(0, |v| v.as_usize())
+    };
+    let (mut up, mut down) = (0, 0);
+    let _ = plan.apply(|node| {
+        if node.name() == "GpuHashJoinExec" {
+            up += get(node, "h2d_bytes");
+            for child in node.children() {
+                if child.name() == "GpuScanExec" {
+                    down += get(child, "d2h_bytes");
+                }
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    (up, down)
+}
+
 /// TPC-H's 22 queries with its tables sharded by their keys on four devices (lineitem and
 /// orders by order key, customer, part, partsupp and supplier by theirs) answer as
 /// DataFusion does, with every device working and no column uploaded by the operators
@@ -221,6 +244,14 @@ async fn tpch_over_sharded_tables_joins_part_by_part() {
             assert!(shown.contains("mode=Partitioned"), "{shown}");
             let joins = repartitioned_below(&plan, "GpuHashJoinExec");
             assert_eq!(joins, [false], "{shown}");
+            // Each part's build side is used where it lies: no build column goes up, and
+            // the scan under the join hands its chunks over without a download.
+            let (up, down) = build_traffic(&plan);
+            assert!(
+                up < 4 * CONTROL_BYTES,
+                "the join uploaded {up} bytes\n{shown}"
+            );
+            assert_eq!(down, 0, "the join's scans downloaded {down} bytes\n{shown}");
         } else {
             assert!(!plan_has(&plan, "RepartitionExec"), "{shown}");
         }
@@ -248,6 +279,30 @@ async fn tpch_over_sharded_tables_joins_part_by_part() {
                 "{shown}"
             );
         }
+    }
+    // A device lost while the co-sharded join runs: the build and probe chunks of its parts
+    // are redone from the source, and the answer does not change.
+    if !needs_emulator("tpch_over_sharded_tables…: a device lost") {
+        text(&gpu, "SET fulmen.gpu.on_error = 'fallback'").await;
+        text(&gpu, "UNCACHE TABLE orders").await;
+        text(
+            &gpu,
+            "CACHE TABLE orders OPTIONS ('shard_key' 'o_orderkey')",
+        )
+        .await;
+        devices[3]
+            .inject_faults(fulmen_kernels::FaultPlan {
+                lose_device_at_launch: Some(2),
+                ..Default::default()
+            })
+            .unwrap();
+        let plan = plan_of(&gpu, join).await;
+        assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, join).await.1);
+        assert!(
+            devices[3].quarantined().is_some(),
+            "the device was not lost"
+        );
+        assert!(Work::of(&plan).cpu_batches > 0, "nothing was redone");
     }
     // Other partition counts than the parts: the scans say nothing of their partitioning,
     // DataFusion repartitions, and the answers stay DataFusion's.

@@ -1,7 +1,9 @@
 //! `GpuHashJoinExec`: DataFusion's `HashJoinExec` with its matching on a GPU.
 //!
 //! The build side (left) is collected once, its key columns are uploaded to the partition's
-//! device and a [`JoinTable`] is built there. Probe batches (right, coalesced to
+//! device and a [`JoinTable`] is built there. (A partitioned inner join whose output stays on
+//! the device, over a build side that a GPU child hands over as one chunk on the partition's
+//! device, builds its table from that chunk where it lies: see `run.rs`.) Probe batches (right, coalesced to
 //! `fulmen.gpu.batch_bytes` or `_rows`, see `coalesce.rs`) upload their keys; the device
 //! hashes them, finds candidate pairs in the table, keeps the pairs whose keys are equal and
 //! returns them in probe order. The host then applies the residual filter (DataFusion's
@@ -193,6 +195,7 @@ impl GpuHashJoinExec {
         super::gpu_stream::count_partition();
         let run = JoinRun {
             work: Arc::clone(&self.work),
+            devices: Arc::clone(&self.devices),
             device,
             batch: self.batch,
             metrics,

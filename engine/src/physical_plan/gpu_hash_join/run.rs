@@ -23,6 +23,8 @@ pub(super) struct JoinMetrics {
 
 pub(super) struct JoinRun {
     pub(super) work: Arc<JoinWork>,
+    /// The devices the join's partitions run on.
+    pub(super) devices: Arc<Vec<Device>>,
     pub(super) device: Device,
     pub(super) batch: BatchLimit,
     pub(super) metrics: GpuMetrics,
@@ -152,24 +154,107 @@ impl JoinRun {
         Ok(build)
     }
 
+    /// The build side of a partition whose output stays on the device. A partitioned join
+    /// whose build child is a GPU operator on the same devices takes the child's chunks:
+    /// one chunk on this device whose keys hold no NULL is kept where it lies (its key
+    /// columns alone come down for the probe side's dynamic filter, when there is one);
+    /// other chunks come down and are collected as [`build_side`](Self::build_side) does.
+    async fn device_build_side(&self) -> Result<BuildSide> {
+        let resident = super::super::resident(&self.left)
+            .is_some_and(|r| r.resident_devices().as_slice() == self.devices.as_slice());
+        if self.shared.is_some() || !resident {
+            return Ok(BuildSide::on_host(self.build_side().await?));
+        }
+        let context = Arc::clone(&self.context);
+        let mut stream = input_chunks(&self.left, self.partition, context, &self.devices)?;
+        let mut chunks = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            chunks.push(chunk?);
+        }
+        if let [Chunk::Device(batch, ..)] = chunks.as_slice()
+            && batch.columns().iter().all(|c| c.device() == &self.device)
+            && (self.work.left_keys.iter()).all(|&k| batch.columns()[k].validity().is_none())
+        {
+            if let Some(filter) = self.probe_filter.as_deref() {
+                let keys = self.download_keys(batch)?;
+                let at: Vec<usize> = (0..keys.num_columns()).collect();
+                fill_probe_filter(Some(filter), self.partition, &keys, &at);
+            }
+            self.extra.build_rows.add(batch.num_rows());
+            let chunk = chunks.pop().unwrap_or_else(|| unreachable!());
+            return Ok(BuildSide::on_device(chunk));
+        }
+        let batches = chunks
+            .iter()
+            .map(|c| c.host_for_cpu(&self.metrics))
+            .collect::<Result<Vec<_>>>()?;
+        let build = concat_batches(&self.left.schema(), &batches).map_err(arrow_err)?;
+        let filter = self.probe_filter.as_deref();
+        fill_probe_filter(filter, self.partition, &build, &self.work.left_keys);
+        self.extra.build_rows.add(build.num_rows());
+        Ok(BuildSide::on_host(build))
+    }
+
+    /// The build side's key columns, downloaded (counted) as a batch of their own.
+    fn download_keys(&self, batch: &fulmen_kernels::DeviceBatch) -> Result<RecordBatch> {
+        let schema = self.left.schema();
+        let keys: Vec<(&DeviceColumn, &DataType)> = (self.work.left_keys.iter())
+            .map(|&k| (&batch.columns()[k], schema.field(k).data_type()))
+            .collect();
+        let arrays = self
+            .metrics
+            .download(&keys)
+            .map_err(|e| DataFusionError::External(Box::new(e)))?;
+        let fields: Vec<_> = (self.work.left_keys.iter())
+            .map(|&k| schema.field(k).clone())
+            .collect();
+        let keys_schema = Arc::new(datafusion::arrow::datatypes::Schema::new(fields));
+        super::super::gpu_stream::make_batch(&keys_schema, arrays, batch.num_rows())
+    }
+
     /// An inner join whose output stays on the device: the build side's keys and output
-    /// columns go up once, each probe chunk's matches are gathered there.
+    /// columns go up once (or are used where they lie, see
+    /// [`device_build_side`](Self::device_build_side)), each probe chunk's matches are
+    /// gathered there.
     pub(super) async fn start_device(self, probe: ChunkStream) -> Result<ChunkStream> {
-        let build = self.build_side().await?;
+        let build = self.device_build_side().await?;
         let mut table = None;
         let mut build_columns = HashMap::new();
         if build.num_rows() > 0 {
-            let on_device = self.build_table(&build).and_then(|t| {
-                for (from_build, c) in self.work.output_sources() {
-                    if from_build && !build_columns.contains_key(&c) {
-                        let column = self
-                            .metrics
-                            .upload(&self.device, build.column(c).as_ref())?;
-                        build_columns.insert(c, column);
+            let on_device = match build.device_batch() {
+                Some(batch) => {
+                    let keys = (self.work.left_keys.iter())
+                        .map(|&k| batch.columns()[k].clone())
+                        .collect();
+                    for (from_build, c) in self.work.output_sources() {
+                        if from_build {
+                            build_columns.insert(c, batch.columns()[c].clone());
+                        }
                     }
+                    self.metrics.kernel(|| {
+                        JoinTable::build(
+                            &self.device,
+                            keys,
+                            None,
+                            batch.num_rows(),
+                            self.work.null_equals_null,
+                        )
+                    })
                 }
-                Ok(t)
-            });
+                None => {
+                    let host = build.host(&self.metrics)?;
+                    self.build_table(&host).and_then(|t| {
+                        for (from_build, c) in self.work.output_sources() {
+                            if from_build && !build_columns.contains_key(&c) {
+                                let column =
+                                    self.metrics.upload(&self.device, host.column(c).as_ref())?;
+                                build_columns.insert(c, column);
+                            }
+                        }
+                        Ok(t)
+                    })
+                }
+            };
             match on_device {
                 Ok(t) => table = Some(t),
                 Err(e) => {
@@ -182,7 +267,7 @@ impl JoinRun {
         let pending = Coalescer::new(self.batch);
         let state = DeviceProbing {
             run: self,
-            build,
+            build: Arc::new(build),
             table,
             build_columns,
             host: None,
@@ -336,10 +421,75 @@ impl Probing {
     }
 }
 
+/// A partition's build side for a device-output join: its rows on the host, or the one
+/// device chunk they arrived in, brought to the host only if the host needs them (a batch
+/// matched there).
+pub(super) struct BuildSide {
+    rows: usize,
+    host: Mutex<Option<RecordBatch>>,
+    chunk: Option<Chunk>,
+}
+
+impl BuildSide {
+    fn on_host(batch: RecordBatch) -> Self {
+        Self {
+            rows: batch.num_rows(),
+            host: Mutex::new(Some(batch)),
+            chunk: None,
+        }
+    }
+
+    fn on_device(chunk: Chunk) -> Self {
+        Self {
+            rows: chunk.num_rows(),
+            host: Mutex::new(None),
+            chunk: Some(chunk),
+        }
+    }
+
+    pub(super) fn num_rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The device chunk, when the build side is one.
+    fn device_batch(&self) -> Option<&fulmen_kernels::DeviceBatch> {
+        match &self.chunk {
+            Some(Chunk::Device(batch, ..)) => Some(batch),
+            _ => None,
+        }
+    }
+
+    /// The rows on the host: downloaded once (counted), or computed again on the CPU when
+    /// their device is gone.
+    pub(super) fn host(&self, metrics: &GpuMetrics) -> Result<RecordBatch> {
+        let mut held = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(batch) = &*held {
+            return Ok(batch.clone());
+        }
+        let chunk = self.chunk.as_ref().ok_or_else(|| {
+            internal_datafusion_err!("a join's build side has neither rows nor a chunk")
+        })?;
+        let batch = chunk.host_for_cpu(metrics)?;
+        *held = Some(batch.clone());
+        Ok(batch)
+    }
+
+    /// How to have the rows on the host without the device: host data only, so that a
+    /// redo holding it keeps no device memory.
+    fn lineage(&self) -> Redo {
+        let held = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        match (&*held, &self.chunk) {
+            (Some(batch), _) => Chunk::Host(batch.clone()).lineage(),
+            (None, Some(chunk)) => chunk.lineage(),
+            (None, None) => Redo::default(),
+        }
+    }
+}
+
 /// A partition of an inner join whose output stays on the device.
 pub(super) struct DeviceProbing {
     pub(super) run: JoinRun,
-    pub(super) build: RecordBatch,
+    pub(super) build: Arc<BuildSide>,
     pub(super) table: Option<JoinTable>,
     /// Build-side output columns on the device.
     pub(super) build_columns: HashMap<usize, DeviceColumn>,
@@ -415,7 +565,8 @@ impl DeviceProbing {
         }
         count_batch(&self.run.metrics, BatchOn::Fallback);
         let probe = chunk.host_for_cpu(&self.run.metrics)?;
-        let out = host_probe(&mut self.host, &self.run.work, &self.build, &probe)?;
+        let build = self.build.host(&self.run.metrics)?;
+        let out = host_probe(&mut self.host, &self.run.work, &build, &probe)?;
         if let Some(out) = &out {
             self.run.metrics.record_batch(out);
         }
@@ -525,9 +676,9 @@ impl DeviceProbing {
             })?;
             columns.push(Col::Device(column));
         }
-        let (work, build, probe) = (Arc::clone(&run.work), self.build.clone(), chunk.lineage());
+        let (work, build, probe) = (Arc::clone(&run.work), self.build.lineage(), chunk.lineage());
         let redo = Redo::new(move || {
-            let probe = probe.run()?;
+            let (build, probe) = (build.run()?, probe.run()?);
             let out = host_probe(&mut None, &work, &build, &probe)?;
             Ok(out.unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(&work.schema))))
         });
