@@ -538,7 +538,7 @@ pub fn size(bytes: usize) -> String {
 pub struct Reread {
     plan: Arc<dyn ExecutionPlan>,
     task: Arc<TaskContext>,
-    /// How the cached rows were dealt into parts (`plan` then reads every column).
+    /// How the cached rows were dealt into parts (the key's place among `plan`'s columns).
     sharding: Option<Sharding>,
     /// The columns kept of the rows read (all when `None`).
     projection: Option<Vec<usize>>,
@@ -547,8 +547,8 @@ pub struct Reread {
 }
 
 impl Reread {
-    /// Rows of `plan`, read on demand: dealt into `sharding`'s parts when it is given (the
-    /// plan then reads every column of the source), and cut to `projection`.
+    /// Rows of `plan`, read on demand: dealt into `sharding`'s parts when it is given (its
+    /// `column` is the key's place among `plan`'s columns), and cut to `projection`.
     pub fn new(
         plan: Arc<dyn ExecutionPlan>,
         task: Arc<TaskContext>,

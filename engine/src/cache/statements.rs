@@ -177,9 +177,14 @@ fn take_options(sql: &str) -> Result<(String, CacheOptions)> {
         .iter()
         .position(|t| word(&t.token, "as") || word(&t.token, "select") || word(&t.token, "with"))
         .unwrap_or(tokens.len());
-    let Some(start) = tokens[..before_query]
-        .iter()
-        .position(|t| word(&t.token, "options"))
+    // The word OPTIONS followed by `(` (a table may be called `options`).
+    let opens = |i: usize| {
+        let next = tokens[i + 1..]
+            .iter()
+            .find(|t| !matches!(t.token, Token::Whitespace(_)));
+        next.is_some_and(|t| t.token == Token::LParen)
+    };
+    let Some(start) = (0..before_query).find(|&i| word(&tokens[i].token, "options") && opens(i))
     else {
         return Ok((sql.to_string(), CacheOptions::default()));
     };
@@ -465,7 +470,16 @@ mod tests {
         let (rest, options) = take_options("CACHE TABLE é OPTIONS (shard_key = \"K\");").unwrap();
         assert_eq!(rest, "CACHE TABLE é  ;");
         assert_eq!(options.shard_key.as_deref(), Some("K"));
-        let plain = "CACHE TABLE t AS SELECT options FROM o";
-        assert_eq!(take_options(plain).unwrap().0, plain);
+        for plain in [
+            "CACHE TABLE t AS SELECT options FROM o",
+            "CACHE TABLE options",
+            "CACHE TABLE s.options AS SELECT 1",
+        ] {
+            assert_eq!(take_options(plain).unwrap().0, plain);
+        }
+        let (rest, options) =
+            take_options("CACHE TABLE options OPTIONS ('shard_key' 'a')").unwrap();
+        assert_eq!(rest, "CACHE TABLE options  ");
+        assert_eq!(options.shard_key.as_deref(), Some("a"));
     }
 }

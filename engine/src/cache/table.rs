@@ -125,15 +125,21 @@ impl TableProvider for CachedTable {
             return Ok(source);
         }
         let partitions = state.config_options().execution.target_partitions;
-        // A sharded table's rows are found again by dealing every row by its key.
-        let source = match self.data.sharding() {
-            Some(_) if projection.is_some() => self.source.scan(state, None, &[], None).await?,
-            _ => source,
+        // A sharded table's rows are found again by dealing the rows by their key: read
+        // with the columns asked for when the key is not one of them.
+        let keyed = match (self.data.sharding(), projection) {
+            (Some(s), Some(p)) if !p.contains(&s.column) => {
+                let mut with_key = p.clone();
+                with_key.push(s.column);
+                Some(self.source.scan(state, Some(&with_key), &[], None).await?)
+            }
+            _ => None,
         };
         let scan = GpuScanExec::try_new(
             Arc::clone(&self.data),
             projection.cloned(),
             source,
+            keyed,
             partitions,
         )?;
         Ok(Arc::new(scan))

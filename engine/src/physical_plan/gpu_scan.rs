@@ -27,16 +27,19 @@ use futures::StreamExt;
 use super::gpu_stream::{
     BatchOn, Chunk, ChunkStream, DeviceResident, GpuMetrics, Redo, count_batch,
 };
-use crate::cache::{CachedData, Reread};
+use crate::cache::{CachedData, Reread, Sharding};
 
 /// The scan of a cached table's device chunks.
 #[derive(Debug)]
 pub struct GpuScanExec {
     data: Arc<CachedData>,
     projection: Option<Vec<usize>>,
-    /// The source's scan, read only for chunks whose device is gone: with the same
-    /// projection, or of every column for a sharded table (the key deals the rows).
+    /// What a chunk whose device is gone is read from: the source's scan of the same
+    /// columns (for a sharded table, with its key appended when not among them), the key's
+    /// place there, and the columns kept of the rows read.
     source: Arc<dyn ExecutionPlan>,
+    source_sharding: Option<Sharding>,
+    source_keep: Option<Vec<usize>>,
     schema: SchemaRef,
     properties: Arc<PlanProperties>,
     statistics: Arc<Statistics>,
@@ -48,47 +51,78 @@ pub struct GpuScanExec {
 }
 
 impl GpuScanExec {
-    /// A scan of `data`'s columns `projection` (all when `None`), reading `source` for
-    /// chunks whose device is gone (every column when the table is sharded, else the same
-    /// projection). A table dealt in turn gets at least `target_partitions` partitions (a
-    /// multiple of the devices); a sharded one a partition per part, hash-partitioned on its
-    /// key when the parts are `target_partitions` and the key is read.
+    /// A scan of `data`'s columns `projection` (all when `None`). `source` is the source's
+    /// scan of the same columns (its statistics are the scan's), read for chunks whose
+    /// device is gone; for a sharded table whose key is not among the columns, `keyed` is
+    /// the same scan with the key appended, read instead. A table dealt in turn gets at
+    /// least `target_partitions` partitions (a multiple of the devices); a sharded one a
+    /// partition per part, hash-partitioned on its key when the parts are
+    /// `target_partitions` and the key is read.
     pub fn try_new(
         data: Arc<CachedData>,
         projection: Option<Vec<usize>>,
         source: Arc<dyn ExecutionPlan>,
+        keyed: Option<Arc<dyn ExecutionPlan>>,
         target_partitions: usize,
     ) -> Result<Self> {
         let schema = match &projection {
             Some(p) => Arc::new(data.schema().project(p)?),
             None => Arc::clone(data.schema()),
         };
-        let source_columns = match data.sharding() {
-            Some(_) => data.schema().fields().clone(),
-            None => schema.fields().clone(),
-        };
-        if &source_columns != source.schema().fields() {
-            return Err(DataFusionError::Internal(format!(
+        let other_columns = || {
+            DataFusionError::Internal(format!(
                 "GpuScanExec: the source scan of {} gives other columns than the cache",
                 data.name()
-            )));
+            ))
+        };
+        if schema.fields() != source.schema().fields() {
+            return Err(other_columns());
         }
-        let n = data.devices().len().max(1);
-        let partitioning = match data.sharding() {
-            None => Partitioning::UnknownPartitioning(target_partitions.max(1).div_ceil(n) * n),
-            Some(sharding) => {
-                let key = match &projection {
-                    None => Some(sharding.column),
-                    Some(p) => p.iter().position(|&c| c == sharding.column),
-                };
-                match key {
-                    Some(at) if sharding.parts == target_partitions => {
-                        let key: Arc<dyn PhysicalExpr> = Arc::new(Column::new(&sharding.key, at));
-                        Partitioning::Hash(vec![key], sharding.parts)
-                    }
-                    _ => Partitioning::UnknownPartitioning(sharding.parts),
+        // The key's place among the columns read, when it is one of them.
+        let key_at = data.sharding().and_then(|s| match &projection {
+            None => Some(s.column),
+            Some(p) => p.iter().position(|&c| c == s.column),
+        });
+        let statistics = StatisticsContext::new()
+            .compute(source.as_ref(), &StatisticsArgs::new())
+            .unwrap_or_else(|_| Arc::new(Statistics::new_unknown(&schema)));
+        let (source, source_sharding, source_keep) = match (data.sharding(), key_at) {
+            (None, _) => (source, None, None),
+            (Some(s), Some(at)) => (
+                source,
+                Some(Sharding {
+                    column: at,
+                    ..s.clone()
+                }),
+                None,
+            ),
+            (Some(s), None) => {
+                let keyed = keyed.ok_or_else(other_columns)?;
+                let width = schema.fields().len();
+                let fields = keyed.schema().fields().clone();
+                if fields.len() != width + 1
+                    || fields[..width] != schema.fields()[..]
+                    || fields[width].name() != &s.key
+                {
+                    return Err(other_columns());
                 }
+                let sharding = Sharding {
+                    column: width,
+                    ..s.clone()
+                };
+                (keyed, Some(sharding), Some((0..width).collect()))
             }
+        };
+        let n = data.devices().len().max(1);
+        let partitioning = match (data.sharding(), key_at) {
+            (None, _) => {
+                Partitioning::UnknownPartitioning(target_partitions.max(1).div_ceil(n) * n)
+            }
+            (Some(s), Some(at)) if s.parts == target_partitions => {
+                let key: Arc<dyn PhysicalExpr> = Arc::new(Column::new(&s.key, at));
+                Partitioning::Hash(vec![key], s.parts)
+            }
+            (Some(s), _) => Partitioning::UnknownPartitioning(s.parts),
         };
         let properties = PlanProperties::new(
             EquivalenceProperties::new(Arc::clone(&schema)),
@@ -96,17 +130,12 @@ impl GpuScanExec {
             EmissionType::Incremental,
             Boundedness::Bounded,
         );
-        let statistics = StatisticsContext::new()
-            .compute(source.as_ref(), &StatisticsArgs::new())
-            .map(|s| match data.sharding() {
-                Some(_) => Arc::new(Arc::unwrap_or_clone(s).project(projection.as_ref())),
-                None => s,
-            })
-            .unwrap_or_else(|_| Arc::new(Statistics::new_unknown(&schema)));
         Ok(Self {
             data,
             projection,
             source,
+            source_sharding,
+            source_keep,
             schema,
             properties: Arc::new(properties),
             statistics,
@@ -157,15 +186,11 @@ impl GpuScanExec {
         let reread = {
             let mut shared = self.reread.lock().unwrap_or_else(|p| p.into_inner());
             shared.upgrade().unwrap_or_else(|| {
-                let (sharding, projection) = match self.data.sharding() {
-                    Some(s) => (Some(s.clone()), self.projection.clone()),
-                    None => (None, None),
-                };
                 let fresh = Arc::new(Reread::new(
                     Arc::clone(&self.source),
                     context,
-                    sharding,
-                    projection,
+                    self.source_sharding.clone(),
+                    self.source_keep.clone(),
                 ));
                 *shared = Arc::downgrade(&fresh);
                 fresh

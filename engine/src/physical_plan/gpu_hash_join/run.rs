@@ -175,14 +175,27 @@ impl JoinRun {
             && batch.columns().iter().all(|c| c.device() == &self.device)
             && (self.work.left_keys.iter()).all(|&k| batch.columns()[k].validity().is_none())
         {
-            if let Some(filter) = self.probe_filter.as_deref() {
-                let keys = self.download_keys(batch)?;
-                let at: Vec<usize> = (0..keys.num_columns()).collect();
-                fill_probe_filter(Some(filter), self.partition, &keys, &at);
+            // The keys for the dynamic filter; a device lost meanwhile sends the rows
+            // through the host below (the chunk's redo).
+            let keys = match self.probe_filter.as_deref() {
+                None => Ok(None),
+                Some(_) => self.download_keys(batch).map(Some),
+            };
+            match keys {
+                Ok(keys) => {
+                    if let Some(keys) = keys {
+                        let at: Vec<usize> = (0..keys.num_columns()).collect();
+                        let filter = self.probe_filter.as_deref();
+                        fill_probe_filter(filter, self.partition, &keys, &at);
+                    }
+                    self.extra.build_rows.add(batch.num_rows());
+                    let chunk = chunks.pop().unwrap_or_else(|| unreachable!());
+                    return Ok(BuildSide::on_device(chunk));
+                }
+                Err(e) => self
+                    .metrics
+                    .recover(&e, "collecting the build side on the host")?,
             }
-            self.extra.build_rows.add(batch.num_rows());
-            let chunk = chunks.pop().unwrap_or_else(|| unreachable!());
-            return Ok(BuildSide::on_device(chunk));
         }
         let batches = chunks
             .iter()
@@ -196,20 +209,21 @@ impl JoinRun {
     }
 
     /// The build side's key columns, downloaded (counted) as a batch of their own.
-    fn download_keys(&self, batch: &fulmen_kernels::DeviceBatch) -> Result<RecordBatch> {
+    fn download_keys(
+        &self,
+        batch: &fulmen_kernels::DeviceBatch,
+    ) -> Result<RecordBatch, KernelError> {
         let schema = self.left.schema();
         let keys: Vec<(&DeviceColumn, &DataType)> = (self.work.left_keys.iter())
             .map(|&k| (&batch.columns()[k], schema.field(k).data_type()))
             .collect();
-        let arrays = self
-            .metrics
-            .download(&keys)
-            .map_err(|e| DataFusionError::External(Box::new(e)))?;
+        let arrays = self.metrics.download(&keys)?;
         let fields: Vec<_> = (self.work.left_keys.iter())
             .map(|&k| schema.field(k).clone())
             .collect();
         let keys_schema = Arc::new(datafusion::arrow::datatypes::Schema::new(fields));
-        super::super::gpu_stream::make_batch(&keys_schema, arrays, batch.num_rows())
+        RecordBatch::try_new(keys_schema, arrays)
+            .map_err(|e| KernelError::InvalidData(e.to_string()))
     }
 
     /// An inner join whose output stays on the device: the build side's keys and output
