@@ -143,6 +143,13 @@ fn repartitioned_below(plan: &Arc<dyn ExecutionPlan>, operator: &str) -> Vec<boo
     found
 }
 
+/// The plan as EXPLAIN shows it.
+fn shown(plan: &Arc<dyn ExecutionPlan>) -> String {
+    datafusion::physical_plan::displayable(plan.as_ref())
+        .indent(true)
+        .to_string()
+}
+
 /// What the hash joins of `plan` uploaded, and what the cached scans right under them
 /// downloaded.
 fn build_traffic(plan: &Arc<dyn ExecutionPlan>) -> (usize, usize) {
@@ -236,9 +243,7 @@ async fn tpch_over_sharded_tables_joins_part_by_part() {
         let plan = plan_of(&gpu, sql).await;
         assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1, "{sql}");
         assert!(plan_has(&plan, "GpuScanExec"), "{sql}");
-        let shown = datafusion::physical_plan::displayable(plan.as_ref())
-            .indent(true)
-            .to_string();
+        let shown = shown(&plan);
         assert!(shown.contains("shard_key=l_orderkey, parts=4"), "{shown}");
         if sql == join {
             assert!(shown.contains("mode=Partitioned"), "{shown}");
@@ -270,9 +275,7 @@ async fn tpch_over_sharded_tables_joins_part_by_part() {
         let plan = plan_of(&gpu, sql).await;
         assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1, "{sql}");
         if sql == by_customer {
-            let shown = datafusion::physical_plan::displayable(plan.as_ref())
-                .indent(true)
-                .to_string();
+            let shown = shown(&plan);
             assert_eq!(
                 repartitioned_below(&plan, "GpuHashJoinExec"),
                 [false],
@@ -311,9 +314,7 @@ async fn tpch_over_sharded_tables_joins_part_by_part() {
     }
     let plan = plan_of(&gpu, join).await;
     assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, join).await.1);
-    let shown = datafusion::physical_plan::displayable(plan.as_ref())
-        .indent(true)
-        .to_string();
+    let shown = shown(&plan);
     assert_eq!(
         repartitioned_below(&plan, "GpuHashJoinExec"),
         [true],
