@@ -172,6 +172,8 @@ struct Inner {
     counts: Counts,
     /// Device errors that made an operator redo its work on the CPU.
     errors: AtomicU64,
+    /// Nanoseconds operators spent in this device's work (see [`Device::add_work_time`]).
+    work_ns: AtomicU64,
     /// Absolute allocation / launch numbers that fail, and the launch that loses the device.
     faults: Mutex<Faults>,
     /// Why the device is out of use, once it is: a sticky error lost its state.
@@ -206,6 +208,7 @@ impl Inner {
             backend,
             counts: Counts::default(),
             errors: AtomicU64::new(0),
+            work_ns: AtomicU64::new(0),
             faults: Mutex::new(Faults::default()),
             quarantine: Mutex::new(None),
             quarantined: std::sync::atomic::AtomicBool::new(false),
@@ -428,6 +431,19 @@ impl Device {
     /// and calls on a quarantined device are not counted: they are not errors of the device.
     pub fn errors(&self) -> u64 {
         self.inner.errors.load(Ordering::Relaxed)
+    }
+
+    /// Adds time an operator spent in this device's work: queuing launches and copies,
+    /// and waiting for the values it read back (measured on the host, not by the device).
+    pub fn add_work_time(&self, elapsed: std::time::Duration) {
+        let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        self.inner.work_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// The time operators spent in this device's work so far (see
+    /// [`add_work_time`](Self::add_work_time)).
+    pub fn work_time(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.inner.work_ns.load(Ordering::Relaxed))
     }
 
     /// Injects faults (emulated devices only).

@@ -424,8 +424,8 @@ pub async fn show_devices(ctx: &FulmenContext) -> Result<DataFrame> {
     ctx.session_context()
         .sql(
             "SELECT device, name, state, reason, memory_budget AS memory_total, \
-             memory_cached, memory_working, cached_tables, launches, syncs, h2d_bytes, \
-             d2h_bytes, device_errors FROM fulmen_devices()",
+             memory_cached, memory_working, cached_tables, launches, kernel_time_us, syncs, \
+             h2d_bytes, d2h_bytes, device_errors FROM fulmen_devices()",
         )
         .await
 }

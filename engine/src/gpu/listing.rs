@@ -42,6 +42,7 @@ pub fn schema() -> SchemaRef {
         count("allocations"),
         count("driver_allocations"),
         count("launches"),
+        count("kernel_time_us"),
         count("syncs"),
         count("h2d_copies"),
         count("h2d_bytes"),
@@ -62,8 +63,11 @@ pub fn schema() -> SchemaRef {
 /// tables with their bytes and chunks there; the counts are what Fulmen asked of the
 /// device since the process opened it ([`fulmen_kernels::DeviceCounts`]: `allocations` from
 /// the pool, `driver_allocations` of those from the driver, and launches, host syncs and
-/// copies as the driver calls the CUDA backend makes for them, on every backend alike), and
-/// `device_errors` the device errors operators met.
+/// copies as the driver calls the CUDA backend makes for them, on every backend alike),
+/// `kernel_time_us` the time operators spent in the device's work (the sum of their
+/// `kernel_time` in EXPLAIN ANALYZE: queuing launches and copies and waiting for what they
+/// read back, timed on the host, not by the device), and `device_errors` the device errors
+/// operators met.
 pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
     let devices = devices(&config.devices)
         .map_err(|e| DataFusionError::Execution(format!("fulmen.devices: {e}")))?;
@@ -104,6 +108,7 @@ pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
         of(&|c| c.allocations),
         of(&|c| c.driver_allocations),
         of(&|c| c.launches),
+        counts(&|d| u64::try_from(d.work_time().as_micros()).unwrap_or(u64::MAX)),
         of(&|c| c.syncs),
         of(&|c| c.h2d_copies),
         of(&|c| c.h2d_bytes),

@@ -202,7 +202,9 @@ impl GpuMetrics {
     pub fn kernel<T>(&self, work: impl FnOnce() -> T) -> T {
         let start = Instant::now();
         let out = work();
-        self.kernel_time.add_duration(start.elapsed());
+        let elapsed = start.elapsed();
+        self.kernel_time.add_duration(elapsed);
+        self.device.add_work_time(elapsed);
         out
     }
 }

@@ -219,6 +219,8 @@ async fn tpch_over_sharded_tables_joins_part_by_part() {
     for (d, b) in devices.iter().zip(before) {
         assert!(d.counters().1 > b, "{d} did no work");
     }
+    let timed = "SELECT count(*) AS timed FROM fulmen_devices() WHERE kernel_time_us > 0";
+    assert!(text(&gpu, timed).await.contains("| 4 "), "{listed}");
 
     // Joins partitioned on both sides (no side small enough to collect): co-sharded
     // tables meet part by part, with no repartition under the join.
