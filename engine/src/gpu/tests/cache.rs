@@ -219,8 +219,10 @@ async fn tpch_over_sharded_tables_joins_part_by_part() {
     for (d, b) in devices.iter().zip(before) {
         assert!(d.counters().1 > b, "{d} did no work");
     }
-    let timed = "SELECT count(*) AS timed FROM fulmen_devices() WHERE kernel_time_us > 0";
-    assert!(text(&gpu, timed).await.contains("| 4 "), "{listed}");
+    // (Through the stand-in CUDA driver the selection has fewer devices: count the idle.)
+    let idle = "SELECT count(*) AS idle FROM fulmen_devices() WHERE kernel_time_us = 0";
+    let idle = text(&gpu, idle).await;
+    assert!(idle.contains("| 0 "), "{idle}");
 
     // Joins partitioned on both sides (no side small enough to collect): co-sharded
     // tables meet part by part, with no repartition under the join.
