@@ -331,15 +331,9 @@ pub async fn cache(
         let mut stream = source.execute(partition, Arc::clone(&task))?;
         while let Some(next) = stream.next().await {
             let next = next?;
-            match partitioner.as_mut() {
-                None => feed(&mut loader, &mut pending[0], 0, batch, next)?,
-                Some(partitioner) => {
-                    for piece in partitioner.partition_iter(next)? {
-                        let (part, piece) = piece?;
-                        feed(&mut loader, &mut pending[part], part, batch, piece)?;
-                    }
-                }
-            }
+            deal(partitioner.as_mut(), next, |part, piece| {
+                feed(&mut loader, &mut pending[part], part, batch, piece)
+            })?;
         }
     }
     for (part, pending) in pending.iter_mut().enumerate() {
@@ -381,6 +375,20 @@ pub async fn cache(
         .unwrap_or_else(|p| p.into_inner())
         .push(Arc::downgrade(&data));
     Ok(data)
+}
+
+/// Deals `batch`'s rows into parts as the cache does, handing each part's rows to `to`:
+/// all to part 0 when not sharded, else by the key's hash (`partitioner`). Caching and the
+/// re-read of a lost device's rows both deal through here, so that they agree.
+fn deal(
+    partitioner: Option<&mut BatchPartitioner>,
+    batch: RecordBatch,
+    mut to: impl FnMut(usize, RecordBatch) -> Result<()>,
+) -> Result<()> {
+    match partitioner {
+        None => to(0, batch),
+        Some(partitioner) => partitioner.partition(batch, to),
+    }
 }
 
 /// Adds `next`'s rows to the chunk `pending` makes up for `part`, placing each chunk as it
@@ -613,15 +621,10 @@ impl Reread {
                 for p in 0..plan.properties().partitioning.partition_count() {
                     let mut stream = plan.execute(p, Arc::clone(&task))?;
                     while let Some(batch) = stream.next().await {
-                        match partitioner.as_mut() {
-                            None => parts[0].push(batch?),
-                            Some(partitioner) => {
-                                for piece in partitioner.partition_iter(batch?)? {
-                                    let (part, piece) = piece?;
-                                    parts[part].push(piece);
-                                }
-                            }
-                        }
+                        deal(partitioner.as_mut(), batch?, |part, piece| {
+                            parts[part].push(piece);
+                            Ok(())
+                        })?;
                     }
                 }
                 Ok(parts)
