@@ -4,6 +4,7 @@
 
 #include "../cuda/agg.cu"
 #include "../cuda/compact.cu"
+#include "../cuda/concat.cu"
 #include "../cuda/expr.cu"
 #include "../cuda/fused.cu"
 #include "../cuda/gather.cu"

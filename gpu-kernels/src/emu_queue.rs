@@ -51,7 +51,12 @@ pub(crate) enum Op {
         bytes: Vec<u8>,
     },
     /// A copy between two buffers.
-    Copy { dst: u64, src: u64, len: usize },
+    Copy {
+        dst: u64,
+        at: usize,
+        src: u64,
+        len: usize,
+    },
     /// A kernel launch: its parameter slots, and the (address, length) of each buffer
     /// argument, checked to be live before it runs.
     Launch {
@@ -172,10 +177,10 @@ fn execute(op: Op, memory: &EmuMemory, device: &str) -> Result<()> {
             offset,
             bytes,
         } => memory.write(addr, offset, &bytes),
-        Op::Copy { dst, src, len } => {
+        Op::Copy { dst, at, src, len } => {
             let mut bytes = vec![0u8; len];
             memory.read(src, 0, &mut bytes)?;
-            memory.write(dst, 0, &bytes)
+            memory.write(dst, at, &bytes)
         }
         Op::Launch {
             kernel,

@@ -7,6 +7,7 @@ use crate::emu::EmuEntry;
 pub const SOURCES: &[(&str, &str)] = &[
     ("agg.cu", include_str!("../cuda/agg.cu")),
     ("compact.cu", include_str!("../cuda/compact.cu")),
+    ("concat.cu", include_str!("../cuda/concat.cu")),
     ("expr.cu", include_str!("../cuda/expr.cu")),
     ("fused.cu", include_str!("../cuda/fused.cu")),
     ("gather.cu", include_str!("../cuda/gather.cu")),
@@ -97,6 +98,9 @@ kernels! {
     select_word_counts => fulmen_emu_launch_select_word_counts in "compact.cu",
     select_scatter => fulmen_emu_launch_select_scatter in "compact.cu",
     expr_eval => fulmen_emu_launch_expr_eval in "expr.cu",
+    append_bits => fulmen_emu_launch_append_bits in "concat.cu",
+    append_string_o32 => fulmen_emu_launch_append_string_o32 in "concat.cu",
+    append_string_o64 => fulmen_emu_launch_append_string_o64 in "concat.cu",
     gather_fixed_1 => fulmen_emu_launch_gather_fixed_1 in "gather.cu",
     gather_fixed_2 => fulmen_emu_launch_gather_fixed_2 in "gather.cu",
     gather_fixed_4 => fulmen_emu_launch_gather_fixed_4 in "gather.cu",

@@ -234,33 +234,44 @@ impl Device {
 
     /// Copies all of `src` into the start of `dst` (both on this device).
     pub fn copy(&self, dst: &DeviceBuffer, src: &DeviceBuffer) -> Result<()> {
-        if dst.len < src.len {
+        self.copy_into(dst, 0, src, src.len)
+    }
+
+    /// Copies the first `len` bytes of `src` into `dst` from byte `at` on (both on this
+    /// device).
+    pub fn copy_into(
+        &self,
+        dst: &DeviceBuffer,
+        at: usize,
+        src: &DeviceBuffer,
+        len: usize,
+    ) -> Result<()> {
+        if src.len < len || at.checked_add(len).is_none_or(|end| end > dst.len) {
             return Err(KernelError::Unsupported(format!(
-                "copy of {} bytes into {}",
+                "copy of {len} of {} bytes into {} from byte {at}",
                 src.len, dst.len
             )));
         }
         self.usable()?;
         self.record(DeviceCounts {
             d2d_copies: 1,
-            d2d_bytes: src.len as u64,
+            d2d_bytes: len as u64,
             ..DeviceCounts::default()
         });
         match &self.inner.backend {
             Backend::Emulated(_) => self.enqueue(Op::Copy {
                 dst: dst.addr,
+                at,
                 src: src.addr,
-                len: src.len,
+                len,
             }),
             Backend::Cuda(cuda) => cuda
-                .copy(dst.addr, src.addr, src.len)
+                .copy(dst.addr + at as u64, src.addr, len)
                 .map_err(|e| self.lost(e)),
         }
     }
 }
 
-/// A piece of a read staged in one fill of the staging buffer: which read, from where in
-/// it, how many bytes, and where in the staging buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct StagedPiece {
     pub read: usize,

@@ -4,6 +4,7 @@
 
 pub mod aggregate;
 pub mod compact;
+pub mod concat;
 pub mod expr;
 pub mod gather;
 pub mod hash;

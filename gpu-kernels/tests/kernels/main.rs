@@ -14,6 +14,7 @@ use fulmen_kernels::{Device, DeviceColumn, EmulatorOptions, FaultPlan, Kernel, K
 use proptest::prelude::*;
 
 mod aggregate;
+mod concat;
 mod queued;
 
 /// Sizes that trip kernels up: empty, one, around a warp, around a block, many blocks.
