@@ -17,14 +17,14 @@ use crate::config::OnError;
 
 /// More bytes than an operator's programs, descriptor tables and counts take per batch,
 /// and fewer than any column of the tests' tables: an upload this large moved data.
-const CONTROL_BYTES: usize = 4096;
+pub(super) const CONTROL_BYTES: usize = 4096;
 
-const TPCH_TABLES: [&str; 8] = [
+pub(super) const TPCH_TABLES: [&str; 8] = [
     "lineitem", "orders", "customer", "part", "partsupp", "supplier", "nation", "region",
 ];
 
 /// A statement's rows as text (it must succeed).
-async fn text(ctx: &FulmenContext, sql: &str) -> String {
+pub(super) async fn text(ctx: &FulmenContext, sql: &str) -> String {
     let batches = ctx
         .sql(sql)
         .await
@@ -144,7 +144,7 @@ fn repartitioned_below(plan: &Arc<dyn ExecutionPlan>, operator: &str) -> Vec<boo
 }
 
 /// The plan as EXPLAIN shows it.
-fn shown(plan: &Arc<dyn ExecutionPlan>) -> String {
+pub(super) fn shown(plan: &Arc<dyn ExecutionPlan>) -> String {
     datafusion::physical_plan::displayable(plan.as_ref())
         .indent(true)
         .to_string()

@@ -24,6 +24,7 @@ use crate::config::{GpuMode, OnError};
 use crate::{FulmenConfig, FulmenContext};
 
 mod aggregate;
+mod build_sides;
 mod cache;
 mod filter_projection;
 mod fused;

@@ -1,9 +1,10 @@
 //! `GpuHashJoinExec`: DataFusion's `HashJoinExec` with its matching on a GPU.
 //!
 //! The build side (left) is collected once, its key columns are uploaded to the partition's
-//! device and a [`JoinTable`] is built there. (A partitioned inner join whose output stays on
-//! the device, over a build side that a GPU child hands over as one chunk on the partition's
-//! device, builds its table from that chunk where it lies: see `run.rs`.) Probe batches (right, coalesced to
+//! device and a [`JoinTable`] is built there. (An inner join whose output stays on the
+//! device, over a build side from a GPU child on the same devices, builds its table from
+//! the child's chunks where they lie, concatenated on the device; a CollectLeft join builds
+//! one table per device, shared by the device's partitions: see `build_side.rs`.) Probe batches (right, coalesced to
 //! `fulmen.gpu.batch_bytes` or `_rows`, see `coalesce.rs`) upload their keys; the device
 //! hashes them, finds candidate pairs in the table, keeps the pairs whose keys are equal and
 //! returns them in probe order. The host then applies the residual filter (DataFusion's
@@ -62,10 +63,12 @@ use super::gpu_stream::{
 };
 use crate::gpu::compile::Reason;
 
+mod build_side;
 mod probe_filter;
 mod run;
 mod work;
 
+use build_side::*;
 use probe_filter::*;
 use run::*;
 use work::*;
@@ -190,6 +193,9 @@ impl GpuHashJoinExec {
             cpu_fallback: MetricBuilder::new(&self.metrics)
                 .with_label(label())
                 .counter("cpu_fallback", partition),
+            device_builds: MetricBuilder::new(&self.metrics)
+                .with_label(label())
+                .counter("device_builds", partition),
         };
         count_operator(&self.executed, OperatorKind::Join);
         super::gpu_stream::count_partition();

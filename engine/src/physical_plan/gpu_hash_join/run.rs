@@ -11,6 +11,8 @@ use fulmen_kernels::column::{Layout, layout_of};
 pub(super) struct SharedBuild {
     pub(super) batch: tokio::sync::OnceCell<Result<RecordBatch, Arc<DataFusionError>>>,
     pub(super) state: Mutex<(Vec<bool>, usize)>,
+    /// For a join whose output stays on the device: the tables built per device.
+    pub(super) device: SharedDeviceBuild,
 }
 
 #[derive(Debug, Clone)]
@@ -19,6 +21,8 @@ pub(super) struct JoinMetrics {
     /// 1 when the build side did not fit on the device and the partition matched on the
     /// host.
     pub(super) cpu_fallback: Count,
+    /// Tables built over build rows already on the device (none uploaded).
+    pub(super) device_builds: Count,
 }
 
 pub(super) struct JoinRun {
@@ -70,7 +74,7 @@ pub(super) async fn collect_side(
 pub(super) struct Probing {
     pub(super) run: JoinRun,
     pub(super) build: RecordBatch,
-    pub(super) table: Option<JoinTable>,
+    pub(super) table: Option<Arc<JoinTable>>,
     pub(super) host: Option<HostIndex>,
     pub(super) visited: Vec<bool>,
     pub(super) probe: SendableRecordBatchStream,
@@ -84,17 +88,10 @@ impl JoinRun {
     pub(super) async fn start(self, probe: SendableRecordBatchStream) -> Result<BatchStream> {
         let build = self.build_side().await?;
         // An empty build side matches nothing: no device work.
-        let table = if build.num_rows() == 0 {
-            None
-        } else {
-            match self.build_table(&build) {
-                Ok(t) => Some(t),
-                Err(e) => {
-                    self.metrics.recover(&e, "matching the join on the host")?;
-                    self.extra.cpu_fallback.add(1);
-                    None
-                }
-            }
+        let table = match &self.shared {
+            _ if build.num_rows() == 0 => None,
+            Some((shared, _)) => self.shared_host_table(shared, &build).await?,
+            None => self.host_table(&build)?,
         };
         let visited = vec![false; build.num_rows()];
         let pending = Coalescer::new(self.batch);
@@ -155,10 +152,11 @@ impl JoinRun {
     }
 
     /// The build side of a partition whose output stays on the device. A partitioned join
-    /// whose build child is a GPU operator on the same devices takes the child's chunks:
-    /// one chunk on this device whose keys hold no NULL is kept where it lies (its key
-    /// columns alone come down for the probe side's dynamic filter, when there is one);
-    /// other chunks come down and are collected as [`build_side`](Self::build_side) does.
+    /// whose build child is a GPU operator on the same devices takes the child's chunks and
+    /// concatenates them on this device (one chunk here is kept as it lies; see
+    /// `build_side.rs`): its key columns alone come down, for the probe side's dynamic
+    /// filter when there is one. Other build sides are collected as
+    /// [`build_side`](Self::build_side) does.
     async fn device_build_side(&self) -> Result<BuildSide> {
         let resident = super::super::resident(&self.left)
             .is_some_and(|r| r.resident_devices().as_slice() == self.devices.as_slice());
@@ -171,25 +169,22 @@ impl JoinRun {
         while let Some(chunk) = stream.next().await {
             chunks.push(chunk?);
         }
-        if let [Chunk::Device(batch, ..)] = chunks.as_slice()
-            && batch.columns().iter().all(|c| c.device() == &self.device)
-            && (self.work.left_keys.iter()).all(|&k| batch.columns()[k].validity().is_none())
-        {
-            // The keys for the dynamic filter; a device lost meanwhile sends the rows
-            // through the host below (the chunk's redo).
-            let keys = match self.probe_filter.as_deref() {
-                None => Ok(None),
-                Some(_) => self.download_keys(batch).map(Some),
-            };
-            match keys {
-                Ok(keys) => {
-                    if let Some(keys) = keys {
-                        let at: Vec<usize> = (0..keys.num_columns()).collect();
-                        let filter = self.probe_filter.as_deref();
-                        fill_probe_filter(filter, self.partition, &keys, &at);
+        let rows: usize = chunks.iter().map(Chunk::num_rows).sum();
+        if rows > 0 && chunks.iter().any(|c| matches!(c, Chunk::Device(..))) {
+            match self.concat_here(&chunks, &[]) {
+                Ok(chunk) => {
+                    if let Some(filter) = self.probe_filter.as_deref() {
+                        match self.keys_of(std::slice::from_ref(&chunk)) {
+                            Ok(keys) => {
+                                let at: Vec<usize> = (0..keys.num_columns()).collect();
+                                fill_probe_filter(Some(filter), self.partition, &keys, &at);
+                            }
+                            Err(e) => {
+                                log::warn!("the probe side's dynamic filter stays empty: {e}")
+                            }
+                        }
                     }
-                    self.extra.build_rows.add(batch.num_rows());
-                    let chunk = chunks.pop().unwrap_or_else(|| unreachable!());
+                    self.extra.build_rows.add(rows);
                     return Ok(BuildSide::on_device(chunk));
                 }
                 Err(e) => self
@@ -208,80 +203,30 @@ impl JoinRun {
         Ok(BuildSide::on_host(build))
     }
 
-    /// The build side's key columns, downloaded (counted) as a batch of their own.
-    fn download_keys(
-        &self,
-        batch: &fulmen_kernels::DeviceBatch,
-    ) -> Result<RecordBatch, KernelError> {
-        let schema = self.left.schema();
-        let keys: Vec<(&DeviceColumn, &DataType)> = (self.work.left_keys.iter())
-            .map(|&k| (&batch.columns()[k], schema.field(k).data_type()))
-            .collect();
-        let arrays = self.metrics.download(&keys)?;
-        let fields: Vec<_> = (self.work.left_keys.iter())
-            .map(|&k| schema.field(k).clone())
-            .collect();
-        let keys_schema = Arc::new(datafusion::arrow::datatypes::Schema::new(fields));
-        RecordBatch::try_new(keys_schema, arrays)
-            .map_err(|e| KernelError::InvalidData(e.to_string()))
-    }
-
     /// An inner join whose output stays on the device: the build side's keys and output
     /// columns go up once (or are used where they lie, see
     /// [`device_build_side`](Self::device_build_side)), each probe chunk's matches are
     /// gathered there.
     pub(super) async fn start_device(self, probe: ChunkStream) -> Result<ChunkStream> {
-        let build = self.device_build_side().await?;
-        let mut table = None;
-        let mut build_columns = HashMap::new();
-        if build.num_rows() > 0 {
-            let on_device = match build.device_batch() {
-                Some(batch) => {
-                    let keys = (self.work.left_keys.iter())
-                        .map(|&k| batch.columns()[k].clone())
-                        .collect();
-                    for (from_build, c) in self.work.output_sources() {
-                        if from_build {
-                            build_columns.insert(c, batch.columns()[c].clone());
-                        }
-                    }
-                    self.metrics.kernel(|| {
-                        JoinTable::build(
-                            &self.device,
-                            keys,
-                            None,
-                            batch.num_rows(),
-                            self.work.null_equals_null,
-                        )
-                    })
-                }
-                None => {
-                    let host = build.host(&self.metrics)?;
-                    self.build_table(&host).and_then(|t| {
-                        for (from_build, c) in self.work.output_sources() {
-                            if from_build && !build_columns.contains_key(&c) {
-                                let column =
-                                    self.metrics.upload(&self.device, host.column(c).as_ref())?;
-                                build_columns.insert(c, column);
-                            }
-                        }
-                        Ok(t)
-                    })
-                }
-            };
-            match on_device {
-                Ok(t) => table = Some(t),
-                Err(e) => {
-                    self.metrics.recover(&e, "matching the join on the host")?;
-                    self.extra.cpu_fallback.add(1);
-                    build_columns.clear();
-                }
+        let (build, table, build_columns) = match &self.shared {
+            Some((shared, partitions)) => {
+                let built = self.shared_device_build(shared, *partitions).await?;
+                (
+                    Arc::clone(&built.side),
+                    built.table.clone(),
+                    built.columns.clone(),
+                )
             }
-        }
+            None => {
+                let side = self.device_build_side().await?;
+                let (table, columns) = self.table_for(&side)?;
+                (Arc::new(side), table, columns)
+            }
+        };
         let pending = Coalescer::new(self.batch);
         let state = DeviceProbing {
             run: self,
-            build: Arc::new(build),
+            build,
             table,
             build_columns,
             host: None,
@@ -317,6 +262,19 @@ impl JoinRun {
             .map(|k| self.metrics.upload(&self.device, k.as_ref()))
             .collect::<Result<Vec<DeviceColumn>, _>>()?;
         Ok((columns, upload_validity(&self.device, &valid)?))
+    }
+
+    /// The table over host build rows on this partition's device; `None` (the partition
+    /// matches on the host) when the device failed.
+    pub(super) fn host_table(&self, build: &RecordBatch) -> Result<Option<Arc<JoinTable>>> {
+        match self.build_table(build) {
+            Ok(t) => Ok(Some(Arc::new(t))),
+            Err(e) => {
+                self.metrics.recover(&e, "matching the join on the host")?;
+                self.extra.cpu_fallback.add(1);
+                Ok(None)
+            }
+        }
     }
 
     pub(super) fn build_table(&self, build: &RecordBatch) -> Result<JoinTable, KernelError> {
@@ -435,76 +393,12 @@ impl Probing {
     }
 }
 
-/// A partition's build side for a device-output join: its rows on the host, or the one
-/// device chunk they arrived in, brought to the host only if the host needs them (a batch
-/// matched there).
-pub(super) struct BuildSide {
-    rows: usize,
-    host: Mutex<Option<RecordBatch>>,
-    chunk: Option<Chunk>,
-}
-
-impl BuildSide {
-    fn on_host(batch: RecordBatch) -> Self {
-        Self {
-            rows: batch.num_rows(),
-            host: Mutex::new(Some(batch)),
-            chunk: None,
-        }
-    }
-
-    fn on_device(chunk: Chunk) -> Self {
-        Self {
-            rows: chunk.num_rows(),
-            host: Mutex::new(None),
-            chunk: Some(chunk),
-        }
-    }
-
-    pub(super) fn num_rows(&self) -> usize {
-        self.rows
-    }
-
-    /// The device chunk, when the build side is one.
-    fn device_batch(&self) -> Option<&fulmen_kernels::DeviceBatch> {
-        match &self.chunk {
-            Some(Chunk::Device(batch, ..)) => Some(batch),
-            _ => None,
-        }
-    }
-
-    /// The rows on the host: downloaded once (counted), or computed again on the CPU when
-    /// their device is gone.
-    pub(super) fn host(&self, metrics: &GpuMetrics) -> Result<RecordBatch> {
-        let mut held = self.host.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(batch) = &*held {
-            return Ok(batch.clone());
-        }
-        let chunk = self.chunk.as_ref().ok_or_else(|| {
-            internal_datafusion_err!("a join's build side has neither rows nor a chunk")
-        })?;
-        let batch = chunk.host_for_cpu(metrics)?;
-        *held = Some(batch.clone());
-        Ok(batch)
-    }
-
-    /// How to have the rows on the host without the device: host data only, so that a
-    /// redo holding it keeps no device memory.
-    fn lineage(&self) -> Redo {
-        let held = self.host.lock().unwrap_or_else(|p| p.into_inner());
-        match (&*held, &self.chunk) {
-            (Some(batch), _) => Chunk::Host(batch.clone()).lineage(),
-            (None, Some(chunk)) => chunk.lineage(),
-            (None, None) => Redo::default(),
-        }
-    }
-}
-
 /// A partition of an inner join whose output stays on the device.
 pub(super) struct DeviceProbing {
     pub(super) run: JoinRun,
     pub(super) build: Arc<BuildSide>,
-    pub(super) table: Option<JoinTable>,
+    /// Shared by the partitions on this device (CollectLeft).
+    pub(super) table: Option<Arc<JoinTable>>,
     /// Build-side output columns on the device.
     pub(super) build_columns: HashMap<usize, DeviceColumn>,
     pub(super) host: Option<HostIndex>,

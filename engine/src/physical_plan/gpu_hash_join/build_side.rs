@@ -1,0 +1,488 @@
+//! A device-output join's build side: where its rows are (host, or a device chunk left
+//! where it lies), the hash table built over them, and, for a CollectLeft join, the one
+//! table each device builds for all the partitions it runs.
+//!
+//! A CollectLeft join's build side is the whole of its child. When the child is a GPU
+//! operator on the same devices (under DataFusion's `CoalescePartitionsExec`, or a single
+//! partition), its chunks are gathered once, left on their devices, and each device that
+//! runs a probe partition concatenates them into one batch of its own (chunks from other
+//! devices come through the host, counted) and builds one table there, shared by its
+//! partitions. Otherwise the rows are collected on the host once and go up once per device.
+//!
+//! ```text
+//!   child partitions ─▶ chunks (where they lie) ──▶ per device: concat ─▶ JoinTable
+//!                        └─ keys down once, for the probe side's dynamic filter
+//! ```
+
+use super::*;
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use fulmen_kernels::ops::concat::concat_columns;
+use tokio::sync::OnceCell;
+
+type Shared<T> = Result<Arc<T>, Arc<DataFusionError>>;
+
+/// The build side of a CollectLeft join whose output stays on the device: its rows,
+/// gathered once, and the table each device built from them.
+#[derive(Default)]
+pub(super) struct SharedDeviceBuild {
+    gathered: OnceCell<Result<(), Arc<DataFusionError>>>,
+    /// The gathered chunks, until every device that needs them has built its table.
+    chunks: Mutex<Option<Arc<Gathered>>>,
+    /// Devices (by index) built so far.
+    built: Mutex<usize>,
+    per_device: Mutex<HashMap<usize, Arc<OnceCell<Shared<DeviceBuild>>>>>,
+    /// For a join whose output goes to the host: the table each device built over the
+    /// host rows (`None`: the device failed, its partitions match on the host).
+    host_tables: Mutex<HashMap<usize, Arc<OnceCell<HostTable>>>>,
+}
+
+type HostTable = Result<Option<Arc<JoinTable>>, Arc<DataFusionError>>;
+
+/// A build side's output columns on the device, by column.
+pub(super) type BuildColumns = HashMap<usize, DeviceColumn>;
+
+impl fmt::Debug for SharedDeviceBuild {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedDeviceBuild")
+            .field("gathered", &self.gathered.initialized())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A CollectLeft build side's chunks, and, when more than one device builds from them,
+/// each chunk's rows on the host (downloaded once, for the devices it is not on).
+pub(super) struct Gathered {
+    chunks: Vec<Chunk>,
+    host: Vec<Option<RecordBatch>>,
+}
+
+/// One device's build side, table and build output columns.
+pub(super) struct DeviceBuild {
+    pub(super) side: Arc<BuildSide>,
+    pub(super) table: Option<Arc<JoinTable>>,
+    pub(super) columns: BuildColumns,
+}
+
+impl JoinRun {
+    /// This partition's device's index among the join's devices.
+    fn device_index(&self) -> Result<usize> {
+        (self.devices.iter().position(|d| d == &self.device))
+            .ok_or_else(|| internal_datafusion_err!("a join partition off its devices"))
+    }
+
+    /// The table over a CollectLeft join's host build rows on this partition's device:
+    /// built (its keys uploaded) by the first of the device's partitions to get here,
+    /// shared with the others.
+    pub(super) async fn shared_host_table(
+        &self,
+        shared: &SharedBuild,
+        build: &RecordBatch,
+    ) -> Result<Option<Arc<JoinTable>>> {
+        let index = self.device_index()?;
+        let cell = Arc::clone(
+            (shared
+                .device
+                .host_tables
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()))
+            .entry(index)
+            .or_default(),
+        );
+        cell.get_or_init(|| async { self.host_table(build).map_err(Arc::new) })
+            .await
+            .clone()
+            .map_err(DataFusionError::Shared)
+    }
+
+    /// The build side of a CollectLeft join on this partition's device: built by the first
+    /// of its partitions to get here, shared with the others.
+    pub(super) async fn shared_device_build(
+        &self,
+        shared: &SharedBuild,
+        partitions: usize,
+    ) -> Result<Arc<DeviceBuild>> {
+        let state = &shared.device;
+        state
+            .gathered
+            .get_or_init(|| async {
+                let gathered = self.gather_left(partitions).await.map_err(Arc::new)?;
+                *state.chunks.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(gathered));
+                Ok(())
+            })
+            .await
+            .clone()
+            .map_err(DataFusionError::Shared)?;
+        let index = self.device_index()?;
+        let cell = Arc::clone(
+            (state.per_device.lock().unwrap_or_else(|p| p.into_inner()))
+                .entry(index)
+                .or_default(),
+        );
+        let built = cell
+            .get_or_init(|| async {
+                let chunks = (state
+                    .chunks
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone())
+                .ok_or_else(|| {
+                    Arc::new(internal_datafusion_err!("a build side released too early"))
+                })?;
+                let built = self
+                    .build_on_device(&chunks)
+                    .map(Arc::new)
+                    .map_err(Arc::new);
+                // The devices that run a partition: once each has built, the gathered
+                // chunks go (each device keeps its own batch).
+                let needed = partitions.min(self.devices.len());
+                let mut done = state.built.lock().unwrap_or_else(|p| p.into_inner());
+                *done += 1;
+                if *done >= needed {
+                    state
+                        .chunks
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .take();
+                }
+                built
+            })
+            .await
+            .clone()
+            .map_err(DataFusionError::Shared)?;
+        Ok(built)
+    }
+
+    /// The child's rows as chunks: from every partition of a GPU child on the same devices
+    /// (under a `CoalescePartitionsExec`, or alone), left where they lie; else its host
+    /// batches. When the join's `probe_partitions` run on more than one device, every chunk is
+    /// on a device some other needs it on: each comes down once (a wait per chunk, as
+    /// collecting it on the host would), for those devices to upload. The probe side's
+    /// dynamic filter is filled from their keys.
+    async fn gather_left(&self, probe_partitions: usize) -> Result<Gathered> {
+        let same_devices = |plan: &Arc<dyn ExecutionPlan>| {
+            super::super::resident(plan)
+                .is_some_and(|r| r.resident_devices().as_slice() == self.devices.as_slice())
+        };
+        let coalesced = (self.left.downcast_ref::<CoalescePartitionsExec>())
+            .filter(|c| c.fetch().is_none())
+            .map(|c| Arc::clone(c.input()))
+            .filter(same_devices);
+        let (source, partitions) = match coalesced {
+            Some(child) => {
+                let n = child.output_partitioning().partition_count();
+                (child, n)
+            }
+            None => (Arc::clone(&self.left), 1),
+        };
+        let collect = |partition: usize| {
+            let context = Arc::clone(&self.context);
+            let stream = input_chunks(&source, partition, context, &self.devices);
+            async move {
+                let mut chunks = Vec::new();
+                let mut stream = stream?;
+                while let Some(chunk) = stream.next().await {
+                    chunks.push(chunk?);
+                }
+                Ok::<_, DataFusionError>(chunks)
+            }
+        };
+        let parts = futures::future::try_join_all((0..partitions).map(collect)).await?;
+        let chunks: Vec<Chunk> = parts.into_iter().flatten().collect();
+        let rows: usize = chunks.iter().map(Chunk::num_rows).sum();
+        self.extra.build_rows.add(rows);
+        let host = match probe_partitions.min(self.devices.len()) > 1 {
+            true => chunks
+                .iter()
+                .map(|c| c.host_for_cpu(&self.metrics).map(Some))
+                .collect::<Result<Vec<_>>>()?,
+            false => vec![None; chunks.len()],
+        };
+        if let Some(filter) = self.probe_filter.as_deref() {
+            let keys = match host.iter().all(Option::is_some) {
+                true => {
+                    let schema = self.left.schema();
+                    let batches: Vec<RecordBatch> = host.iter().flatten().cloned().collect();
+                    concat_batches(&schema, &batches)
+                        .and_then(|b| b.project(&self.work.left_keys))
+                        .map_err(arrow_err)
+                }
+                false => self.keys_of(&chunks),
+            };
+            match keys {
+                Ok(keys) => {
+                    let at: Vec<usize> = (0..keys.num_columns()).collect();
+                    fill_probe_filter(Some(filter), 0, &keys, &at);
+                }
+                Err(e) => log::warn!("the probe side's dynamic filter stays empty: {e}"),
+            }
+        }
+        Ok(Gathered { chunks, host })
+    }
+
+    /// The key columns of every chunk, on the host: each device's chunks' keys downloaded
+    /// in one wait (counted); a device that fails has its chunks' rows computed again.
+    pub(super) fn keys_of(&self, chunks: &[Chunk]) -> Result<RecordBatch> {
+        let schema = self.left.schema();
+        let keys = &self.work.left_keys;
+        let fields: Vec<_> = keys.iter().map(|&k| schema.field(k).clone()).collect();
+        let keys_schema = Arc::new(datafusion::arrow::datatypes::Schema::new(fields));
+        let mut found: Vec<Option<RecordBatch>> = vec![None; chunks.len()];
+        // Device chunks by the device of their first key column.
+        let mut by_device: Vec<(Device, Vec<usize>)> = Vec::new();
+        for (i, chunk) in chunks.iter().enumerate() {
+            match chunk {
+                Chunk::Host(batch) => found[i] = Some(batch.project(keys).map_err(arrow_err)?),
+                Chunk::Device(batch, ..) => {
+                    let device = batch.columns()[keys[0]].device();
+                    match by_device.iter_mut().find(|(d, _)| d == device) {
+                        Some((_, at)) => at.push(i),
+                        None => by_device.push((device.clone(), vec![i])),
+                    }
+                }
+            }
+        }
+        for (_, at) in by_device {
+            let wanted: Vec<(&DeviceColumn, &DataType)> = at
+                .iter()
+                .flat_map(|&i| match &chunks[i] {
+                    Chunk::Device(batch, ..) => keys
+                        .iter()
+                        .map(|&k| (&batch.columns()[k], schema.field(k).data_type()))
+                        .collect(),
+                    Chunk::Host(_) => Vec::new(),
+                })
+                .collect();
+            match self.metrics.download(&wanted) {
+                Ok(arrays) => {
+                    for (&i, arrays) in at.iter().zip(arrays.chunks(keys.len())) {
+                        let batch = RecordBatch::try_new(Arc::clone(&keys_schema), arrays.to_vec())
+                            .map_err(arrow_err)?;
+                        found[i] = Some(batch);
+                    }
+                }
+                Err(e) => {
+                    self.metrics.recover(&e, "reading the build keys again")?;
+                    for &i in &at {
+                        let rows = chunks[i].host_for_cpu(&self.metrics)?;
+                        found[i] = Some(rows.project(keys).map_err(arrow_err)?);
+                    }
+                }
+            }
+        }
+        let batches: Vec<RecordBatch> = found.into_iter().flatten().collect();
+        concat_batches(&keys_schema, &batches).map_err(arrow_err)
+    }
+
+    /// This device's build side from the gathered chunks: concatenated here when any lies
+    /// on a device (one on this device is used as it is), else collected on the host; and
+    /// its table.
+    fn build_on_device(&self, gathered: &Gathered) -> Result<DeviceBuild> {
+        let chunks = gathered.chunks.as_slice();
+        let schema = self.left.schema();
+        let rows: usize = chunks.iter().map(Chunk::num_rows).sum();
+        let side = match rows > 0 && chunks.iter().any(|c| matches!(c, Chunk::Device(..))) {
+            true => match self.concat_here(chunks, &gathered.host) {
+                Ok(chunk) => BuildSide::on_device(chunk),
+                Err(e) => {
+                    self.metrics
+                        .recover(&e, "collecting the build side on the host")?;
+                    BuildSide::on_host(host_rows(&schema, chunks, &self.metrics)?)
+                }
+            },
+            false => BuildSide::on_host(host_rows(&schema, chunks, &self.metrics)?),
+        };
+        let (table, columns) = self.table_for(&side)?;
+        Ok(DeviceBuild {
+            side: Arc::new(side),
+            table,
+            columns,
+        })
+    }
+
+    /// The chunks as one device chunk on this partition's device: each column's pieces
+    /// (a chunk from the host or another device uploaded here: from its rows in `host`
+    /// when they came down already, else downloaded in one wait; counted) concatenated
+    /// here. Its redo concatenates the pieces' redos.
+    pub(super) fn concat_here(
+        &self,
+        chunks: &[Chunk],
+        host: &[Option<RecordBatch>],
+    ) -> Result<Chunk, KernelError> {
+        let schema = self.left.schema();
+        let width = schema.fields().len();
+        let mut pieces: Vec<Vec<DeviceColumn>> = vec![Vec::new(); width];
+        for (i, chunk) in chunks.iter().enumerate().filter(|(_, c)| c.num_rows() > 0) {
+            match chunk {
+                Chunk::Device(batch, ..)
+                    if batch.columns().iter().all(|c| c.device() == &self.device) =>
+                {
+                    for (c, column) in batch.columns().iter().enumerate() {
+                        pieces[c].push(column.clone());
+                    }
+                }
+                _ => {
+                    let host = match host.get(i) {
+                        Some(Some(rows)) => rows.clone(),
+                        _ => chunk.to_host(&self.metrics)?,
+                    };
+                    for (c, array) in host.columns().iter().enumerate() {
+                        pieces[c].push(self.metrics.upload(&self.device, array.as_ref())?);
+                    }
+                }
+            }
+        }
+        let columns = pieces
+            .iter()
+            .map(|p| self.metrics.kernel(|| concat_columns(&self.device, p)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let rows: usize = chunks.iter().map(Chunk::num_rows).sum();
+        let fields: Vec<_> = (schema.fields().iter().zip(&columns))
+            .map(|(f, c)| f.as_ref().clone().with_data_type(c.data_type().clone()))
+            .collect();
+        let device_schema = Arc::new(datafusion::arrow::datatypes::Schema::new(fields));
+        let batch = fulmen_kernels::DeviceBatch::try_new(device_schema, columns, rows)?;
+        let redos: Vec<Redo> = chunks.iter().map(Chunk::lineage).collect();
+        let logical = Arc::clone(&schema);
+        let redo = Redo::new(move || {
+            let batches = redos.iter().map(Redo::run).collect::<Result<Vec<_>>>()?;
+            concat_batches(&logical, &batches).map_err(arrow_err)
+        });
+        Ok(Chunk::Device(batch, schema, redo))
+    }
+
+    /// The table over a build side, and its output columns on the device: a device batch's
+    /// own columns as they lie (NULL keys stay in the table; the probe's key check rejects
+    /// them unless NULLs match), or the host rows' keys and output columns uploaded. A
+    /// device error leaves no table: the partition matches on the host.
+    pub(super) fn table_for(
+        &self,
+        build: &BuildSide,
+    ) -> Result<(Option<Arc<JoinTable>>, BuildColumns)> {
+        let mut columns = HashMap::new();
+        if build.num_rows() == 0 {
+            return Ok((None, columns));
+        }
+        let outputs = self.work.output_sources();
+        let made = match build.device_batch() {
+            Some(batch) => {
+                let keys = (self.work.left_keys.iter())
+                    .map(|&k| batch.columns()[k].clone())
+                    .collect();
+                for &(from_build, c) in &outputs {
+                    if from_build {
+                        columns.insert(c, batch.columns()[c].clone());
+                    }
+                }
+                self.metrics.kernel(|| {
+                    JoinTable::build(
+                        &self.device,
+                        keys,
+                        None,
+                        batch.num_rows(),
+                        self.work.null_equals_null,
+                    )
+                })
+            }
+            None => {
+                let host = build.host(&self.metrics)?;
+                self.build_table(&host).and_then(|t| {
+                    for &(from_build, c) in &outputs {
+                        if from_build && !columns.contains_key(&c) {
+                            let column =
+                                self.metrics.upload(&self.device, host.column(c).as_ref())?;
+                            columns.insert(c, column);
+                        }
+                    }
+                    Ok(t)
+                })
+            }
+        };
+        match made {
+            Ok(t) => {
+                if build.device_batch().is_some() {
+                    self.extra.device_builds.add(1);
+                }
+                Ok((Some(Arc::new(t)), columns))
+            }
+            Err(e) => {
+                self.metrics.recover(&e, "matching the join on the host")?;
+                self.extra.cpu_fallback.add(1);
+                Ok((None, HashMap::new()))
+            }
+        }
+    }
+}
+
+/// The chunks' rows on the host, as one batch.
+fn host_rows(schema: &SchemaRef, chunks: &[Chunk], metrics: &GpuMetrics) -> Result<RecordBatch> {
+    let batches = chunks
+        .iter()
+        .map(|c| c.host_for_cpu(metrics))
+        .collect::<Result<Vec<_>>>()?;
+    concat_batches(schema, &batches).map_err(arrow_err)
+}
+
+/// A partition's build side for a device-output join: its rows on the host, or the one
+/// device chunk they arrived in, brought to the host only if the host needs them (a batch
+/// matched there).
+pub(super) struct BuildSide {
+    rows: usize,
+    host: Mutex<Option<RecordBatch>>,
+    chunk: Option<Chunk>,
+}
+
+impl BuildSide {
+    pub(super) fn on_host(batch: RecordBatch) -> Self {
+        Self {
+            rows: batch.num_rows(),
+            host: Mutex::new(Some(batch)),
+            chunk: None,
+        }
+    }
+
+    pub(super) fn on_device(chunk: Chunk) -> Self {
+        Self {
+            rows: chunk.num_rows(),
+            host: Mutex::new(None),
+            chunk: Some(chunk),
+        }
+    }
+
+    pub(super) fn num_rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The device chunk, when the build side is one.
+    pub(super) fn device_batch(&self) -> Option<&fulmen_kernels::DeviceBatch> {
+        match &self.chunk {
+            Some(Chunk::Device(batch, ..)) => Some(batch),
+            _ => None,
+        }
+    }
+
+    /// The rows on the host: downloaded once (counted), or computed again on the CPU when
+    /// their device is gone.
+    pub(super) fn host(&self, metrics: &GpuMetrics) -> Result<RecordBatch> {
+        let mut held = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(batch) = &*held {
+            return Ok(batch.clone());
+        }
+        let chunk = self.chunk.as_ref().ok_or_else(|| {
+            internal_datafusion_err!("a join's build side has neither rows nor a chunk")
+        })?;
+        let batch = chunk.host_for_cpu(metrics)?;
+        *held = Some(batch.clone());
+        Ok(batch)
+    }
+
+    /// How to have the rows on the host without the device: host data only, so that a
+    /// redo holding it keeps no device memory.
+    pub(super) fn lineage(&self) -> Redo {
+        let held = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        match (&*held, &self.chunk) {
+            (Some(batch), _) => Chunk::Host(batch.clone()).lineage(),
+            (None, Some(chunk)) => chunk.lineage(),
+            (None, None) => Redo::default(),
+        }
+    }
+}
