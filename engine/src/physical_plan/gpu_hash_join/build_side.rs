@@ -5,9 +5,11 @@
 //! A CollectLeft join's build side is the whole of its child. When the child is a GPU
 //! operator on the same devices (under DataFusion's `CoalescePartitionsExec`, or a single
 //! partition), its chunks are gathered once, left on their devices, and each device that
-//! runs a probe partition concatenates them into one batch of its own (chunks from other
-//! devices come through the host, counted) and builds one table there, shared by its
-//! partitions. Otherwise the rows are collected on the host once and go up once per device.
+//! runs a probe partition concatenates them into one batch of its own and builds one table
+//! there, shared by its partitions. When more than one device builds, each chunk comes down
+//! once (counted) and goes up to the devices it is not on: there is no peer-to-peer copy
+//! yet. Otherwise (a CPU child, or a join whose output goes to the host) the rows are
+//! collected on the host once and their keys go up once per device.
 //!
 //! ```text
 //!   child partitions ─▶ chunks (where they lie) ──▶ per device: concat ─▶ JoinTable
@@ -21,8 +23,9 @@ use tokio::sync::OnceCell;
 
 type Shared<T> = Result<Arc<T>, Arc<DataFusionError>>;
 
-/// The build side of a CollectLeft join whose output stays on the device: its rows,
-/// gathered once, and the table each device built from them.
+/// A CollectLeft join's build side per device: for a join whose output stays on the
+/// device, its rows gathered once and the table each device built from them; for one
+/// whose output goes to the host, the table each device built over the host rows.
 #[derive(Default)]
 pub(super) struct SharedDeviceBuild {
     gathered: OnceCell<Result<(), Arc<DataFusionError>>>,
