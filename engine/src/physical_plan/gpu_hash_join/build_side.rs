@@ -200,7 +200,7 @@ impl JoinRun {
                 .collect::<Result<Vec<_>>>()?,
             false => vec![None; chunks.len()],
         };
-        if let Some(filter) = self.probe_filter.as_deref() {
+        if self.probe_filter.is_some() {
             let keys = match host.iter().all(Option::is_some) {
                 true => {
                     let schema = self.left.schema();
@@ -211,15 +211,21 @@ impl JoinRun {
                 }
                 false => self.keys_of(&chunks),
             };
-            match keys {
-                Ok(keys) => {
-                    let at: Vec<usize> = (0..keys.num_columns()).collect();
-                    fill_probe_filter(Some(filter), 0, &keys, &at);
-                }
-                Err(e) => log::warn!("the probe side's dynamic filter stays empty: {e}"),
-            }
+            self.report_keys(0, keys);
         }
         Ok(Gathered { chunks, host })
+    }
+
+    /// Fills the probe side's dynamic filter with `partition`'s build keys (a batch of the
+    /// key columns alone); failing to get them only costs the pruning.
+    pub(super) fn report_keys(&self, partition: usize, keys: Result<RecordBatch>) {
+        match keys {
+            Ok(keys) => {
+                let at: Vec<usize> = (0..keys.num_columns()).collect();
+                fill_probe_filter(self.probe_filter.as_deref(), partition, &keys, &at);
+            }
+            Err(e) => log::warn!("the probe side's dynamic filter stays empty: {e}"),
+        }
     }
 
     /// The key columns of every chunk, on the host: each device's chunks' keys downloaded
@@ -417,7 +423,11 @@ impl JoinRun {
 }
 
 /// The chunks' rows on the host, as one batch.
-fn host_rows(schema: &SchemaRef, chunks: &[Chunk], metrics: &GpuMetrics) -> Result<RecordBatch> {
+pub(super) fn host_rows(
+    schema: &SchemaRef,
+    chunks: &[Chunk],
+    metrics: &GpuMetrics,
+) -> Result<RecordBatch> {
     let batches = chunks
         .iter()
         .map(|c| c.host_for_cpu(metrics))

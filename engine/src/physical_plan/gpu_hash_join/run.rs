@@ -173,16 +173,9 @@ impl JoinRun {
         if rows > 0 && chunks.iter().any(|c| matches!(c, Chunk::Device(..))) {
             match self.concat_here(&chunks, &[]) {
                 Ok(chunk) => {
-                    if let Some(filter) = self.probe_filter.as_deref() {
-                        match self.keys_of(std::slice::from_ref(&chunk)) {
-                            Ok(keys) => {
-                                let at: Vec<usize> = (0..keys.num_columns()).collect();
-                                fill_probe_filter(Some(filter), self.partition, &keys, &at);
-                            }
-                            Err(e) => {
-                                log::warn!("the probe side's dynamic filter stays empty: {e}")
-                            }
-                        }
+                    if self.probe_filter.is_some() {
+                        let keys = self.keys_of(std::slice::from_ref(&chunk));
+                        self.report_keys(self.partition, keys);
                     }
                     self.extra.build_rows.add(rows);
                     return Ok(BuildSide::on_device(chunk));
@@ -192,11 +185,7 @@ impl JoinRun {
                     .recover(&e, "collecting the build side on the host")?,
             }
         }
-        let batches = chunks
-            .iter()
-            .map(|c| c.host_for_cpu(&self.metrics))
-            .collect::<Result<Vec<_>>>()?;
-        let build = concat_batches(&self.left.schema(), &batches).map_err(arrow_err)?;
+        let build = host_rows(&self.left.schema(), &chunks, &self.metrics)?;
         let filter = self.probe_filter.as_deref();
         fill_probe_filter(filter, self.partition, &build, &self.work.left_keys);
         self.extra.build_rows.add(build.num_rows());
