@@ -123,6 +123,9 @@ pub struct FulmenConfig {
     /// `fulmen.cache.memory_limit`: bytes of each device that cached tables (`CACHE
     /// TABLE`) may hold together (`None`: half the device's memory).
     pub cache_memory_limit: Option<usize>,
+    /// `fulmen.cache.replicate_below`: tables cached without a shard key whose rows take at
+    /// most this many bytes go whole to every device (`0`: never).
+    pub cache_replicate_below: usize,
 }
 
 impl Default for FulmenConfig {
@@ -141,6 +144,7 @@ impl Default for FulmenConfig {
             gpu_on_error: OnError::Fallback,
             stream_incremental: true,
             cache_memory_limit: None,
+            cache_replicate_below: 64 << 20,
         }
     }
 }
@@ -219,6 +223,13 @@ const SETTINGS: &[Setting] = &[
                       nothing; the rest of the device is the queries' working memory.",
     },
     Setting {
+        key: "cache.replicate_below",
+        description: "A table cached without a shard key whose rows take at most this many \
+                      bytes (suffixes K, M, G allowed) is copied whole to every device, so \
+                      that joins against it build where their other side lies; 0 never \
+                      copies. Each copy counts against the device's cache room.",
+    },
+    Setting {
         key: "stream.incremental",
         description: "Whether a windowed sink (CREATE SINK over TUMBLE, HOP or SESSION) \
                       keeps its open windows' partial aggregate states, adding each tick's \
@@ -254,6 +265,7 @@ impl FulmenConfig {
             "gpu.on_error" => self.gpu_on_error.to_string(),
             "stream.incremental" => self.stream_incremental.to_string(),
             "cache.memory_limit" => self.cache_memory_limit.unwrap_or(0).to_string(),
+            "cache.replicate_below" => self.cache_replicate_below.to_string(),
             _ => String::new(),
         }
     }
@@ -333,6 +345,10 @@ impl ExtensionOptions for FulmenConfig {
                 self.cache_memory_limit =
                     Some(parse_bytes("cache.memory_limit", value, CACHE_LIMIT)?).filter(|&b| b > 0)
             }
+            "cache.replicate_below" => {
+                self.cache_replicate_below =
+                    parse_bytes("cache.replicate_below", value, REPLICATE_BELOW)?
+            }
             other => return Err(Self::unknown_key(other)),
         }
         Ok(())
@@ -352,6 +368,7 @@ impl ExtensionOptions for FulmenConfig {
 
 const MEMORY_LIMIT: &str = "bytes, such as 268435456, 256M or 0 for the whole device";
 const CACHE_LIMIT: &str = "bytes, such as 1073741824, 1G or 0 for half the device";
+const REPLICATE_BELOW: &str = "bytes, such as 67108864, 64M or 0 for never";
 
 fn parse_flag(key: &str, value: &str) -> Result<bool> {
     match value.trim().to_ascii_lowercase().as_str() {
@@ -410,7 +427,9 @@ mod tests {
         c.set("gpu.memory_limit", "1G").unwrap();
         c.set("gpu.on_error", "Fail").unwrap();
         c.set("stream.incremental", "false").unwrap();
+        c.set("cache.replicate_below", "1M").unwrap();
         assert!(!c.stream_incremental);
+        assert_eq!(c.cache_replicate_below, 1 << 20);
         assert_eq!(c.gpu_on_error, OnError::Fail);
         assert!(!c.gpu_filter && !c.gpu_projection && c.gpu_batch_rows == 4096);
         assert_eq!(c.gpu_batch_bytes, 16 << 20);
@@ -441,6 +460,10 @@ mod tests {
                 ),
                 ("fulmen.gpu.on_error".to_string(), "fail".to_string()),
                 ("fulmen.cache.memory_limit".to_string(), "0".to_string()),
+                (
+                    "fulmen.cache.replicate_below".to_string(),
+                    "1048576".to_string()
+                ),
                 ("fulmen.stream.incremental".to_string(), "false".to_string()),
             ]
         );

@@ -9,6 +9,14 @@
 //!   partition p reads chunks of device p mod n, which is the device every GPU operator
 //!   runs partition p on: a filter, projection, aggregation or join probe over a cached
 //!   table takes its chunks on the device that holds them, with nothing uploaded.
+//! - **Replication.** A table of at most `fulmen.cache.replicate_below` bytes (64 MiB by
+//!   default), not sharded, goes whole to every device when there are several (each
+//!   device's copy counts against its cache room; one that would not fit everywhere is
+//!   dealt instead). A scan still reads each row once, chunk j from device (j + first)
+//!   mod n; but a CollectLeft join whose build side is such a scan (under GPU filters and
+//!   projections) builds each device's table from that device's own copy, so that
+//!   dimension tables joined to a table spread or sharded over the devices never cross
+//!   between devices.
 //! - **Sharding.** `CACHE TABLE t OPTIONS ('shard_key' 'k')` deals the rows by the hash of
 //!   `k` instead: into `target_partitions` parts with DataFusion's own hash repartitioning
 //!   (the same hash and seed as its `RepartitionExec`), part p on device p mod n. A scan
@@ -34,6 +42,7 @@
 //!
 //! [`GpuScanExec`]: crate::physical_plan::gpu_scan::GpuScanExec
 
+mod reread;
 pub mod statements;
 pub mod table;
 
@@ -58,6 +67,7 @@ use futures::StreamExt;
 
 use crate::physical_plan::coalesce::{BatchLimit, Coalescer, host_bytes};
 
+pub use reread::Reread;
 pub use table::CachedTable;
 
 /// A table's rows in device memory: its chunks, by the device that holds them.
@@ -71,6 +81,11 @@ pub struct CachedData {
     rows: usize,
     source: Fingerprint,
     sharding: Option<Sharding>,
+    /// Whether every device holds all the rows (`shards[d]`: the same chunks on each).
+    replicated: bool,
+    /// The device the first chunk went to: a replicated table's scans read chunk j from
+    /// device (j + first) mod n, so that small tables spread their reads.
+    first: usize,
 }
 
 /// How a table is to be cached (`CACHE TABLE t OPTIONS (…)`).
@@ -137,12 +152,12 @@ impl CachedData {
         self.rows
     }
 
-    /// Devices holding some of the rows.
+    /// Devices holding some of the rows (each a whole copy when replicated).
     pub fn shards(&self) -> usize {
         self.shards.iter().filter(|s| !s.is_empty()).count()
     }
 
-    /// Chunks cached, on every device.
+    /// Chunks cached, on every device (each replica's counted).
     pub fn chunks(&self) -> usize {
         self.shards.iter().map(Vec::len).sum()
     }
@@ -175,6 +190,17 @@ impl CachedData {
     /// How the rows are dealt by a key, when they are.
     pub fn sharding(&self) -> Option<&Sharding> {
         self.sharding.as_ref()
+    }
+
+    /// Whether every device holds all the rows, chunk for chunk (a table smaller than
+    /// `fulmen.cache.replicate_below`).
+    pub fn replicated(&self) -> bool {
+        self.replicated
+    }
+
+    /// The device the first chunk went to.
+    pub fn first_device(&self) -> usize {
+        self.first
     }
 
     /// The options it was cached with.
@@ -273,6 +299,7 @@ pub async fn cache(
     devices: Arc<Vec<Device>>,
     batch: BatchLimit,
     limit: Option<usize>,
+    replicate_below: usize,
     sharding: Option<Sharding>,
 ) -> Result<Arc<CachedData>> {
     let fingerprint = fingerprint(source).ok_or_else(|| {
@@ -322,6 +349,11 @@ pub async fn cache(
         full: None,
         needed: 0,
         sharded: sharding.is_some(),
+        replicas: (n > 1 && sharding.is_none() && replicate_below > 0).then(|| Replicas {
+            below: replicate_below,
+            bytes: 0,
+            held: Vec::new(),
+        }),
     };
     let mut partitioner = sharding.as_ref().map(Sharding::partitioner).transpose()?;
     let mut pending: Vec<Coalescer<RecordBatch>> = (0..loader.part_rows.len())
@@ -339,6 +371,7 @@ pub async fn cache(
     for (part, pending) in pending.iter_mut().enumerate() {
         loader.place(part, pending.take())?;
     }
+    let replicated = loader.finish()?;
     let Loader {
         shards,
         rows,
@@ -369,6 +402,8 @@ pub async fn cache(
         rows,
         source: fingerprint,
         sharding,
+        replicated,
+        first,
     });
     registry()
         .lock()
@@ -440,11 +475,31 @@ struct Loader<'a> {
     full: Option<String>,
     /// Device bytes of the rows so far (estimated from the host's for those not uploaded).
     needed: usize,
+    /// The chunks held back on the host while the table may still go to every device.
+    replicas: Option<Replicas>,
+}
+
+/// A table's chunks held back while they may still be replicated.
+struct Replicas {
+    /// The most host bytes a replicated table has.
+    below: usize,
+    bytes: usize,
+    held: Vec<Held>,
+}
+
+/// A chunk of a table being cached, on the host.
+struct Held {
+    chunk: RecordBatch,
+    part: usize,
+    first_row: usize,
+    /// Its place among the table's chunks.
+    index: usize,
 }
 
 impl Loader<'_> {
-    /// Places the chunk `group` makes of `part`'s rows: on the part's device when sharded,
-    /// else on the next device in turn.
+    /// Places the chunk `group` makes of `part`'s rows: held back on the host while the
+    /// table may still be replicated; else on the part's device when sharded, or on the
+    /// next device in turn.
     fn place(&mut self, part: usize, group: Vec<RecordBatch>) -> Result<()> {
         if group.is_empty() {
             return Ok(());
@@ -453,16 +508,69 @@ impl Loader<'_> {
             1 => group.into_iter().next().unwrap_or_else(|| unreachable!()),
             _ => concat_batches(&group[0].schema(), &group)?,
         };
-        let estimate = host_bytes(&chunk);
+        let held = Held {
+            first_row: self.part_rows[part],
+            index: self.chunks,
+            part,
+            chunk,
+        };
+        self.part_rows[part] += held.chunk.num_rows();
+        self.rows += held.chunk.num_rows();
+        self.chunks += 1;
+        if let Some(replicas) = &mut self.replicas {
+            replicas.bytes += host_bytes(&held.chunk);
+            replicas.held.push(held);
+            if replicas.bytes <= replicas.below {
+                return Ok(());
+            }
+            // Too large to replicate: the chunks held back are dealt as any other.
+            let held = std::mem::take(&mut replicas.held);
+            self.replicas = None;
+            return held.into_iter().try_for_each(|h| self.deal_one(h));
+        }
+        self.deal_one(held)
+    }
+
+    /// Puts a chunk on the device it is dealt to.
+    fn deal_one(&mut self, held: Held) -> Result<()> {
         let n = self.devices.len();
         let d = match self.sharded {
-            true => part % n,
-            false => (self.first + self.chunks) % n,
+            true => held.part % n,
+            false => (self.first + held.index) % n,
         };
-        let first_row = self.part_rows[part];
-        self.part_rows[part] += chunk.num_rows();
-        self.rows += chunk.num_rows();
-        self.chunks += 1;
+        self.put(d, &held)
+    }
+
+    /// Ends the load: a table still held back (small enough) goes to every device, each
+    /// chunk once per device. Whether it was replicated.
+    fn finish(&mut self) -> Result<bool> {
+        let Some(replicas) = self.replicas.take() else {
+            return Ok(false);
+        };
+        // A copy that would not fit on every device: the table is dealt instead.
+        if (0..self.devices.len()).any(|d| self.room[d] < replicas.bytes) {
+            log::info!(
+                "CACHE TABLE {}: its {} do not fit on every device; dealt instead of replicated",
+                self.name,
+                size(replicas.bytes)
+            );
+            return replicas
+                .held
+                .into_iter()
+                .try_for_each(|h| self.deal_one(h))
+                .map(|_| false);
+        }
+        for held in &replicas.held {
+            for d in 0..self.devices.len() {
+                self.put(d, held)?;
+            }
+        }
+        Ok(!replicas.held.is_empty())
+    }
+
+    /// Uploads a chunk to `devices[d]` while the table fits, else only counts its bytes.
+    fn put(&mut self, d: usize, held: &Held) -> Result<()> {
+        let estimate = host_bytes(&held.chunk);
         if self.full.is_none() && self.held[d] + estimate > self.room[d] {
             let left = self.room[d].saturating_sub(self.held[d]);
             self.stop(format!(
@@ -475,15 +583,15 @@ impl Loader<'_> {
             self.needed += estimate;
             return Ok(());
         }
-        match DeviceBatch::upload(&self.devices[d], &chunk) {
+        match DeviceBatch::upload(&self.devices[d], &held.chunk) {
             Ok(batch) => {
                 let bytes = batch_bytes(&batch);
                 self.held[d] += bytes;
                 self.needed += bytes;
                 self.shards[d].push(CachedChunk {
                     batch,
-                    part,
-                    first_row,
+                    part: held.part,
+                    first_row: held.first_row,
                 });
                 // The device's size classes can make a chunk larger than its host bytes.
                 if self.held[d] > self.room[d] {
@@ -530,134 +638,6 @@ pub fn size(bytes: usize) -> String {
         format!("{bytes} B")
     } else {
         format!("{value:.1} {}", UNITS[unit])
-    }
-}
-
-/// A source's rows read again on the host, for chunks whose device is gone: the source
-/// scan is executed once per cached scan, the first time a chunk needs it, partitions in
-/// order as when it was cached (and dealt into the same parts when the table is sharded),
-/// and its rows are kept on the host for the scan's other chunks while any of its
-/// partitions runs.
-///
-/// The read runs on a thread of its own with a runtime of its own, so that it never waits
-/// for the caller's runtime (a chunk's CPU redo is not async and may block the only thread
-/// of a current-thread runtime).
-#[derive(Debug)]
-pub struct Reread {
-    plan: Arc<dyn ExecutionPlan>,
-    task: Arc<TaskContext>,
-    /// How the cached rows were dealt into parts (the key's place among `plan`'s columns).
-    sharding: Option<Sharding>,
-    /// The columns kept of the rows read (all when `None`).
-    projection: Option<Vec<usize>>,
-    /// The rows of each part.
-    rows: Mutex<Option<Arc<Vec<Vec<RecordBatch>>>>>,
-}
-
-impl Reread {
-    /// Rows of `plan`, read on demand: dealt into `sharding`'s parts when it is given (its
-    /// `column` is the key's place among `plan`'s columns), and cut to `projection`.
-    pub fn new(
-        plan: Arc<dyn ExecutionPlan>,
-        task: Arc<TaskContext>,
-        sharding: Option<Sharding>,
-        projection: Option<Vec<usize>>,
-    ) -> Self {
-        Self {
-            plan,
-            task,
-            sharding,
-            projection,
-            rows: Mutex::new(None),
-        }
-    }
-
-    /// Rows `first .. first + len` of `part`, as one batch, without blocking the caller's
-    /// runtime.
-    pub async fn rows_async(
-        self: Arc<Self>,
-        part: usize,
-        first: usize,
-        len: usize,
-    ) -> Result<RecordBatch> {
-        tokio::task::spawn_blocking(move || self.rows(part, first, len))
-            .await
-            .map_err(|e| DataFusionError::Execution(format!("re-reading a cached table: {e}")))?
-    }
-
-    /// Rows `first .. first + len` of `part` (of the whole source when not sharded), as
-    /// one batch, blocking while the source is read.
-    pub fn rows(&self, part: usize, first: usize, len: usize) -> Result<RecordBatch> {
-        let all = {
-            // Held while the source is read: the other chunks wait for the one read.
-            let mut held = self.rows.lock().unwrap_or_else(|p| p.into_inner());
-            match &*held {
-                Some(all) => Arc::clone(all),
-                None => {
-                    let all = Arc::new(self.read()?);
-                    *held = Some(Arc::clone(&all));
-                    all
-                }
-            }
-        };
-        let rows = self.slice(all.get(part).map_or(&[], Vec::as_slice), first, len)?;
-        match &self.projection {
-            Some(p) => Ok(rows.project(p)?),
-            None => Ok(rows),
-        }
-    }
-
-    /// The source's rows by part, in the order they were cached.
-    fn read(&self) -> Result<Vec<Vec<RecordBatch>>> {
-        let (plan, task) = (Arc::clone(&self.plan), Arc::clone(&self.task));
-        let sharding = self.sharding.clone();
-        let reader = std::thread::spawn(move || -> Result<Vec<Vec<RecordBatch>>> {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            let mut partitioner = sharding.as_ref().map(Sharding::partitioner).transpose()?;
-            let mut parts = vec![Vec::new(); sharding.as_ref().map_or(1, |s| s.parts)];
-            runtime.block_on(async move {
-                for p in 0..plan.properties().partitioning.partition_count() {
-                    let mut stream = plan.execute(p, Arc::clone(&task))?;
-                    while let Some(batch) = stream.next().await {
-                        deal(partitioner.as_mut(), batch?, |part, piece| {
-                            parts[part].push(piece);
-                            Ok(())
-                        })?;
-                    }
-                }
-                Ok(parts)
-            })
-        });
-        reader.join().unwrap_or_else(|_| {
-            Err(DataFusionError::Execution(
-                "reading a cached table's source panicked".into(),
-            ))
-        })
-    }
-
-    fn slice(&self, all: &[RecordBatch], first: usize, len: usize) -> Result<RecordBatch> {
-        let mut pieces = Vec::new();
-        let (mut at, end) = (0usize, first + len);
-        for batch in all {
-            let (from, to) = (at, at + batch.num_rows());
-            at = to;
-            if to <= first || from >= end {
-                continue;
-            }
-            let start = first.max(from) - from;
-            let stop = end.min(to) - from;
-            pieces.push(batch.slice(start, stop - start));
-        }
-        let got: usize = pieces.iter().map(RecordBatch::num_rows).sum();
-        if got != len {
-            return Err(DataFusionError::Execution(format!(
-                "a cached table's source no longer has the rows {first}..{end} of the cache's \
-                 (it has {at}); REFRESH CACHE takes a new snapshot"
-            )));
-        }
-        Ok(concat_batches(&self.plan.schema(), &pieces)?)
     }
 }
 

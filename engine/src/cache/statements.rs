@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{RecordBatch, StringArray, UInt64Array};
+use datafusion::arrow::array::{BooleanArray, RecordBatch, StringArray, UInt64Array};
 use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::catalog::TableProvider;
 use datafusion::dataframe::DataFrame;
@@ -43,6 +43,8 @@ pub struct CacheSummary {
     pub devices: String,
     /// The column the rows are dealt by, when they are sharded.
     pub shard_key: Option<String>,
+    /// Whether every device holds all the rows (`fulmen.cache.replicate_below`).
+    pub replicated: bool,
 }
 
 impl CacheSummary {
@@ -54,6 +56,7 @@ impl CacheSummary {
             bytes: data.bytes(),
             devices: crate::gpu::devices::describe(data.devices()),
             shard_key: data.sharding().map(|s| s.key.clone()),
+            replicated: data.replicated(),
         }
     }
 
@@ -65,6 +68,7 @@ impl CacheSummary {
             Field::new("device_bytes", DataType::UInt64, false),
             Field::new("devices", DataType::Utf8, false),
             Field::new("shard_key", DataType::Utf8, true),
+            Field::new("replicated", DataType::Boolean, false),
         ]));
         let batch = RecordBatch::try_new(
             Arc::clone(&schema),
@@ -75,6 +79,7 @@ impl CacheSummary {
                 Arc::new(UInt64Array::from(vec![self.bytes as u64])),
                 Arc::new(StringArray::from(vec![self.devices.as_str()])),
                 Arc::new(StringArray::from(vec![self.shard_key.as_deref()])),
+                Arc::new(BooleanArray::from(vec![self.replicated])),
             ],
         )?;
         ctx.session_context()
@@ -365,6 +370,7 @@ pub async fn cache_table(
         Arc::new(devices),
         BatchLimit::of(&config),
         config.cache_memory_limit,
+        config.cache_replicate_below,
         sharding,
     )
     .await?;
@@ -430,8 +436,9 @@ pub async fn show_devices(ctx: &FulmenContext) -> Result<DataFrame> {
         .await
 }
 
-/// How `SHOW DEVICES` lists the cached tables on `device`: `t (1.5 MiB in 2 chunks)`, or
-/// for a sharded table `t (1.5 MiB in 2 chunks, sharded by k)`.
+/// How `SHOW DEVICES` lists the cached tables on `device`: `t (1.5 MiB in 2 chunks)`, for
+/// a sharded table `t (1.5 MiB in 2 chunks, sharded by k)`, for one every device holds
+/// whole `t (1.5 MiB in 2 chunks, replicated)`.
 pub fn tables_on(device: &fulmen_kernels::Device) -> String {
     super::cached_tables()
         .iter()
@@ -441,6 +448,7 @@ pub fn tables_on(device: &fulmen_kernels::Device) -> String {
             (chunks > 0).then(|| {
                 let by = match t.sharding() {
                     Some(s) => format!(", sharded by {}", s.key),
+                    None if t.replicated() => ", replicated".to_string(),
                     None => String::new(),
                 };
                 format!(

@@ -76,15 +76,38 @@ impl<W: BatchWork> GpuBatchExec<W> {
         context: Arc<TaskContext>,
         resident: bool,
     ) -> Result<ChunkStream> {
+        let input = input_chunks(
+            &self.child()?,
+            partition,
+            Arc::clone(&context),
+            &self.devices,
+        )?;
+        self.stream_over(input, partition, context, resident)
+    }
+
+    fn child(&self) -> Result<Arc<dyn ExecutionPlan>> {
+        (self.inner.children().first().map(|c| Arc::clone(*c)))
+            .ok_or_else(|| internal_datafusion_err!("{} without an input", W::NAME))
+    }
+
+    /// The child on the same devices, when it is a GPU operator there.
+    fn resident_child(&self) -> Option<Arc<dyn ExecutionPlan>> {
+        self.child().ok().filter(|c| {
+            super::resident(c)
+                .is_some_and(|r| r.resident_devices().as_slice() == self.devices.as_slice())
+        })
+    }
+
+    /// The stream of `input` on partition `partition`'s device.
+    fn stream_over(
+        &self,
+        input: ChunkStream,
+        partition: usize,
+        context: Arc<TaskContext>,
+        resident: bool,
+    ) -> Result<ChunkStream> {
         let device = device_for(&self.devices, partition)
             .ok_or_else(|| internal_datafusion_err!("{} without a device", W::NAME))?;
-        let child = self
-            .inner
-            .children()
-            .first()
-            .map(|c| Arc::clone(*c))
-            .ok_or_else(|| internal_datafusion_err!("{} without an input", W::NAME))?;
-        let input = input_chunks(&child, partition, Arc::clone(&context), &self.devices)?;
         let metrics = GpuMetrics::new(&self.metrics, partition, &device, &context);
         count_operator(&self.executed, W::KIND);
         Ok(metrics.work().chunks(Box::pin(GpuStream::new(
@@ -108,6 +131,22 @@ impl<W: BatchWork> DeviceResident for GpuBatchExec<W> {
 
     fn resident_devices(&self) -> &Arc<Vec<Device>> {
         &self.devices
+    }
+
+    /// Row by row operators (no limit) over a replicated table's scan.
+    fn replicated(&self) -> bool {
+        self.fetch.is_none()
+            && (self.resident_child())
+                .is_some_and(|c| super::resident(&c).is_some_and(|r| r.replicated()))
+    }
+
+    fn execute_replica(&self, device: usize, context: Arc<TaskContext>) -> Result<ChunkStream> {
+        let child = (self.resident_child().filter(|_| self.replicated()))
+            .ok_or_else(|| internal_datafusion_err!("{} is not over a replica", W::NAME))?;
+        let resident = super::resident(&child)
+            .ok_or_else(|| internal_datafusion_err!("{} is not over a replica", W::NAME))?;
+        let input = resident.execute_replica(device, Arc::clone(&context))?;
+        self.stream_over(input, device, context, true)
     }
 }
 

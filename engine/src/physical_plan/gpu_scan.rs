@@ -4,6 +4,8 @@
 //! downloaded (counted). A chunk whose device is out of service is read from the source.
 //! A sharded table's partition p is its hash part p, and the scan says so (`Hash([k], P)`)
 //! where DataFusion would deal rows the same way, so that it adds no repartition on `k`.
+//! A replicated table's partitions read each chunk once, from alternating devices; a
+//! CollectLeft join asks instead for a device's whole copy (`execute_replica`).
 
 use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
@@ -154,8 +156,10 @@ impl GpuScanExec {
     }
 
     /// The device of `partition` (its index among the table's devices) and the chunks it
-    /// reads: a sharded table's chunks of the partition's part; else chunk j of that device
-    /// when j mod (partitions per device) is the partition's slot.
+    /// reads: a sharded table's chunks of the partition's part; a replicated table's chunk
+    /// j when (j + the first chunk's device) mod partitions is the partition, so that each
+    /// row is read once; else chunk j of that device when j mod (partitions per device) is
+    /// the partition's slot.
     fn chunks_of(&self, partition: usize) -> (usize, Vec<usize>) {
         let n = self.data.devices().len().max(1);
         let d = partition % n;
@@ -164,6 +168,12 @@ impl GpuScanExec {
             Some(_) => (0..shard.len())
                 .filter(|&j| shard[j].part == partition)
                 .collect(),
+            None if self.data.replicated() => {
+                let (first, all) = (self.data.first_device(), self.partitions().max(1));
+                (0..shard.len())
+                    .filter(|j| (j + first) % all == partition)
+                    .collect()
+            }
             None => {
                 let (slot, per) = (partition / n, (self.partitions() / n).max(1));
                 (0..shard.len()).filter(|j| j % per == slot).collect()
@@ -181,6 +191,17 @@ impl GpuScanExec {
         context: Arc<TaskContext>,
     ) -> Result<(ChunkStream, GpuMetrics)> {
         let (d, chunks) = self.chunks_of(partition);
+        self.chunks_from(d, chunks, partition, context)
+    }
+
+    /// Chunks `chunks` of the `d`-th device, metered as partition `partition`'s.
+    fn chunks_from(
+        &self,
+        d: usize,
+        chunks: Vec<usize>,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<(ChunkStream, GpuMetrics)> {
         let device: Device = self.data.devices()[d].clone();
         let metrics = GpuMetrics::new(&self.metrics, partition, &device, &context);
         let reread = {
@@ -248,6 +269,23 @@ impl DeviceResident for GpuScanExec {
     fn resident_devices(&self) -> &Arc<Vec<Device>> {
         self.data.devices()
     }
+
+    fn replicated(&self) -> bool {
+        self.data.replicated()
+    }
+
+    /// Every chunk of the copy on the `device`-th device (metered as its first partition).
+    fn execute_replica(&self, device: usize, context: Arc<TaskContext>) -> Result<ChunkStream> {
+        if !self.data.replicated() || device >= self.data.devices().len() {
+            return Err(DataFusionError::Internal(format!(
+                "GpuScanExec: {} has no copy on device {device}",
+                self.data.name()
+            )));
+        }
+        let all = (0..self.data.shard(device).len()).collect();
+        let (chunks, metrics) = self.chunks_from(device, all, device, context)?;
+        Ok(metrics.work().chunks(chunks))
+    }
 }
 
 impl DisplayAs for GpuScanExec {
@@ -264,9 +302,13 @@ impl DisplayAs for GpuScanExec {
                 write!(f, "chunks={}", self.data.chunks())
             }
             _ => {
+                let spread = match self.data.replicated() {
+                    true => "replicas",
+                    false => "shards",
+                };
                 write!(
                     f,
-                    "GpuScanExec: table={}, device={}, shards={}, ",
+                    "GpuScanExec: table={}, device={}, {spread}={}, ",
                     self.data.name(),
                     crate::gpu::devices::describe(self.data.devices()),
                     self.data.shards(),

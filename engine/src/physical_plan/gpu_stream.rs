@@ -251,6 +251,21 @@ pub trait DeviceResident {
 
     /// The devices its partitions run on.
     fn resident_devices(&self) -> &Arc<Vec<Device>>;
+
+    /// Whether its whole output can be made on any one of its devices from rows every
+    /// device holds (a replicated cached table's scan, under row by row GPU operators).
+    fn replicated(&self) -> bool {
+        false
+    }
+
+    /// Its whole output (every partition's rows) made on `resident_devices()[device]` from
+    /// that device's copy, when [`replicated`](Self::replicated).
+    fn execute_replica(&self, device: usize, context: Arc<TaskContext>) -> Result<ChunkStream> {
+        let _ = (device, context);
+        Err(datafusion::common::internal_datafusion_err!(
+            "a plan without replicated rows was asked for a replica"
+        ))
+    }
 }
 
 /// The child of a GPU operator as chunks: straight from the child's device when it is a

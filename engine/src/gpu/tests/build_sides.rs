@@ -83,13 +83,15 @@ async fn collect_left_build_sides_stay_on_the_device() {
     assert!(built >= 15, "{built} CollectLeft joins built on the device");
 }
 
-/// Two devices: each concatenates the chunks of both (the other's through the host) and
-/// builds its own table; the answers stay DataFusion's. A device lost while the queries
-/// probe sends its work through the host, with the same answers.
+/// Two devices, tables spread (none replicated): each concatenates the chunks of both (the
+/// other's through the host) and builds its own table; the answers stay DataFusion's. A
+/// device lost while the queries probe sends its work through the host, with the same
+/// answers.
 #[tokio::test]
 async fn collect_left_build_sides_on_two_devices() {
     let set = "emulated:2/collect-left";
     let (gpu, cpu) = tpch_contexts(set, 2, None);
+    text(&gpu, "SET fulmen.cache.replicate_below = 0").await;
     for table in TPCH_TABLES {
         gpu.cache_table(table).await.unwrap();
     }
@@ -116,6 +118,138 @@ async fn collect_left_build_sides_on_two_devices() {
     let sql = crate::tpch::QUERIES[8];
     let plan = plan_of(&gpu, sql).await;
     assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1, "Q9");
+    assert!(
+        devices[1].quarantined().is_some(),
+        "the device was not lost"
+    );
+}
+
+/// Whether `join`'s build side is made from a replicated table's scan under GPU filters and
+/// projections alone (under its `CoalescePartitionsExec`).
+fn built_from_replicas(join: &Arc<dyn ExecutionPlan>) -> bool {
+    let mut node = Arc::clone(join.children()[0]);
+    if node.name() == "CoalescePartitionsExec" {
+        node = Arc::clone(node.children()[0]);
+    }
+    loop {
+        match node.name() {
+            "GpuFilterExec" | "GpuProjectionExec" => node = Arc::clone(node.children()[0]),
+            "GpuScanExec" => {
+                return displayable(node.as_ref())
+                    .one_line()
+                    .to_string()
+                    .contains("replicas=");
+            }
+            _ => return false,
+        }
+    }
+}
+
+/// lineitem and orders sharded by order key over two devices, the six smaller tables
+/// (below `fulmen.cache.replicate_below`) replicated: each device holds a whole copy of
+/// them, and a scan of one still reads each row once. Every CollectLeft join feeding a GPU
+/// operator whose build side is made from a replicated table makes it on each of the two
+/// devices from that device's copy, building a table on both: its build side neither comes down nor goes up
+/// (on two devices without replicas each chunk crosses through the host). The answers are
+/// DataFusion's, also with a device lost while the queries run.
+#[tokio::test]
+async fn replicated_tables_build_on_each_device_from_its_own_copy() {
+    let set = "emulated:2/replicated";
+    let (gpu, cpu) = tpch_contexts(set, 2, None);
+    let off = "SET datafusion.optimizer.enable_join_dynamic_filter_pushdown = false";
+    text(&gpu, off).await;
+    for table in TPCH_TABLES {
+        let key = match table {
+            "lineitem" => Some("l_orderkey"),
+            "orders" => Some("o_orderkey"),
+            _ => None,
+        };
+        let options = crate::cache::CacheOptions {
+            shard_key: key.map(str::to_string),
+        };
+        let summary = gpu.cache_table_with(table, &options).await.unwrap();
+        assert_eq!(summary.replicated, key.is_none(), "{summary:?}");
+    }
+    let devices = devices_of(set);
+    for table in crate::cache::cached_tables() {
+        if table.devices().as_slice() != devices.as_slice() || !table.replicated() {
+            continue;
+        }
+        let held: Vec<usize> = devices.iter().map(|d| table.bytes_on(d)).collect();
+        assert!(
+            held[0] > 0 && held[0] == held[1],
+            "{}: {held:?}",
+            table.name()
+        );
+        assert_eq!(
+            table.shard(0).len(),
+            table.shard(1).len(),
+            "{}",
+            table.name()
+        );
+    }
+    let listed = text(&gpu, "SHOW DEVICES").await;
+    // (On CUDA the devices are shared with other tests, which cache nation too.)
+    assert!(listed.matches("nation (").count() >= 2, "{listed}");
+    assert!(listed.contains("replicated"), "{listed}");
+    let once = "SELECT count(*), sum(c_acctbal), min(c_name) FROM customer WHERE c_nationkey < 20";
+    assert_eq!(run(&gpu, once).await.1, run(&cpu, once).await.1);
+    let (mut replica_joins, mut others) = (0, 0);
+    for q in [2, 3, 5, 7, 8, 9, 10, 11, 18, 21] {
+        let sql = crate::tpch::QUERIES[q - 1];
+        let plan = plan_of(&gpu, sql).await;
+        assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1, "Q{q}");
+        assert!(Work::of(&plan).nothing_fell_back(), "Q{q}");
+        let _ = plan.apply(|node| {
+            let line = displayable(node.as_ref()).one_line().to_string();
+            if node.name() != "GpuHashJoinExec" || !line.contains("mode=CollectLeft") {
+                return Ok(TreeNodeRecursion::Continue);
+            }
+            // Joins whose output goes to the host collect their build side there.
+            if !built_from_replicas(node) || metric(node, "device_builds") == 0 {
+                others += 1;
+                return Ok(TreeNodeRecursion::Continue);
+            }
+            replica_joins += 1;
+            let (up, builds) = (metric(node, "h2d_bytes"), metric(node, "device_builds"));
+            let mut below = Arc::clone(node.children()[0]);
+            if below.name() == "CoalescePartitionsExec" {
+                below = Arc::clone(below.children()[0]);
+            }
+            let down = metric(&below, "d2h_bytes");
+            let shown = shown(&plan);
+            assert!(
+                up < CONTROL_BYTES,
+                "Q{q}: a join uploaded {up} bytes\n{shown}"
+            );
+            assert!(
+                down < CONTROL_BYTES,
+                "Q{q}: a build side came down ({down} bytes)\n{shown}"
+            );
+            assert_eq!(builds, 2, "Q{q}: tables built on the devices\n{shown}");
+            Ok(TreeNodeRecursion::Continue)
+        });
+    }
+    println!("{replica_joins} CollectLeft joins built from replicas, {others} otherwise");
+    assert!(
+        replica_joins >= 10,
+        "{replica_joins} joins built from replicas"
+    );
+    if needs_emulator("replicated_tables…: a device lost") {
+        return;
+    }
+    text(&gpu, "SET fulmen.gpu.on_error = 'fallback'").await;
+    devices[1]
+        .inject_faults(fulmen_kernels::FaultPlan {
+            lose_device_at_launch: Some(30),
+            ..Default::default()
+        })
+        .unwrap();
+    for q in [5, 8] {
+        let sql = crate::tpch::QUERIES[q - 1];
+        let plan = plan_of(&gpu, sql).await;
+        assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1, "Q{q}");
+    }
     assert!(
         devices[1].quarantined().is_some(),
         "the device was not lost"

@@ -72,8 +72,8 @@ fn reads_of_cached(plan: &Arc<dyn ExecutionPlan>) -> Vec<(String, usize, usize)>
     reads
 }
 
-/// The 22 TPC-H queries over the eight tables cached on two devices answer as DataFusion
-/// does. Every table is read from device memory (`GpuScanExec`); the filters, projections
+/// The 22 TPC-H queries over the eight tables cached on two devices, spread (none
+/// replicated), answer as DataFusion does. Every table is read from device memory (`GpuScanExec`); the filters, projections
 /// and aggregations reading it take its chunks where they lie, uploading no column (only
 /// their programs and counts) and downloading nothing from the scan; both devices work; and
 /// the queries upload a fraction of what they do over the same tables uncached.
@@ -82,6 +82,7 @@ async fn tpch_over_cached_tables_answers_as_datafusion_with_no_column_uploaded()
     let set = "emulated:2/cache-tpch";
     let (gpu, cpu) = tpch_contexts(set, 2, None);
     let (plain, _) = tpch_contexts(set, 2, None);
+    text(&gpu, "SET fulmen.cache.replicate_below = 0").await;
     for table in TPCH_TABLES {
         let summary = gpu.cache_table(table).await.unwrap();
         assert!(summary.rows > 0 && summary.bytes > 0, "{summary:?}");
@@ -357,6 +358,65 @@ async fn a_cache_that_does_not_fit_fails_with_its_sizes_and_caches_nothing() {
     assert!(summary.bytes <= 64 << 20);
 }
 
+/// A table no larger than `fulmen.cache.replicate_below` goes whole to each of two
+/// devices, and a scan of it still reads each row once; a larger one, or one whose copy
+/// would not fit in a device's cache room (while its share does), is dealt instead.
+#[tokio::test]
+async fn small_tables_are_replicated_and_read_once() {
+    if super::on_cuda() {
+        println!(
+            "small_tables_are_replicated…: not on shared CUDA devices (it reads their memory)"
+        );
+        return;
+    }
+    let set = "emulated:2/cache-replicate";
+    let gpu = session(gpu_config(set), 2);
+    let devices = devices_of(set);
+    text(
+        &gpu,
+        "CREATE TABLE t AS SELECT value AS a, value % 7 AS b FROM range(200000)",
+    )
+    .await;
+    text(&gpu, "SET fulmen.gpu.batch_rows = 50000").await;
+    let sql = "SELECT b, count(*), sum(a) FROM t WHERE a % 3 = 1 GROUP BY b ORDER BY b";
+    let want = text(&gpu, sql).await;
+    let cached = text(&gpu, "CACHE TABLE t").await;
+    assert!(
+        cached.contains("replicated") && cached.contains("true"),
+        "{cached}"
+    );
+    let summary = gpu.refresh_cache("t").await.unwrap();
+    assert!(summary.replicated, "{summary:?}");
+    let held: Vec<usize> = devices.iter().map(crate::cache::cached_bytes_on).collect();
+    assert!(
+        held[0] > 0 && held[0] == held[1],
+        "a whole copy on each: {held:?}"
+    );
+    assert_eq!(summary.bytes, held[0] + held[1]);
+    let plan = plan_of(&gpu, sql).await;
+    assert!(shown(&plan).contains("replicas=2"), "{}", shown(&plan));
+    assert_eq!(text(&gpu, sql).await, want, "each row read once");
+    let before: Vec<u64> = devices.iter().map(|d| d.counters().1).collect();
+    rows_of(&gpu, &plan).await;
+    for (d, b) in devices.iter().zip(before) {
+        assert!(d.counters().1 > b, "{d} read none of the table");
+    }
+    drop(plan); // it holds the cached rows
+    // Larger than the setting: dealt.
+    text(&gpu, "SET fulmen.cache.replicate_below = '1M'").await;
+    let summary = gpu.refresh_cache("t").await.unwrap();
+    assert!(!summary.replicated, "{summary:?}");
+    assert_eq!(text(&gpu, sql).await, want);
+    // Small enough, but a copy does not fit in a device's cache room: dealt.
+    text(&gpu, "SET fulmen.cache.replicate_below = '64M'").await;
+    text(&gpu, "SET fulmen.cache.memory_limit = '3M'").await;
+    let summary = gpu.refresh_cache("t").await.unwrap();
+    assert!(!summary.replicated, "{summary:?}");
+    let held: Vec<usize> = devices.iter().map(crate::cache::cached_bytes_on).collect();
+    assert!(held.iter().all(|&b| b > 0), "dealt over both: {held:?}");
+    assert_eq!(text(&gpu, sql).await, want);
+}
+
 /// A source written after caching (an INSERT, a file added to a table's folder) is read
 /// instead of the stale snapshot until REFRESH CACHE takes a new one.
 #[tokio::test]
@@ -478,6 +538,8 @@ async fn uncache_and_drop_free_the_device_memory() {
 
 /// A device lost while queries read its chunks: the chunks in flight are redone from the
 /// source, the device is quarantined, and later queries read its rows from the source.
+/// (lineitem is replicated here: a scan still reads half of its chunks from the lost
+/// device's copy.)
 #[tokio::test]
 async fn a_device_lost_mid_query_has_its_chunks_read_from_the_source() {
     if needs_emulator("a_device_lost_mid_query…") {
@@ -551,6 +613,7 @@ async fn lost_device_over_files(set: &str, options: &str) {
     }
     text(&gpu, "SET fulmen.gpu.on_error = 'fallback'").await;
     text(&gpu, "SET fulmen.gpu.batch_rows = 4096").await;
+    text(&gpu, "SET fulmen.cache.replicate_below = 0").await;
     text(&gpu, &format!("CACHE TABLE f{options}")).await;
     let lost = devices_of(set)[1].clone();
     lost.inject_faults(fulmen_kernels::FaultPlan {

@@ -8,7 +8,9 @@
 //! runs a probe partition concatenates them into one batch of its own and builds one table
 //! there, shared by its partitions. When more than one device builds, each chunk comes down
 //! once (counted) and goes up to the devices it is not on: there is no peer-to-peer copy
-//! yet. Otherwise (a CPU child, or a join whose output goes to the host) the rows are
+//! yet. A child made from a replicated cached table (under GPU filters and projections) is
+//! made whole on each building device from that device's own copy instead, so nothing
+//! crosses devices. Otherwise (a CPU child, or a join whose output goes to the host) the rows are
 //! collected on the host once and their keys go up once per device.
 //!
 //! ```text
@@ -19,6 +21,7 @@
 use super::*;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use fulmen_kernels::ops::concat::concat_columns;
+use std::sync::atomic::Ordering;
 use tokio::sync::OnceCell;
 
 type Shared<T> = Result<Arc<T>, Arc<DataFusionError>>;
@@ -33,6 +36,9 @@ pub(super) struct SharedDeviceBuild {
     chunks: Mutex<Option<Arc<Gathered>>>,
     /// Devices (by index) built so far.
     built: Mutex<usize>,
+    /// Whether a device building from its own copy of a replicated table has taken the
+    /// build rows' count and filled the probe side's dynamic filter (the first does).
+    replica_reported: std::sync::atomic::AtomicBool,
     per_device: Mutex<HashMap<usize, Arc<OnceCell<Shared<DeviceBuild>>>>>,
     /// For a join whose output goes to the host: the table each device built over the
     /// host rows (`None`: the device failed, its partitions match on the host).
@@ -105,6 +111,9 @@ impl JoinRun {
         partitions: usize,
     ) -> Result<Arc<DeviceBuild>> {
         let state = &shared.device;
+        if let Some(child) = self.replicated_left() {
+            return self.replica_build(state, &child).await;
+        }
         state
             .gathered
             .get_or_init(|| async {
@@ -153,6 +162,63 @@ impl JoinRun {
             .clone()
             .map_err(DataFusionError::Shared)?;
         Ok(built)
+    }
+
+    /// The child under the join's `CoalescePartitionsExec` when it is a GPU operator on the
+    /// same devices that every device can make whole from its own copy of a replicated
+    /// table.
+    fn replicated_left(&self) -> Option<Arc<dyn ExecutionPlan>> {
+        (self.left.downcast_ref::<CoalescePartitionsExec>())
+            .filter(|c| c.fetch().is_none())
+            .map(|c| Arc::clone(c.input()))
+            .filter(|child| {
+                super::super::resident(child).is_some_and(|r| {
+                    r.replicated() && r.resident_devices().as_slice() == self.devices.as_slice()
+                })
+            })
+    }
+
+    /// The build side on this partition's device from the device's own copy of a
+    /// replicated table (its rows made there, nothing crossing devices), by the first of
+    /// the device's partitions to get here, shared with the others. The first device to
+    /// build counts the rows and fills the probe side's dynamic filter.
+    async fn replica_build(
+        &self,
+        state: &SharedDeviceBuild,
+        child: &Arc<dyn ExecutionPlan>,
+    ) -> Result<Arc<DeviceBuild>> {
+        let index = self.device_index()?;
+        let cell = Arc::clone(
+            (state.per_device.lock().unwrap_or_else(|p| p.into_inner()))
+                .entry(index)
+                .or_default(),
+        );
+        cell.get_or_init(|| async {
+            let made = async {
+                let resident = super::super::resident(child)
+                    .ok_or_else(|| internal_datafusion_err!("a replica without a GPU child"))?;
+                let mut stream = resident.execute_replica(index, Arc::clone(&self.context))?;
+                let mut chunks = Vec::new();
+                while let Some(chunk) = stream.next().await {
+                    chunks.push(chunk?);
+                }
+                let first = !state.replica_reported.swap(true, Ordering::AcqRel);
+                if first {
+                    self.extra
+                        .build_rows
+                        .add(chunks.iter().map(Chunk::num_rows).sum());
+                    if self.probe_filter.is_some() {
+                        self.report_keys(0, self.keys_of(&chunks));
+                    }
+                }
+                let host = vec![None; chunks.len()];
+                self.build_on_device(&Gathered { chunks, host })
+            };
+            made.await.map(Arc::new).map_err(Arc::new)
+        })
+        .await
+        .clone()
+        .map_err(DataFusionError::Shared)
     }
 
     /// The child's rows as chunks: from every partition of a GPU child on the same devices
