@@ -220,6 +220,7 @@ async fn cache_tables(
     shards: &[(String, String)],
 ) -> Result<String> {
     let (mut rows, mut bytes) = (0usize, 0usize);
+    let mut replicated = Vec::new();
     for table in tables {
         let shard_key = shards
             .iter()
@@ -236,11 +237,15 @@ async fn cache_tables(
             summary.chunks,
             summary.bytes,
             summary.devices,
-            summary
-                .shard_key
-                .map(|k| format!(", sharded by {k}"))
-                .unwrap_or_default()
+            match (&summary.shard_key, summary.replicated) {
+                (Some(k), _) => format!(", sharded by {k}"),
+                (None, true) => ", replicated".to_string(),
+                (None, false) => String::new(),
+            }
         );
+        if summary.replicated {
+            replicated.push(*table);
+        }
         rows += summary.rows;
         bytes += summary.bytes;
     }
@@ -249,8 +254,13 @@ async fn cache_tables(
         true => String::new(),
         false => format!("; sharded: {}", sharded.join(", ")),
     };
+    let replicated = match replicated.is_empty() {
+        true => String::new(),
+        false => format!("; replicated on every device: {}", replicated.join(", ")),
+    };
     Ok(format!(
-        "every table cached on the devices before timing (--resident: {rows} rows, {}{sharded})",
+        "every table cached on the devices before timing (--resident: {rows} rows, \
+         {}{sharded}{replicated})",
         fulmen_engine::cache::size(bytes)
     ))
 }

@@ -14,9 +14,10 @@
 //!   device's copy counts against its cache room; one that would not fit everywhere is
 //!   dealt instead). A scan still reads each row once, chunk j from device (j + first)
 //!   mod n; but a CollectLeft join whose build side is such a scan (under GPU filters and
-//!   projections) builds each device's table from that device's own copy, so that
-//!   dimension tables joined to a table spread or sharded over the devices never cross
-//!   between devices.
+//!   projections) can make its build side on each device from that device's own copy, so
+//!   that a dimension table joined to a table spread or sharded over the devices need not
+//!   cross between devices (it does where the cost model finds moving the made rows
+//!   cheaper than making them again).
 //! - **Sharding.** `CACHE TABLE t OPTIONS ('shard_key' 'k')` deals the rows by the hash of
 //!   `k` instead: into `target_partitions` parts with DataFusion's own hash repartitioning
 //!   (the same hash and seed as its `RepartitionExec`), part p on device p mod n. A scan

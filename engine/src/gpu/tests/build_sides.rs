@@ -19,6 +19,10 @@ fn metric(node: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
         .map_or(0, |v| v.as_usize())
 }
 
+fn output_rows(node: &Arc<dyn ExecutionPlan>) -> usize {
+    node.metrics().and_then(|m| m.output_rows()).unwrap_or(0)
+}
+
 /// Each CollectLeft join of `plan` that built a table over device rows: what it uploaded,
 /// and what the GPU operator feeding its build side downloaded.
 fn collect_left_device_builds(plan: &Arc<dyn ExecutionPlan>) -> Vec<(usize, usize)> {
@@ -124,6 +128,15 @@ async fn collect_left_build_sides_on_two_devices() {
     );
 }
 
+/// The GPU operator under `join`'s build side (below its `CoalescePartitionsExec`).
+fn build_child(join: &Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
+    let below = Arc::clone(join.children()[0]);
+    match below.name() {
+        "CoalescePartitionsExec" => Arc::clone(below.children()[0]),
+        _ => below,
+    }
+}
+
 /// Whether `join`'s build side is made from a replicated table's scan under GPU filters and
 /// projections alone (under its `CoalescePartitionsExec`).
 fn built_from_replicas(join: &Arc<dyn ExecutionPlan>) -> bool {
@@ -148,10 +161,12 @@ fn built_from_replicas(join: &Arc<dyn ExecutionPlan>) -> bool {
 /// lineitem and orders sharded by order key over two devices, the six smaller tables
 /// (below `fulmen.cache.replicate_below`) replicated: each device holds a whole copy of
 /// them, and a scan of one still reads each row once. Every CollectLeft join feeding a GPU
-/// operator whose build side is made from a replicated table makes it on each of the two
-/// devices from that device's copy, building a table on both: its build side neither comes down nor goes up
-/// (on two devices without replicas each chunk crosses through the host). The answers are
-/// DataFusion's, also with a device lost while the queries run.
+/// operator whose build side is made from a replicated table builds a table on both
+/// devices, the build side made on the first from its copy and, these build sides being
+/// small, taken by the second through the host (the cost model's choice; the next test
+/// has one made again on each device): the GPU operators making it download nothing. The
+/// answers are DataFusion's, also with the probe sides' dynamic filters (off for the
+/// counts) and with a device lost while the queries run.
 #[tokio::test]
 async fn replicated_tables_build_on_each_device_from_its_own_copy() {
     let set = "emulated:2/replicated";
@@ -194,7 +209,7 @@ async fn replicated_tables_build_on_each_device_from_its_own_copy() {
     assert!(listed.contains("replicated"), "{listed}");
     let once = "SELECT count(*), sum(c_acctbal), min(c_name) FROM customer WHERE c_nationkey < 20";
     assert_eq!(run(&gpu, once).await.1, run(&cpu, once).await.1);
-    let (mut replica_joins, mut others) = (0, 0);
+    let (mut replica_joins, mut moved, mut others) = (0, 0, 0);
     for q in [2, 3, 5, 7, 8, 9, 10, 11, 18, 21] {
         let sql = crate::tpch::QUERIES[q - 1];
         let plan = plan_of(&gpu, sql).await;
@@ -211,30 +226,38 @@ async fn replicated_tables_build_on_each_device_from_its_own_copy() {
                 return Ok(TreeNodeRecursion::Continue);
             }
             replica_joins += 1;
-            let (up, builds) = (metric(node, "h2d_bytes"), metric(node, "device_builds"));
-            let mut below = Arc::clone(node.children()[0]);
-            if below.name() == "CoalescePartitionsExec" {
-                below = Arc::clone(below.children()[0]);
-            }
-            let down = metric(&below, "d2h_bytes");
+            // Made again: the operators under it gave its rows once per device.
+            let rows = metric(node, "build_rows");
+            moved += usize::from(output_rows(&build_child(node)) < 2 * rows);
+            let builds = metric(node, "device_builds");
+            let down = metric(&build_child(node), "d2h_bytes");
             let shown = shown(&plan);
             assert!(
-                up < CONTROL_BYTES,
-                "Q{q}: a join uploaded {up} bytes\n{shown}"
-            );
-            assert!(
                 down < CONTROL_BYTES,
-                "Q{q}: a build side came down ({down} bytes)\n{shown}"
+                "Q{q}: the build side's operators downloaded {down} bytes\n{shown}"
             );
             assert_eq!(builds, 2, "Q{q}: tables built on the devices\n{shown}");
             Ok(TreeNodeRecursion::Continue)
         });
     }
-    println!("{replica_joins} CollectLeft joins built from replicas, {others} otherwise");
+    println!(
+        "{replica_joins} CollectLeft joins built from replicas ({moved} moved to the second \
+         device, the rest made again there), {others} otherwise"
+    );
     assert!(
         replica_joins >= 10,
         "{replica_joins} joins built from replicas"
     );
+    // With the probe sides' dynamic filters, filled from the first device's build keys.
+    text(
+        &gpu,
+        "SET datafusion.optimizer.enable_join_dynamic_filter_pushdown = true",
+    )
+    .await;
+    for q in [3, 5, 8, 10] {
+        let sql = crate::tpch::QUERIES[q - 1];
+        assert_eq!(run(&gpu, sql).await.1, run(&cpu, sql).await.1, "Q{q}");
+    }
     if needs_emulator("replicated_tables…: a device lost") {
         return;
     }
@@ -254,4 +277,69 @@ async fn replicated_tables_build_on_each_device_from_its_own_copy() {
         devices[1].quarantined().is_some(),
         "the device was not lost"
     );
+}
+
+/// A replicated table whose build side is large enough that moving it costs more, by the
+/// cost model, than making it again: each of two devices makes the build side from its own
+/// copy and builds its table there, and nothing of it crosses devices (the join uploads no
+/// column and nothing comes down); the answer is DataFusion's. (Tables of 200 000 and
+/// 400 000 rows; the smaller replicated, the larger dealt; CollectLeft thresholds raised
+/// so that DataFusion collects the smaller.)
+#[tokio::test]
+async fn a_large_replicated_build_side_is_made_again_on_each_device() {
+    let set = "emulated:2/replica-remake";
+    let gpu = super::session(super::gpu_config(set), 2);
+    let cpu = super::session(super::cpu_config(), 2);
+    for ctx in [&gpu, &cpu] {
+        text(
+            ctx,
+            "CREATE TABLE dim AS SELECT value AS k, value * 3 AS v FROM range(200000)",
+        )
+        .await;
+        text(
+            ctx,
+            "CREATE TABLE fact AS SELECT value % 300000 AS k, value AS x FROM range(400000)",
+        )
+        .await;
+    }
+    for set in [
+        "SET fulmen.cache.replicate_below = '4M'",
+        "SET datafusion.optimizer.hash_join_single_partition_threshold = 67108864",
+        "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 10000000",
+        "SET datafusion.optimizer.enable_join_dynamic_filter_pushdown = false",
+    ] {
+        text(&gpu, set).await;
+    }
+    assert!(gpu.cache_table("dim").await.unwrap().replicated);
+    assert!(!gpu.cache_table("fact").await.unwrap().replicated);
+    let sql = "SELECT count(*), sum(f.x + d.v) FROM fact f JOIN dim d ON f.k = d.k \
+               WHERE d.v % 10 <> 0";
+    let plan = plan_of(&gpu, sql).await;
+    assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+    let shown = shown(&plan);
+    let mut joins = Vec::new();
+    let _ = plan.apply(|node| {
+        if node.name() == "GpuHashJoinExec" {
+            joins.push(Arc::clone(node));
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    assert_eq!(joins.len(), 1, "{shown}");
+    let join = &joins[0];
+    assert!(built_from_replicas(join), "{shown}");
+    assert_eq!(metric(join, "device_builds"), 2, "{shown}");
+    let (up, down) = (metric(join, "h2d_bytes"), metric(join, "d2h_bytes"));
+    assert!(up < CONTROL_BYTES, "the join uploaded {up} bytes\n{shown}");
+    assert!(
+        down < CONTROL_BYTES,
+        "the join downloaded {down} bytes\n{shown}"
+    );
+    let below = metric(&build_child(join), "d2h_bytes");
+    assert!(
+        below < CONTROL_BYTES,
+        "the build side came down ({below} bytes)"
+    );
+    let (made, rows) = (output_rows(&build_child(join)), metric(join, "build_rows"));
+    assert!(rows > 100_000, "{rows} build rows");
+    assert_eq!(made, 2 * rows, "made once per device\n{shown}");
 }

@@ -9,8 +9,9 @@
 //! there, shared by its partitions. When more than one device builds, each chunk comes down
 //! once (counted) and goes up to the devices it is not on: there is no peer-to-peer copy
 //! yet. A child made from a replicated cached table (under GPU filters and projections) is
-//! made whole on each building device from that device's own copy instead, so nothing
-//! crosses devices. Otherwise (a CPU child, or a join whose output goes to the host) the rows are
+//! made whole by the first device to get to it from its own copy; each other device makes
+//! it again from its copy, nothing crossing devices, or takes the first one's through the
+//! host, whichever the cost model finds cheaper. Otherwise (a CPU child, or a join whose output goes to the host) the rows are
 //! collected on the host once and their keys go up once per device.
 //!
 //! ```text
@@ -19,9 +20,9 @@
 //! ```
 
 use super::*;
+use crate::physical_plan::gpu_scan::GpuScanExec;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use fulmen_kernels::ops::concat::concat_columns;
-use std::sync::atomic::Ordering;
 use tokio::sync::OnceCell;
 
 type Shared<T> = Result<Arc<T>, Arc<DataFusionError>>;
@@ -31,14 +32,16 @@ type Shared<T> = Result<Arc<T>, Arc<DataFusionError>>;
 /// whose output goes to the host, the table each device built over the host rows.
 #[derive(Default)]
 pub(super) struct SharedDeviceBuild {
+    /// Set once the chunks are gathered (or, from a replicated table, once the first
+    /// device has made them).
     gathered: OnceCell<Result<(), Arc<DataFusionError>>>,
     /// The gathered chunks, until every device that needs them has built its table.
     chunks: Mutex<Option<Arc<Gathered>>>,
     /// Devices (by index) built so far.
     built: Mutex<usize>,
-    /// Whether a device building from its own copy of a replicated table has taken the
-    /// build rows' count and filled the probe side's dynamic filter (the first does).
-    replica_reported: std::sync::atomic::AtomicBool,
+    /// For a build side made from a replicated table: what the first device made, until
+    /// every device that needs it has built.
+    leader: Mutex<Option<Arc<Leader>>>,
     per_device: Mutex<HashMap<usize, Arc<OnceCell<Shared<DeviceBuild>>>>>,
     /// For a join whose output goes to the host: the table each device built over the
     /// host rows (`None`: the device failed, its partitions match on the host).
@@ -63,6 +66,75 @@ impl fmt::Debug for SharedDeviceBuild {
 pub(super) struct Gathered {
     chunks: Vec<Chunk>,
     host: Vec<Option<RecordBatch>>,
+}
+
+/// A build side made from a replicated table by the first device to get to it.
+pub(super) struct Leader {
+    /// The device's index among the join's.
+    device: usize,
+    /// The chunks it made, on it.
+    chunks: Vec<Chunk>,
+    /// Their rows on the host, once another device takes them from there.
+    host: Mutex<Option<Vec<Option<RecordBatch>>>>,
+    /// Whether the other devices make the build side again from their own copies.
+    remake: bool,
+}
+
+impl Leader {
+    /// The chunks' rows on the host: downloaded once (counted), for every other device.
+    fn host_rows(&self, metrics: &GpuMetrics) -> Result<Vec<Option<RecordBatch>>> {
+        let mut held = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(rows) = &*held {
+            return Ok(rows.clone());
+        }
+        let rows = (self.chunks.iter())
+            .map(|c| c.host_for_cpu(metrics).map(Some))
+            .collect::<Result<Vec<_>>>()?;
+        *held = Some(rows.clone());
+        Ok(rows)
+    }
+}
+
+/// Launches a GPU filter or projection is taken to cost per chunk when the cost model
+/// weighs making a build side again against moving it ([`remake_pays`]): its program, the
+/// count of the rows kept and their gather, about as the benchmarks count them.
+const LAUNCHES_PER_STEP: usize = 4;
+
+/// Whether a device should make a replicated build side of `bytes` again from its own copy
+/// (`steps`: GPU operators times chunks) rather than take another device's through the
+/// host: by the cost model, when moving the bytes down and up costs more than the launches
+/// of making them (each way waits once for the device either way).
+pub(super) fn remake_pays(bytes: usize, steps: usize) -> bool {
+    let model = fulmen_kernels::cost::H200;
+    2.0 * bytes as f64 / model.pcie_bytes_per_s
+        > (steps * LAUNCHES_PER_STEP) as f64 * model.launch_s
+}
+
+/// The GPU filters and projections between a replicated build side's child and its scan,
+/// times the chunks of the `index`-th device's copy.
+fn replica_steps(child: &Arc<dyn ExecutionPlan>, index: usize) -> usize {
+    let mut node = Arc::clone(child);
+    let mut operators = 0;
+    loop {
+        if let Some(scan) = node.downcast_ref::<GpuScanExec>() {
+            return operators * scan.data().shard(index).len();
+        }
+        match node.children().first() {
+            Some(next) => {
+                operators += 1;
+                node = Arc::clone(*next);
+            }
+            None => return operators,
+        }
+    }
+}
+
+/// Device bytes a chunk holds (host bytes for rows on the host).
+fn chunk_bytes(chunk: &Chunk) -> usize {
+    match chunk {
+        Chunk::Device(batch, ..) => batch.columns().iter().map(|c| c.reserved_bytes()).sum(),
+        Chunk::Host(batch) => batch.get_array_memory_size(),
+    }
 }
 
 /// One device's build side, table and build output columns.
@@ -112,7 +184,7 @@ impl JoinRun {
     ) -> Result<Arc<DeviceBuild>> {
         let state = &shared.device;
         if let Some(child) = self.replicated_left() {
-            return self.replica_build(state, &child).await;
+            return self.replica_build(state, &child, partitions).await;
         }
         state
             .gathered
@@ -141,7 +213,7 @@ impl JoinRun {
                     Arc::new(internal_datafusion_err!("a build side released too early"))
                 })?;
                 let built = self
-                    .build_on_device(&chunks)
+                    .build_on_device(&chunks.chunks, &chunks.host)
                     .map(Arc::new)
                     .map_err(Arc::new);
                 // The devices that run a partition: once each has built, the gathered
@@ -178,14 +250,18 @@ impl JoinRun {
             })
     }
 
-    /// The build side on this partition's device from the device's own copy of a
-    /// replicated table (its rows made there, nothing crossing devices), by the first of
-    /// the device's partitions to get here, shared with the others. The first device to
-    /// build counts the rows and fills the probe side's dynamic filter.
+    /// The build side on this partition's device when the child can be made whole on each
+    /// device from its own copy of a replicated table, by the first of the device's
+    /// partitions to get here, shared with the others. The first device to get here makes
+    /// it from its copy (counting the rows and filling the probe side's dynamic filter);
+    /// each other device either makes it again from its own copy, nothing crossing devices,
+    /// or takes the first device's through the host, whichever the cost model finds cheaper
+    /// ([`remake_pays`]).
     async fn replica_build(
         &self,
         state: &SharedDeviceBuild,
         child: &Arc<dyn ExecutionPlan>,
+        partitions: usize,
     ) -> Result<Arc<DeviceBuild>> {
         let index = self.device_index()?;
         let cell = Arc::clone(
@@ -195,30 +271,100 @@ impl JoinRun {
         );
         cell.get_or_init(|| async {
             let made = async {
-                let resident = super::super::resident(child)
-                    .ok_or_else(|| internal_datafusion_err!("a replica without a GPU child"))?;
-                let mut stream = resident.execute_replica(index, Arc::clone(&self.context))?;
-                let mut chunks = Vec::new();
-                while let Some(chunk) = stream.next().await {
-                    chunks.push(chunk?);
+                let leader = self.replica_leader(state, child, index, partitions).await?;
+                let built = if leader.device == index {
+                    self.build_on_device(&leader.chunks, &[])
+                } else if leader.remake {
+                    let chunks = self.replica_chunks(child, index).await?;
+                    self.build_on_device(&chunks, &[])
+                } else {
+                    let host = leader.host_rows(&self.metrics)?;
+                    self.build_on_device(&leader.chunks, &host)
+                };
+                // Once every device that runs a partition has built, the first device's
+                // chunks go.
+                let mut done = state.built.lock().unwrap_or_else(|p| p.into_inner());
+                *done += 1;
+                if *done >= partitions.min(self.devices.len()) {
+                    state
+                        .leader
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .take();
                 }
-                let first = !state.replica_reported.swap(true, Ordering::AcqRel);
-                if first {
-                    self.extra
-                        .build_rows
-                        .add(chunks.iter().map(Chunk::num_rows).sum());
-                    if self.probe_filter.is_some() {
-                        self.report_keys(0, self.keys_of(&chunks));
-                    }
-                }
-                let host = vec![None; chunks.len()];
-                self.build_on_device(&Gathered { chunks, host })
+                built
             };
             made.await.map(Arc::new).map_err(Arc::new)
         })
         .await
         .clone()
         .map_err(DataFusionError::Shared)
+    }
+
+    /// The build side as the first device to get here made it from its copy.
+    async fn replica_leader(
+        &self,
+        state: &SharedDeviceBuild,
+        child: &Arc<dyn ExecutionPlan>,
+        index: usize,
+        partitions: usize,
+    ) -> Result<Arc<Leader>> {
+        state
+            .gathered
+            .get_or_init(|| async {
+                let made = async {
+                    let chunks = self.replica_chunks(child, index).await?;
+                    self.extra
+                        .build_rows
+                        .add(chunks.iter().map(Chunk::num_rows).sum());
+                    let bytes = chunks.iter().map(chunk_bytes).sum();
+                    let remake = remake_pays(bytes, replica_steps(child, index));
+                    let leader = Arc::new(Leader {
+                        device: index,
+                        chunks,
+                        host: Mutex::new(None),
+                        remake,
+                    });
+                    if self.probe_filter.is_some() {
+                        // From the rows other devices take through the host, when they do.
+                        let keys = match !remake && partitions.min(self.devices.len()) > 1 {
+                            true => leader
+                                .host_rows(&self.metrics)
+                                .and_then(|rows| self.host_keys(&rows)),
+                            false => self.keys_of(&leader.chunks),
+                        };
+                        self.report_keys(0, keys);
+                    }
+                    *state.leader.lock().unwrap_or_else(|p| p.into_inner()) = Some(leader);
+                    Ok(())
+                };
+                made.await.map_err(Arc::new)
+            })
+            .await
+            .clone()
+            .map_err(DataFusionError::Shared)?;
+        (state
+            .leader
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone())
+        .ok_or_else(|| internal_datafusion_err!("a build side released too early"))
+    }
+
+    /// The child's whole output made on the `index`-th device from its copy.
+    async fn replica_chunks(
+        &self,
+        child: &Arc<dyn ExecutionPlan>,
+        index: usize,
+    ) -> Result<Vec<Chunk>> {
+        let resident = super::super::resident(child)
+            .ok_or_else(|| internal_datafusion_err!("a replica without a GPU child"))?;
+        let mut stream = resident.execute_replica(index, Arc::clone(&self.context))?;
+        let mut chunks = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            chunks.push(chunk?);
+        }
+        Ok(chunks)
     }
 
     /// The child's rows as chunks: from every partition of a GPU child on the same devices
@@ -268,18 +414,20 @@ impl JoinRun {
         };
         if self.probe_filter.is_some() {
             let keys = match host.iter().all(Option::is_some) {
-                true => {
-                    let schema = self.left.schema();
-                    let batches: Vec<RecordBatch> = host.iter().flatten().cloned().collect();
-                    concat_batches(&schema, &batches)
-                        .and_then(|b| b.project(&self.work.left_keys))
-                        .map_err(arrow_err)
-                }
+                true => self.host_keys(&host),
                 false => self.keys_of(&chunks),
             };
             self.report_keys(0, keys);
         }
         Ok(Gathered { chunks, host })
+    }
+
+    /// The key columns of build rows already on the host, as one batch.
+    fn host_keys(&self, host: &[Option<RecordBatch>]) -> Result<RecordBatch> {
+        let batches: Vec<RecordBatch> = host.iter().flatten().cloned().collect();
+        concat_batches(&self.left.schema(), &batches)
+            .and_then(|b| b.project(&self.work.left_keys))
+            .map_err(arrow_err)
     }
 
     /// Fills the probe side's dynamic filter with `partition`'s build keys (a batch of the
@@ -351,12 +499,15 @@ impl JoinRun {
     /// This device's build side from the gathered chunks: concatenated here when any lies
     /// on a device (one on this device is used as it is), else collected on the host; and
     /// its table.
-    fn build_on_device(&self, gathered: &Gathered) -> Result<DeviceBuild> {
-        let chunks = gathered.chunks.as_slice();
+    fn build_on_device(
+        &self,
+        chunks: &[Chunk],
+        host: &[Option<RecordBatch>],
+    ) -> Result<DeviceBuild> {
         let schema = self.left.schema();
         let rows: usize = chunks.iter().map(Chunk::num_rows).sum();
         let side = match rows > 0 && chunks.iter().any(|c| matches!(c, Chunk::Device(..))) {
-            true => match self.concat_here(chunks, &gathered.host) {
+            true => match self.concat_here(chunks, host) {
                 Ok(chunk) => BuildSide::on_device(chunk),
                 Err(e) => {
                     self.metrics
@@ -563,5 +714,21 @@ impl BuildSide {
             (None, Some(chunk)) => chunk.lineage(),
             (None, None) => Redo::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::remake_pays;
+
+    /// By the H200 model (55 GB/s each way, 4 µs a launch), 4 launches per step: moving
+    /// 1 MB down and up (36 µs) costs more than 2 steps (32 µs) and less than 3 (48 µs);
+    /// a few kilobytes are always moved.
+    #[test]
+    fn a_build_side_is_made_again_where_moving_it_costs_more() {
+        assert!(remake_pays(1_000_000, 2));
+        assert!(!remake_pays(1_000_000, 3));
+        assert!(!remake_pays(4_096, 1));
+        assert!(remake_pays(64 << 20, 100));
     }
 }
