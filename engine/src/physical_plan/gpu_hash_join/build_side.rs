@@ -101,38 +101,41 @@ impl Leader {
 const LAUNCHES_PER_STEP: usize = 4;
 
 /// Whether a device should make a replicated build side of `bytes` again from its own copy
-/// (`steps`: GPU operators times chunks) rather than take another device's through the
-/// host: by the cost model, when moving the bytes down and up costs more than the launches
-/// of making them (each way waits once for the device either way).
-pub(super) fn remake_pays(bytes: usize, steps: usize) -> bool {
+/// (`steps`: GPU operators times chunks, `waits`: the host waits that takes) rather than
+/// take another device's through the host (down and up, one wait): by the cost model,
+/// whichever is modelled cheaper.
+pub(super) fn remake_pays(bytes: usize, steps: usize, waits: usize) -> bool {
     let model = fulmen_kernels::cost::H200;
-    2.0 * bytes as f64 / model.pcie_bytes_per_s
-        > (steps * LAUNCHES_PER_STEP) as f64 * model.launch_s
+    let moved = 2.0 * bytes as f64 / model.pcie_bytes_per_s + model.sync_s;
+    let made = (steps * LAUNCHES_PER_STEP) as f64 * model.launch_s + waits as f64 * model.sync_s;
+    moved > made
 }
 
-/// The GPU filters and projections between a replicated build side's child and its scan,
-/// times the chunks of the `index`-th device's copy.
-fn replica_steps(child: &Arc<dyn ExecutionPlan>, index: usize) -> usize {
+/// The GPU filters and projections between a replicated build side's child and its scan
+/// times the chunks of the `index`-th device's copy, and the host waits that takes (one
+/// per chunk, as a filter waits for the count of rows it keeps; none for a scan alone).
+fn replica_steps(child: &Arc<dyn ExecutionPlan>, index: usize) -> (usize, usize) {
     let mut node = Arc::clone(child);
     let mut operators = 0;
     loop {
         if let Some(scan) = node.downcast_ref::<GpuScanExec>() {
-            return operators * scan.data().shard(index).len();
+            let chunks = scan.data().shard(index).len();
+            return (operators * chunks, if operators > 0 { chunks } else { 0 });
         }
         match node.children().first() {
             Some(next) => {
                 operators += 1;
                 node = Arc::clone(*next);
             }
-            None => return operators,
+            None => return (operators, operators),
         }
     }
 }
 
-/// Device bytes a chunk holds (host bytes for rows on the host).
+/// Bytes of a chunk's columns (on the host for rows on the host).
 fn chunk_bytes(chunk: &Chunk) -> usize {
     match chunk {
-        Chunk::Device(batch, ..) => batch.columns().iter().map(|c| c.reserved_bytes()).sum(),
+        Chunk::Device(batch, ..) => batch.columns().iter().map(|c| c.device_bytes()).sum(),
         Chunk::Host(batch) => batch.get_array_memory_size(),
     }
 }
@@ -318,7 +321,8 @@ impl JoinRun {
                         .build_rows
                         .add(chunks.iter().map(Chunk::num_rows).sum());
                     let bytes = chunks.iter().map(chunk_bytes).sum();
-                    let remake = remake_pays(bytes, replica_steps(child, index));
+                    let (steps, waits) = replica_steps(child, index);
+                    let remake = remake_pays(bytes, steps, waits);
                     let leader = Arc::new(Leader {
                         device: index,
                         chunks,
@@ -721,14 +725,16 @@ impl BuildSide {
 mod tests {
     use super::remake_pays;
 
-    /// By the H200 model (55 GB/s each way, 4 µs a launch), 4 launches per step: moving
-    /// 1 MB down and up (36 µs) costs more than 2 steps (32 µs) and less than 3 (48 µs);
-    /// a few kilobytes are always moved.
+    /// By the H200 model (55 GB/s each way, 4 µs a launch, 10 µs a wait), 4 launches per
+    /// step: moving 1 MB down and up (36 µs and a wait) costs more than 2 steps (32 µs)
+    /// and less than 3 steps and a wait (58 µs); a few kilobytes made by a filter are
+    /// moved; a scan alone (no step, no wait) is always read from the device's own copy.
     #[test]
     fn a_build_side_is_made_again_where_moving_it_costs_more() {
-        assert!(remake_pays(1_000_000, 2));
-        assert!(!remake_pays(1_000_000, 3));
-        assert!(!remake_pays(4_096, 1));
-        assert!(remake_pays(64 << 20, 100));
+        assert!(remake_pays(1_000_000, 2, 0));
+        assert!(!remake_pays(1_000_000, 3, 1));
+        assert!(!remake_pays(4_096, 1, 1));
+        assert!(remake_pays(64 << 20, 100, 10));
+        assert!(remake_pays(100, 0, 0));
     }
 }
