@@ -12,8 +12,8 @@
 //! - **Replication.** A table of at most `fulmen.cache.replicate_below` bytes (64 MiB by
 //!   default), not sharded, goes whole to every device when there are several (each
 //!   device's copy counts against its cache room; one that would not fit everywhere is
-//!   dealt instead). A scan still reads each row once, chunk j from device (j + first)
-//!   mod n; but a CollectLeft join whose build side is such a scan (under GPU filters and
+//!   dealt instead). A scan still reads each row once, chunk j from device (j + t) mod n,
+//!   replicated tables taking turns at t; but a CollectLeft join whose build side is such a scan (under GPU filters and
 //!   projections) can make its build side on each device from that device's own copy, so
 //!   that a dimension table joined to a table spread or sharded over the devices need not
 //!   cross between devices (it does where the cost model finds moving the made rows
@@ -84,8 +84,8 @@ pub struct CachedData {
     sharding: Option<Sharding>,
     /// Whether every device holds all the rows (`shards[d]`: the same chunks on each).
     replicated: bool,
-    /// The device the first chunk went to: a replicated table's scans read chunk j from
-    /// device (j + first) mod n, so that small tables spread their reads.
+    /// The device the first chunk went to, or for a replicated table its turn: its scans
+    /// read chunk j from device (j + first) mod n, so that small tables spread their reads.
     first: usize,
 }
 
@@ -199,7 +199,7 @@ impl CachedData {
         self.replicated
     }
 
-    /// The device the first chunk went to.
+    /// The device the first chunk went to (a replicated table's turn: see `first`).
     pub fn first_device(&self) -> usize {
         self.first
     }
@@ -378,6 +378,7 @@ pub async fn cache(
         rows,
         full,
         needed,
+        first,
         ..
     } = loader;
     if let Some(why) = full {
@@ -548,25 +549,41 @@ impl Loader<'_> {
         let Some(replicas) = self.replicas.take() else {
             return Ok(false);
         };
-        // A copy that would not fit on every device: the table is dealt instead.
-        if (0..self.devices.len()).any(|d| self.room[d] < replicas.bytes) {
-            log::info!(
-                "CACHE TABLE {}: its {} do not fit on every device; dealt instead of replicated",
-                self.name,
-                size(replicas.bytes)
-            );
-            return replicas
-                .held
-                .into_iter()
-                .try_for_each(|h| self.deal_one(h))
-                .map(|_| false);
-        }
-        for held in &replicas.held {
-            for d in 0..self.devices.len() {
-                self.put(d, held)?;
+        let n = self.devices.len();
+        let fits = (0..n).all(|d| self.room[d] >= replicas.bytes);
+        if fits {
+            for held in &replicas.held {
+                for d in 0..n {
+                    self.put(d, held)?;
+                }
+            }
+            if self.full.is_none() {
+                // Replicated tables take turns at being read first, so that one-chunk
+                // tables spread their reads.
+                static TURN: std::sync::atomic::AtomicUsize =
+                    std::sync::atomic::AtomicUsize::new(0);
+                self.first = TURN.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n;
+                return Ok(!replicas.held.is_empty());
             }
         }
-        Ok(!replicas.held.is_empty())
+        // A copy that does not fit on every device (by the host bytes, or once uploaded in
+        // the device's size classes, or a device out of memory): the table is dealt
+        // instead, from nothing held.
+        log::info!(
+            "CACHE TABLE {}: a copy of its {} does not fit on every device; dealt instead \
+             of replicated",
+            self.name,
+            size(replicas.bytes)
+        );
+        self.full = None;
+        self.needed = 0;
+        self.held.iter_mut().for_each(|h| *h = 0);
+        self.shards.iter_mut().for_each(Vec::clear);
+        replicas
+            .held
+            .into_iter()
+            .try_for_each(|h| self.deal_one(h))
+            .map(|_| false)
     }
 
     /// Uploads a chunk to `devices[d]` while the table fits, else only counts its bytes.

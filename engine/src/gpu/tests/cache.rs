@@ -360,7 +360,8 @@ async fn a_cache_that_does_not_fit_fails_with_its_sizes_and_caches_nothing() {
 
 /// A table no larger than `fulmen.cache.replicate_below` goes whole to each of two
 /// devices, and a scan of it still reads each row once; a larger one, or one whose copy
-/// would not fit in a device's cache room (while its share does), is dealt instead.
+/// would not fit in a device's cache room (while its share does; by its host bytes, or
+/// only once uploaded), is dealt instead.
 #[tokio::test]
 async fn small_tables_are_replicated_and_read_once() {
     if super::on_cuda() {
@@ -407,8 +408,14 @@ async fn small_tables_are_replicated_and_read_once() {
     let summary = gpu.refresh_cache("t").await.unwrap();
     assert!(!summary.replicated, "{summary:?}");
     assert_eq!(text(&gpu, sql).await, want);
-    // Small enough, but a copy does not fit in a device's cache room: dealt.
+    // Small enough, and its host bytes (3.2 MB) fit a device's cache room, but not once
+    // uploaded (four chunks of two 512 KiB size classes): dealt.
     text(&gpu, "SET fulmen.cache.replicate_below = '64M'").await;
+    text(&gpu, "SET fulmen.cache.memory_limit = '3500K'").await;
+    let summary = gpu.refresh_cache("t").await.unwrap();
+    assert!(!summary.replicated, "{summary:?}");
+    assert_eq!(text(&gpu, sql).await, want);
+    // Its host bytes do not fit: dealt.
     text(&gpu, "SET fulmen.cache.memory_limit = '3M'").await;
     let summary = gpu.refresh_cache("t").await.unwrap();
     assert!(!summary.replicated, "{summary:?}");

@@ -112,22 +112,24 @@ pub(super) fn remake_pays(bytes: usize, steps: usize, waits: usize) -> bool {
 }
 
 /// The GPU filters and projections between a replicated build side's child and its scan
-/// times the chunks of the `index`-th device's copy, and the host waits that takes (one
-/// per chunk, as a filter waits for the count of rows it keeps; none for a scan alone).
+/// times the chunks of the `index`-th device's copy, and the host waits that takes (a
+/// filter waits once per chunk for the count of rows it keeps; a projection, or a scan
+/// alone, does not).
 fn replica_steps(child: &Arc<dyn ExecutionPlan>, index: usize) -> (usize, usize) {
     let mut node = Arc::clone(child);
-    let mut operators = 0;
+    let (mut operators, mut filters) = (0, 0);
     loop {
         if let Some(scan) = node.downcast_ref::<GpuScanExec>() {
             let chunks = scan.data().shard(index).len();
-            return (operators * chunks, if operators > 0 { chunks } else { 0 });
+            return (operators * chunks, filters * chunks);
         }
+        filters += usize::from(node.name() == "GpuFilterExec");
         match node.children().first() {
             Some(next) => {
                 operators += 1;
                 node = Arc::clone(*next);
             }
-            None => return (operators, operators),
+            None => return (operators, filters),
         }
     }
 }
@@ -275,7 +277,7 @@ impl JoinRun {
         cell.get_or_init(|| async {
             let made = async {
                 let leader = self.replica_leader(state, child, index, partitions).await?;
-                let built = if leader.device == index {
+                if leader.device == index {
                     self.build_on_device(&leader.chunks, &[])
                 } else if leader.remake {
                     let chunks = self.replica_chunks(child, index).await?;
@@ -283,21 +285,21 @@ impl JoinRun {
                 } else {
                     let host = leader.host_rows(&self.metrics)?;
                     self.build_on_device(&leader.chunks, &host)
-                };
-                // Once every device that runs a partition has built, the first device's
-                // chunks go.
-                let mut done = state.built.lock().unwrap_or_else(|p| p.into_inner());
-                *done += 1;
-                if *done >= partitions.min(self.devices.len()) {
-                    state
-                        .leader
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .take();
                 }
-                built
             };
-            made.await.map(Arc::new).map_err(Arc::new)
+            let built = made.await;
+            // Once every device that runs a partition has built (or failed to), the first
+            // device's chunks go.
+            let mut done = state.built.lock().unwrap_or_else(|p| p.into_inner());
+            *done += 1;
+            if *done >= partitions.min(self.devices.len()) {
+                state
+                    .leader
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .take();
+            }
+            built.map(Arc::new).map_err(Arc::new)
         })
         .await
         .clone()
