@@ -316,6 +316,7 @@ async fn a_large_replicated_build_side_is_made_again_on_each_device() {
                WHERE d.v % 10 <> 0";
     let plan = plan_of(&gpu, sql).await;
     assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+    assert!(Work::of(&plan).nothing_fell_back());
     let shown = shown(&plan);
     let mut joins = Vec::new();
     let _ = plan.apply(|node| {

@@ -399,6 +399,7 @@ async fn small_tables_are_replicated_and_read_once() {
     assert_eq!(text(&gpu, sql).await, want, "each row read once");
     let before: Vec<u64> = devices.iter().map(|d| d.counters().1).collect();
     rows_of(&gpu, &plan).await;
+    assert!(Work::of(&plan).nothing_fell_back());
     for (d, b) in devices.iter().zip(before) {
         assert!(d.counters().1 > b, "{d} read none of the table");
     }
