@@ -528,9 +528,14 @@ impl Loader<'_> {
             // Too large to replicate: the chunks held back are dealt as any other.
             let held = std::mem::take(&mut replicas.held);
             self.replicas = None;
-            return held.into_iter().try_for_each(|h| self.deal_one(h));
+            return self.deal(held);
         }
-        self.deal_one(held)
+        self.deal(vec![held])
+    }
+
+    /// Puts chunks on the devices they are dealt to.
+    fn deal(&mut self, held: Vec<Held>) -> Result<()> {
+        held.into_iter().try_for_each(|h| self.deal_one(h))
     }
 
     /// Puts a chunk on the device it is dealt to.
@@ -579,11 +584,7 @@ impl Loader<'_> {
         self.needed = 0;
         self.held.iter_mut().for_each(|h| *h = 0);
         self.shards.iter_mut().for_each(Vec::clear);
-        replicas
-            .held
-            .into_iter()
-            .try_for_each(|h| self.deal_one(h))
-            .map(|_| false)
+        self.deal(replicas.held).map(|_| false)
     }
 
     /// Uploads a chunk to `devices[d]` while the table fits, else only counts its bytes.

@@ -92,10 +92,14 @@ impl<W: BatchWork> GpuBatchExec<W> {
 
     /// The child on the same devices, when it is a GPU operator there.
     fn resident_child(&self) -> Option<Arc<dyn ExecutionPlan>> {
-        self.child().ok().filter(|c| {
-            super::resident(c)
-                .is_some_and(|r| r.resident_devices().as_slice() == self.devices.as_slice())
-        })
+        (self.child().ok()).filter(|c| super::resident_on(c, &self.devices).is_some())
+    }
+
+    /// The child, when this operator has no limit and the child can make its whole output
+    /// on any one device (see [`DeviceResident::replicated`]).
+    fn replica_child(&self) -> Option<Arc<dyn ExecutionPlan>> {
+        (self.resident_child().filter(|_| self.fetch.is_none()))
+            .filter(|c| super::resident(c).is_some_and(|r| r.replicated()))
     }
 
     /// The stream of `input` on partition `partition`'s device.
@@ -135,17 +139,15 @@ impl<W: BatchWork> DeviceResident for GpuBatchExec<W> {
 
     /// Row by row operators (no limit) over a replicated table's scan.
     fn replicated(&self) -> bool {
-        self.fetch.is_none()
-            && (self.resident_child())
-                .is_some_and(|c| super::resident(&c).is_some_and(|r| r.replicated()))
+        self.replica_child().is_some()
     }
 
     fn execute_replica(&self, device: usize, context: Arc<TaskContext>) -> Result<ChunkStream> {
-        let child = (self.resident_child().filter(|_| self.replicated()))
+        let child = (self.replica_child())
             .ok_or_else(|| internal_datafusion_err!("{} is not over a replica", W::NAME))?;
-        let resident = super::resident(&child)
-            .ok_or_else(|| internal_datafusion_err!("{} is not over a replica", W::NAME))?;
-        let input = resident.execute_replica(device, Arc::clone(&context))?;
+        let input = (super::resident(&child)
+            .map(|r| r.execute_replica(device, Arc::clone(&context))))
+        .ok_or_else(|| internal_datafusion_err!("{} is not over a replica", W::NAME))??;
         self.stream_over(input, device, context, true)
     }
 }

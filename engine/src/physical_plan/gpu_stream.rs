@@ -276,9 +276,7 @@ pub fn input_chunks(
     context: Arc<TaskContext>,
     devices: &Arc<Vec<Device>>,
 ) -> Result<ChunkStream> {
-    if let Some(resident) = super::resident(child)
-        && resident.resident_devices().as_slice() == devices.as_slice()
-    {
+    if let Some(resident) = super::resident_on(child, devices) {
         return resident.execute_chunks(partition, context);
     }
     Ok(Box::pin(

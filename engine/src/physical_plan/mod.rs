@@ -149,6 +149,15 @@ pub fn resident(plan: &Arc<dyn ExecutionPlan>) -> Option<&dyn gpu_stream::Device
     }
 }
 
+/// `plan` as a GPU operator whose partitions run on `devices` (so that a GPU parent on
+/// them takes its chunks where they lie), if it is one.
+pub fn resident_on<'a>(
+    plan: &'a Arc<dyn ExecutionPlan>,
+    devices: &[fulmen_kernels::Device],
+) -> Option<&'a dyn gpu_stream::DeviceResident> {
+    resident(plan).filter(|r| r.resident_devices().as_slice() == devices)
+}
+
 /// Whether executing a partition of `plan` a second time reads the same rows again, so a
 /// partition whose device state was lost can be computed again from its input: scans of
 /// files and memory (cached or not) under filters and projections (CPU or GPU). Not repartitions (each of

@@ -245,14 +245,17 @@ impl JoinRun {
     /// same devices that every device can make whole from its own copy of a replicated
     /// table.
     fn replicated_left(&self) -> Option<Arc<dyn ExecutionPlan>> {
+        self.coalesced_gpu_child()
+            .filter(|child| super::super::resident(child).is_some_and(|r| r.replicated()))
+    }
+
+    /// The child under the join's `CoalescePartitionsExec` (without a limit), when it is
+    /// a GPU operator on the same devices.
+    fn coalesced_gpu_child(&self) -> Option<Arc<dyn ExecutionPlan>> {
         (self.left.downcast_ref::<CoalescePartitionsExec>())
             .filter(|c| c.fetch().is_none())
             .map(|c| Arc::clone(c.input()))
-            .filter(|child| {
-                super::super::resident(child).is_some_and(|r| {
-                    r.replicated() && r.resident_devices().as_slice() == self.devices.as_slice()
-                })
-            })
+            .filter(|child| super::super::resident_on(child, &self.devices).is_some())
     }
 
     /// The build side on this partition's device when the child can be made whole on each
@@ -380,15 +383,7 @@ impl JoinRun {
     /// collecting it on the host would), for those devices to upload. The probe side's
     /// dynamic filter is filled from their keys.
     async fn gather_left(&self, probe_partitions: usize) -> Result<Gathered> {
-        let same_devices = |plan: &Arc<dyn ExecutionPlan>| {
-            super::super::resident(plan)
-                .is_some_and(|r| r.resident_devices().as_slice() == self.devices.as_slice())
-        };
-        let coalesced = (self.left.downcast_ref::<CoalescePartitionsExec>())
-            .filter(|c| c.fetch().is_none())
-            .map(|c| Arc::clone(c.input()))
-            .filter(same_devices);
-        let (source, partitions) = match coalesced {
+        let (source, partitions) = match self.coalesced_gpu_child() {
             Some(child) => {
                 let n = child.output_partitioning().partition_count();
                 (child, n)

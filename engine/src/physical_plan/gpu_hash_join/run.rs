@@ -158,8 +158,7 @@ impl JoinRun {
     /// filter when there is one. Other build sides are collected as
     /// [`build_side`](Self::build_side) does.
     async fn device_build_side(&self) -> Result<BuildSide> {
-        let resident = super::super::resident(&self.left)
-            .is_some_and(|r| r.resident_devices().as_slice() == self.devices.as_slice());
+        let resident = super::super::resident_on(&self.left, &self.devices).is_some();
         if self.shared.is_some() || !resident {
             return Ok(BuildSide::on_host(self.build_side().await?));
         }
