@@ -13,13 +13,13 @@ use datafusion::physical_plan::{ExecutionPlan, displayable};
 use super::cache::{CONTROL_BYTES, TPCH_TABLES, shown, text};
 use super::{Work, devices_of, needs_emulator, plan_of, rows_of, run, tpch_contexts};
 
-fn metric(node: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
+pub(super) fn metric(node: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
     node.metrics()
         .and_then(|m| m.sum_by_name(name))
         .map_or(0, |v| v.as_usize())
 }
 
-fn output_rows(node: &Arc<dyn ExecutionPlan>) -> usize {
+pub(super) fn output_rows(node: &Arc<dyn ExecutionPlan>) -> usize {
     node.metrics().and_then(|m| m.output_rows()).unwrap_or(0)
 }
 

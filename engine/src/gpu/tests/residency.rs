@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
-use datafusion::physical_plan::ExecutionPlan;
+use datafusion::physical_plan::{ExecutionPlan, displayable};
 
 use super::{Work, devices_of, metric_sum, plan_of, rows_of, run, tpch_contexts, tpch_run};
 
@@ -146,4 +146,88 @@ async fn a_filter_join_aggregate_chain_stays_on_the_device() {
         assert!(*bytes < CONTROL_BYTES, "{what}: {bytes} bytes ({seen:?})");
     }
     assert!(*aggregate_down > 0 && *aggregate_down < 4096, "{seen:?}");
+}
+
+/// An inner join whose output goes to the host (a sort above it, on a build column too so
+/// that it stays above) and whose probe side is a
+/// cached table's rows on the device probes them there: the scan downloads nothing and the
+/// join uploads no key. Per batch it gathers its output and brings that alone down (many
+/// narrow rows), or brings down the pairs and the probe chunk and takes the rows on the
+/// host (a few rows of five strings out of a small filtered chunk: five gathers would
+/// cost more launches and waits), as the cost model finds; the answers are DataFusion's
+/// either way. On one device over a filtered build side built where it lies, and on two
+/// devices over a replicated one.
+#[tokio::test]
+async fn a_join_whose_output_goes_to_the_host_probes_on_the_device() {
+    use super::build_sides::{metric, output_rows};
+    use super::cache::{CONTROL_BYTES, shown, text};
+    let narrow = "SELECT l_orderkey, l_quantity, p_retailprice FROM lineitem \
+                  JOIN part ON l_partkey = p_partkey WHERE p_size = 15 ORDER BY 3, 1, 2";
+    let strings = "SELECT l_returnflag, l_linestatus, l_shipinstruct, l_shipmode, l_comment, \
+                   p_retailprice FROM lineitem JOIN part ON l_partkey = p_partkey \
+                   WHERE p_size = 15 AND l_quantity < 5 ORDER BY 6, 1, 2, 3, 4, 5";
+    for set in ["emulated:1/host-output", "emulated:2/host-output"] {
+        let (gpu, cpu) = tpch_contexts(set, 2, None);
+        for table in ["lineitem", "part"] {
+            gpu.cache_table(table).await.unwrap();
+        }
+        // The probe side's dynamic filter would bring the build keys down too.
+        let off = "SET datafusion.optimizer.enable_join_dynamic_filter_pushdown = false";
+        text(&gpu, off).await;
+        for (sql, gathered) in [(narrow, true), (strings, false)] {
+            let what = format!("{set}, {}", if gathered { "narrow" } else { "strings" });
+            let plan = plan_of(&gpu, sql).await;
+            let got = rows_of(&gpu, &plan).await;
+            assert_eq!(got, run(&cpu, sql).await.1, "{what}");
+            let work = Work::of(&plan);
+            assert!(
+                work.gpu_batches > 0 && work.nothing_fell_back(),
+                "{what}: {work:?}"
+            );
+            let mut join = None;
+            let mut scan_down = None;
+            let _ = plan.apply(|node| {
+                if node.name() == "GpuHashJoinExec" {
+                    join = Some(Arc::clone(node));
+                }
+                let line = displayable(node.as_ref()).one_line().to_string();
+                if node.name() == "GpuScanExec" && line.contains("table=lineitem") {
+                    scan_down = Some(metric(node, "d2h_bytes"));
+                }
+                Ok(TreeNodeRecursion::Continue)
+            });
+            let shown = shown(&plan);
+            let join = join.unwrap_or_else(|| panic!("{what}: no GPU join\n{shown}"));
+            let (up, down, rows, takes) = (
+                metric(&join, "h2d_bytes"),
+                metric(&join, "d2h_bytes"),
+                output_rows(&join),
+                metric(&join, "host_takes"),
+            );
+            println!(
+                "{what}: the join moved {up} B up, {down} B down, {rows} rows, {takes} taken on the host"
+            );
+            assert!(rows > 10, "{what}: {rows} rows\n{shown}");
+            let scan_down =
+                scan_down.unwrap_or_else(|| panic!("{what}: no lineitem scan\n{shown}"));
+            assert!(
+                scan_down < CONTROL_BYTES,
+                "{what}: the probe rows came down\n{shown}"
+            );
+            assert!(
+                up < CONTROL_BYTES,
+                "{what}: the join uploaded {up} bytes\n{shown}"
+            );
+            if gathered {
+                // Three 8-byte numbers a row, and nothing else.
+                assert_eq!(takes, 0, "{what}\n{shown}");
+                assert!(
+                    down > 0 && down < 24 * rows + CONTROL_BYTES,
+                    "{what}: the join downloaded {down} bytes for {rows} rows\n{shown}"
+                );
+            } else {
+                assert!(takes > 0, "{what}: every batch was gathered\n{shown}");
+            }
+        }
+    }
 }

@@ -706,6 +706,15 @@ impl BuildSide {
         Ok(batch)
     }
 
+    /// The bytes [`host`](Self::host) would bring down: none once the rows are on the host.
+    pub(super) fn bytes_to_download(&self) -> usize {
+        let held = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        match (&*held, self.device_batch()) {
+            (None, Some(batch)) => batch.columns().iter().map(|c| c.device_bytes()).sum(),
+            _ => 0,
+        }
+    }
+
     /// How to have the rows on the host without the device: host data only, so that a
     /// redo holding it keeps no device memory.
     pub(super) fn lineage(&self) -> Redo {

@@ -58,8 +58,8 @@ use futures::StreamExt;
 
 use super::coalesce::{BatchLimit, Coalescer, PartlyUploaded};
 use super::gpu_stream::{
-    BatchOn, Chunk, ChunkStream, Col, DeviceResident, GpuMetrics, OperatorKind, Output, Redo,
-    count_batch, count_operator, device_for, input_chunks,
+    BatchOn, Chunk, ChunkStream, Col, DeviceResident, DeviceWork, GpuMetrics, OperatorKind, Output,
+    Redo, count_batch, count_operator, device_for, input_chunks,
 };
 use crate::gpu::compile::Reason;
 
@@ -157,6 +157,13 @@ impl ExecutionPlan for GpuHashJoinExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
+        if self.probes_resident_rows() {
+            let (stream, work, metrics) = self.device_stream(partition, context, true)?;
+            // Only the joined rows come down; a chunk whose device was lost is made again
+            // on the CPU from its inputs.
+            let batches = stream.map(move |chunk| chunk.and_then(|c| c.host_for_cpu(&metrics)));
+            return Ok(work.batches(self.schema(), batches));
+        }
         let (run, right) = self.run(partition, &context)?;
         let work = run.metrics.work();
         let probe = right.execute(partition, context)?;
@@ -196,6 +203,9 @@ impl GpuHashJoinExec {
             device_builds: MetricBuilder::new(&self.metrics)
                 .with_label(label())
                 .counter("device_builds", partition),
+            host_takes: MetricBuilder::new(&self.metrics)
+                .with_label(label())
+                .counter("host_takes", partition),
         };
         count_operator(&self.executed, OperatorKind::Join);
         super::gpu_stream::count_partition();
@@ -223,21 +233,48 @@ impl GpuHashJoinExec {
     }
 }
 
+impl GpuHashJoinExec {
+    /// Whether a join whose output goes to the host still matches and gathers on the
+    /// device: an inner join without a residual filter whose probe side is a GPU operator
+    /// on the same devices, and whose output is the narrower (see
+    /// [`JoinWork::output_narrower_on_device`]). Its probe rows then stay on the device and
+    /// only the joined rows come down (on the host they would come down whole, their keys
+    /// go up again and the matched pairs come down).
+    fn probes_resident_rows(&self) -> bool {
+        self.work.device_output()
+            && self.work.output_narrower_on_device()
+            && super::resident_on(self.inner.children()[1], &self.devices).is_some()
+    }
+
+    /// A partition's output as device chunks, the operator's counted work, and its metrics:
+    /// build side and probe rows taken where they lie (see `build_side.rs`).
+    fn device_stream(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+        to_host: bool,
+    ) -> Result<(ChunkStream, DeviceWork, GpuMetrics)> {
+        let (run, right) = self.run(partition, &context)?;
+        let (work, metrics) = (run.metrics.work(), run.metrics.clone());
+        // The probe side straight from a GPU child on the same devices, when it is one.
+        let probe = input_chunks(&right, partition, context, &self.devices)?;
+        let stream =
+            futures::stream::once(run.start_device(probe, to_host)).flat_map(|r| match r {
+                Ok(s) => s,
+                Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
+            });
+        Ok((Box::pin(stream), work, metrics))
+    }
+}
+
 impl DeviceResident for GpuHashJoinExec {
     fn execute_chunks(&self, partition: usize, context: Arc<TaskContext>) -> Result<ChunkStream> {
         if !self.work.device_output() {
             let batches = self.execute(partition, context)?;
             return Ok(Box::pin(batches.map(|b| b.map(Chunk::Host))));
         }
-        let (run, right) = self.run(partition, &context)?;
-        let work = run.metrics.work();
-        // The probe side straight from a GPU child on the same devices, when it is one.
-        let probe = input_chunks(&right, partition, context, &self.devices)?;
-        let stream = futures::stream::once(run.start_device(probe)).flat_map(|r| match r {
-            Ok(s) => s,
-            Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
-        });
-        Ok(work.chunks(Box::pin(stream)))
+        let (stream, work, _) = self.device_stream(partition, context, false)?;
+        Ok(work.chunks(stream))
     }
 
     fn resident_devices(&self) -> &Arc<Vec<Device>> {

@@ -23,6 +23,9 @@ pub(super) struct JoinMetrics {
     pub(super) cpu_fallback: Count,
     /// Tables built over build rows already on the device (none uploaded).
     pub(super) device_builds: Count,
+    /// Batches of output for the host taken there from the device's pairs and probe rows
+    /// instead of gathered on the device (see `DeviceProbing::gather_pays`).
+    pub(super) host_takes: Count,
 }
 
 pub(super) struct JoinRun {
@@ -195,7 +198,15 @@ impl JoinRun {
     /// columns go up once (or are used where they lie, see
     /// [`device_build_side`](Self::device_build_side)), each probe chunk's matches are
     /// gathered there.
-    pub(super) async fn start_device(self, probe: ChunkStream) -> Result<ChunkStream> {
+    ///
+    /// With `to_host` (its parent is a CPU operator) each batch's output comes down, and a
+    /// batch whose pairs and probe rows cost less to bring down than its gathered output
+    /// (see [`DeviceProbing::gather_pays`]) is taken on the host instead.
+    pub(super) async fn start_device(
+        self,
+        probe: ChunkStream,
+        to_host: bool,
+    ) -> Result<ChunkStream> {
         let (build, table, build_columns) = match &self.shared {
             Some((shared, partitions)) => {
                 let built = self.shared_device_build(shared, *partitions).await?;
@@ -221,6 +232,7 @@ impl JoinRun {
             probe,
             pending,
             held: None,
+            to_host,
         };
         Ok(Box::pin(futures::stream::try_unfold(
             state,
@@ -395,6 +407,8 @@ pub(super) struct DeviceProbing {
     /// a chunk that closed the last one.
     pub(super) pending: Coalescer<Chunk>,
     pub(super) held: Option<Chunk>,
+    /// The output goes to the host (the join's parent is a CPU operator).
+    pub(super) to_host: bool,
 }
 
 impl DeviceProbing {
@@ -481,12 +495,16 @@ impl DeviceProbing {
         // The probe's keys, and the string columns it outputs, go up before the probe: the
         // strings' lengths are queued over the pending matches, so that their byte totals
         // come up in the probe's one wait. Other probe columns go up once something matched.
+        // (Output that goes to the host may be taken there instead of gathered, so its
+        // strings' lengths wait until it is gathered: see `gather_pays`.)
         let mut probe_columns: HashMap<usize, DeviceColumn> = HashMap::new();
         let schema = chunk.schema();
+        let queue_strings = !self.to_host;
         let probe_strings = sources
             .iter()
             .filter(|&&(from_build, c)| !from_build && held_as_bytes(schema.field(c).data_type()))
-            .map(|&(_, c)| c);
+            .map(|&(_, c)| c)
+            .filter(|_| queue_strings);
         for c in run.work.right_keys.iter().copied().chain(probe_strings) {
             if let std::collections::hash_map::Entry::Vacant(slot) = probe_columns.entry(c) {
                 slot.insert(chunk.device_column(c, device, metrics)?);
@@ -500,6 +518,7 @@ impl DeviceProbing {
         };
         // Each string output (by position in `sources`) and its word among the probe's.
         let strings: Vec<usize> = (0..sources.len())
+            .filter(|_| queue_strings)
             .filter(|&i| {
                 let (from_build, c) = sources[i];
                 source_of(from_build, c).is_some_and(|col| col.offsets().is_some())
@@ -549,6 +568,11 @@ impl DeviceProbing {
             return Ok(None);
         };
         let rows = build_rows.len();
+        if self.to_host && !self.gather_pays(chunk, rows, &started) {
+            let out = self.pairs_to_host(chunk, &build_rows, &probe_rows)?;
+            run.extra.host_takes.add(1);
+            return Ok(Some(out));
+        }
         let mut columns = Vec::new();
         for (i, &(from_build, c)) in sources.iter().enumerate() {
             if !from_build
@@ -581,6 +605,91 @@ impl DeviceProbing {
         Output { columns, rows }
             .to_device(&run.work.schema, device, metrics, redo)
             .map(Some)
+    }
+}
+
+impl DeviceProbing {
+    /// For output that goes to the host: whether gathering a batch's `rows` output rows on
+    /// the device and bringing them down costs less in the H200 model (a launch per column,
+    /// and one per validity bitmap; for a string, its lengths, their scan and a wait for
+    /// the byte total too; the bytes of the rows) than bringing down the matched
+    /// pairs and the probe chunk, and the build side once if it is not on the host yet,
+    /// and taking the rows there (one more wait). Many narrow rows out of a chunk are
+    /// gathered; a few rows of many columns, strings among them, are taken on the host.
+    pub(super) fn gather_pays(
+        &self,
+        chunk: &Chunk,
+        rows: usize,
+        started: &HashMap<usize, (gather::QueuedStarts, u64)>,
+    ) -> bool {
+        let Chunk::Device(batch, ..) = chunk else {
+            return false;
+        };
+        let model = fulmen_kernels::cost::H200;
+        let (mut launches, mut waits, mut gathered) = (0, 0, 0);
+        for (i, (from_build, c)) in self.run.work.output_sources().into_iter().enumerate() {
+            let column = match from_build {
+                true => self.build_columns.get(&c),
+                false => batch.columns().get(c),
+            };
+            let Some(column) = column else {
+                continue;
+            };
+            let validity = column.validity().is_some();
+            launches += 1 + usize::from(validity);
+            gathered += match column.layout() {
+                Layout::Fixed(width) => rows * width,
+                Layout::Bits => rows.div_ceil(8),
+                Layout::Var(offset) => {
+                    let text = match started.get(&i) {
+                        Some((_, total)) => *total as usize,
+                        None => {
+                            // Not started: lengths, their scan, a wait for the total. The
+                            // bytes at the column's mean length.
+                            (launches, waits) = (launches + 2, waits + 1);
+                            column.values().len() * rows / column.len().max(1)
+                        }
+                    };
+                    rows * offset + text
+                }
+            };
+            if validity {
+                gathered += rows.div_ceil(8);
+            }
+        }
+        let probe: usize = batch.columns().iter().map(|c| c.device_bytes()).sum();
+        let taken = 8 * rows + probe + self.build.bytes_to_download();
+        let gather = launches as f64 * model.launch_s
+            + waits as f64 * model.sync_s
+            + gathered as f64 / model.pcie_bytes_per_s;
+        let take = model.sync_s + taken as f64 / model.pcie_bytes_per_s;
+        gather <= take
+    }
+
+    /// A batch's output taken on the host: the matched pairs and the probe chunk come
+    /// down (the build side too, once, if it is not on the host yet).
+    fn pairs_to_host(
+        &self,
+        chunk: &Chunk,
+        build_rows: &fulmen_kernels::ops::RowIndices,
+        probe_rows: &fulmen_kernels::ops::RowIndices,
+    ) -> Result<Chunk, KernelError> {
+        let metrics = &self.run.metrics;
+        let lists = [build_rows, probe_rows];
+        let mut pairs = metrics
+            .kernel(|| fulmen_kernels::ops::RowIndices::all_to_host(&lists))?
+            .into_iter()
+            .map(UInt32Array::from);
+        let (Some(build_rows), Some(probe_rows)) = (pairs.next(), pairs.next()) else {
+            return Err(KernelError::InvalidData("a probe without pairs".into()));
+        };
+        let probe = chunk.to_host(metrics)?;
+        let host = |e: DataFusionError| KernelError::InvalidData(e.to_string());
+        let build = self.build.host(metrics).map_err(host)?;
+        let out = (self.run.work)
+            .output(&build, Some(&probe), &build_rows, &probe_rows)
+            .map_err(host)?;
+        Ok(Chunk::Host(out))
     }
 }
 

@@ -15,6 +15,7 @@ pub struct JoinWork {
     pub(super) filter: Option<JoinFilter>,
     pub(super) projection: Option<Vec<usize>>,
     pub(super) left_columns: usize,
+    pub(super) left_schema: SchemaRef,
     pub(super) right_schema: SchemaRef,
     pub(super) schema: SchemaRef,
 }
@@ -84,6 +85,7 @@ impl JoinWork {
             filter: join.filter().cloned(),
             projection: join.projection.as_ref().map(|p| p.to_vec()),
             left_columns: left_schema.fields().len(),
+            left_schema,
             right_schema,
             schema: plan.schema(),
         })
@@ -93,6 +95,32 @@ impl JoinWork {
     /// a residual filter (the others still assemble their output on the host).
     pub(super) fn device_output(&self) -> bool {
         self.join_type == JoinType::Inner && self.filter.is_none()
+    }
+
+    /// Whether an inner join whose output goes to the host, over probe rows already on the
+    /// device, should match and gather there and bring down only its output: when that
+    /// output is narrower per probe row than what matching on the host moves (the probe
+    /// child's every column down, its keys up and a pair of row numbers down), counting
+    /// one match per probe row (the foreign-key joins these are) and strings at a nominal
+    /// width. A build side whose columns are wide is cheaper to take from on the host.
+    pub(super) fn output_narrower_on_device(&self) -> bool {
+        let probe_columns: usize = (self.right_schema.fields().iter())
+            .map(|f| row_bytes(f.data_type()))
+            .sum();
+        let keys: usize = (self.right_keys.iter())
+            .map(|&c| row_bytes(self.right_schema.field(c).data_type()))
+            .sum();
+        let output: usize = (self.output_sources().into_iter())
+            .map(|(from_build, c)| {
+                let schema = if from_build {
+                    &self.left_schema
+                } else {
+                    &self.right_schema
+                };
+                row_bytes(schema.field(c).data_type())
+            })
+            .sum();
+        output < probe_columns + keys + 2 * 4
     }
 
     /// Where each output column of an inner join comes from: (build side?, column).
@@ -436,4 +464,16 @@ pub(super) fn host_matches(
         )?),
     };
     index.probe(&columns(probe, &work.right_keys), work.null_equals_null)
+}
+
+/// The bytes a value of `data_type` takes on the device (a string: a nominal 20 bytes and
+/// its offset; a boolean: one).
+fn row_bytes(data_type: &DataType) -> usize {
+    use fulmen_kernels::column::{Layout, device_type, layout_of};
+    match device_type(data_type, 0).ok().as_ref().and_then(layout_of) {
+        Some(Layout::Fixed(width)) => width,
+        Some(Layout::Bits) => 1,
+        Some(Layout::Var(offset)) => 20 + offset,
+        None => 24,
+    }
 }
