@@ -231,9 +231,7 @@ impl GpuHashJoinExec {
         };
         Ok((run, right))
     }
-}
 
-impl GpuHashJoinExec {
     /// Whether a join whose output goes to the host still matches and gathers on the
     /// device: an inner join without a residual filter whose probe side is a GPU operator
     /// on the same devices, and whose output is the narrower (see

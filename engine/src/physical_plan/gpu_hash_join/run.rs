@@ -657,7 +657,10 @@ impl DeviceProbing {
                 gathered += rows.div_ceil(8);
             }
         }
-        let probe: usize = batch.columns().iter().map(|c| c.device_bytes()).sum();
+        let probe: usize = (self.run.work.probe_outputs().into_iter())
+            .filter_map(|c| batch.columns().get(c))
+            .map(|c| c.device_bytes())
+            .sum();
         let taken = 8 * rows + probe + self.build.bytes_to_download();
         let gather = launches as f64 * model.launch_s
             + waits as f64 * model.sync_s
@@ -666,8 +669,8 @@ impl DeviceProbing {
         gather <= take
     }
 
-    /// A batch's output taken on the host: the matched pairs and the probe chunk come
-    /// down (the build side too, once, if it is not on the host yet).
+    /// A batch's output taken on the host: the matched pairs and the probe chunk's output
+    /// columns come down (the build side too, once, if it is not on the host yet).
     fn pairs_to_host(
         &self,
         chunk: &Chunk,
@@ -683,11 +686,35 @@ impl DeviceProbing {
         let (Some(build_rows), Some(probe_rows)) = (pairs.next(), pairs.next()) else {
             return Err(KernelError::InvalidData("a probe without pairs".into()));
         };
-        let probe = chunk.to_host(metrics)?;
+        let wanted = self.run.work.probe_outputs();
+        let probe: HashMap<usize, ArrayRef> = match chunk {
+            Chunk::Host(batch) => (wanted.iter())
+                .map(|&c| (c, Arc::clone(batch.column(c))))
+                .collect(),
+            Chunk::Device(batch, schema, _) => {
+                let columns = (wanted.iter())
+                    .map(|&c| {
+                        let column = batch.columns().get(c).ok_or_else(|| {
+                            KernelError::InvalidData(format!("probe column {c} is missing"))
+                        })?;
+                        Ok((column, schema.field(c).data_type()))
+                    })
+                    .collect::<Result<Vec<_>, KernelError>>()?;
+                wanted
+                    .iter()
+                    .copied()
+                    .zip(metrics.download(&columns)?)
+                    .collect()
+            }
+        };
         let host = |e: DataFusionError| KernelError::InvalidData(e.to_string());
         let build = self.build.host(metrics).map_err(host)?;
+        let column = |from_build: bool, c: usize| match from_build {
+            true => Some(Arc::clone(build.column(c))),
+            false => probe.get(&c).cloned(),
+        };
         let out = (self.run.work)
-            .output(&build, Some(&probe), &build_rows, &probe_rows)
+            .inner_output(column, &build_rows, &probe_rows)
             .map_err(host)?;
         Ok(Chunk::Host(out))
     }

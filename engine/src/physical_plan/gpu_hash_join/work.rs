@@ -123,6 +123,16 @@ impl JoinWork {
         output < probe_columns + keys + 2 * 4
     }
 
+    /// The probe columns an inner join outputs, each once, in order.
+    pub(super) fn probe_outputs(&self) -> Vec<usize> {
+        let mut columns: Vec<usize> = (self.output_sources().into_iter())
+            .filter_map(|(from_build, c)| (!from_build).then_some(c))
+            .collect();
+        columns.sort_unstable();
+        columns.dedup();
+        columns
+    }
+
     /// Where each output column of an inner join comes from: (build side?, column).
     pub(super) fn output_sources(&self) -> Vec<(bool, usize)> {
         let all = self.left_columns + self.right_schema.fields().len();
@@ -195,6 +205,32 @@ impl JoinWork {
             Some(p) => p.iter().map(|&i| Arc::clone(&columns[i])).collect(),
             None => columns,
         };
+        self.batch_of(columns, n)
+    }
+
+    /// An inner join's output over matched pairs: each output column (see
+    /// [`output_sources`](Self::output_sources)) taken from `column(from_build, c)`, the
+    /// host rows of that side's column `c`, at the build or probe rows.
+    pub(super) fn inner_output(
+        &self,
+        column: impl Fn(bool, usize) -> Option<ArrayRef>,
+        build_rows: &UInt32Array,
+        probe_rows: &UInt32Array,
+    ) -> Result<RecordBatch> {
+        let columns = (self.output_sources().into_iter())
+            .map(|(from_build, c)| {
+                let array = column(from_build, c)
+                    .ok_or_else(|| internal_datafusion_err!("join output column {c} is missing"))?;
+                let rows = if from_build { build_rows } else { probe_rows };
+                take(array.as_ref(), rows, None).map_err(arrow_err)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.batch_of(columns, build_rows.len())
+    }
+
+    /// The output batch of `columns` (cast to the output's types where they differ), of
+    /// `n` rows.
+    fn batch_of(&self, columns: Vec<ArrayRef>, n: usize) -> Result<RecordBatch> {
         let columns = columns
             .into_iter()
             .zip(self.schema.fields())
