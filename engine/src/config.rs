@@ -126,6 +126,9 @@ pub struct FulmenConfig {
     /// `fulmen.cache.replicate_below`: tables cached without a shard key whose rows take at
     /// most this many bytes go whole to every device (`0`: never).
     pub cache_replicate_below: usize,
+    /// `fulmen.cache.chunk_bytes`: the most bytes of column data (on the host, every
+    /// column) in one cached chunk; a chunk also holds at most `gpu_batch_rows` rows.
+    pub cache_chunk_bytes: usize,
 }
 
 impl Default for FulmenConfig {
@@ -145,6 +148,7 @@ impl Default for FulmenConfig {
             stream_incremental: true,
             cache_memory_limit: None,
             cache_replicate_below: 64 << 20,
+            cache_chunk_bytes: 512 << 20,
         }
     }
 }
@@ -230,6 +234,15 @@ const SETTINGS: &[Setting] = &[
                       copies. Each copy counts against the device's cache room.",
     },
     Setting {
+        key: "cache.chunk_bytes",
+        description: "The most bytes of column data (every column, as held on the host) in \
+                      one chunk of a cached table whose source tells its rows, in bytes \
+                      (suffixes K, M, G allowed); a chunk also holds at most \
+                      gpu.batch_rows rows. A query over a cached \
+                      table runs chunk by chunk, each costing launches and waits, so larger \
+                      chunks cost less. Read at CACHE time.",
+    },
+    Setting {
         key: "stream.incremental",
         description: "Whether a windowed sink (CREATE SINK over TUMBLE, HOP or SESSION) \
                       keeps its open windows' partial aggregate states, adding each tick's \
@@ -266,6 +279,7 @@ impl FulmenConfig {
             "stream.incremental" => self.stream_incremental.to_string(),
             "cache.memory_limit" => self.cache_memory_limit.unwrap_or(0).to_string(),
             "cache.replicate_below" => self.cache_replicate_below.to_string(),
+            "cache.chunk_bytes" => self.cache_chunk_bytes.to_string(),
             _ => String::new(),
         }
     }
@@ -349,6 +363,16 @@ impl ExtensionOptions for FulmenConfig {
                 self.cache_replicate_below =
                     parse_bytes("cache.replicate_below", value, REPLICATE_BELOW)?
             }
+            "cache.chunk_bytes" => {
+                self.cache_chunk_bytes = Some(parse_bytes("cache.chunk_bytes", value, CHUNK_BYTES)?)
+                    .filter(|&b| b > 0)
+                    .ok_or_else(|| {
+                        DataFusionError::Configuration(format!(
+                            "invalid value '{value}' for fulmen.cache.chunk_bytes (expected \
+                             {CHUNK_BYTES})"
+                        ))
+                    })?
+            }
             other => return Err(Self::unknown_key(other)),
         }
         Ok(())
@@ -369,6 +393,7 @@ impl ExtensionOptions for FulmenConfig {
 const MEMORY_LIMIT: &str = "bytes, such as 268435456, 256M or 0 for the whole device";
 const CACHE_LIMIT: &str = "bytes, such as 1073741824, 1G or 0 for half the device";
 const REPLICATE_BELOW: &str = "bytes, such as 67108864, 64M or 0 for never";
+const CHUNK_BYTES: &str = "a positive number of bytes, such as 536870912 or 512M";
 
 fn parse_flag(key: &str, value: &str) -> Result<bool> {
     match value.trim().to_ascii_lowercase().as_str() {
@@ -428,6 +453,9 @@ mod tests {
         c.set("gpu.on_error", "Fail").unwrap();
         c.set("stream.incremental", "false").unwrap();
         c.set("cache.replicate_below", "1M").unwrap();
+        c.set("cache.chunk_bytes", "8M").unwrap();
+        assert!(c.set("cache.chunk_bytes", "0").is_err());
+        assert_eq!(c.cache_chunk_bytes, 8 << 20);
         assert!(!c.stream_incremental);
         assert_eq!(c.cache_replicate_below, 1 << 20);
         assert_eq!(c.gpu_on_error, OnError::Fail);
@@ -463,6 +491,10 @@ mod tests {
                 (
                     "fulmen.cache.replicate_below".to_string(),
                     "1048576".to_string()
+                ),
+                (
+                    "fulmen.cache.chunk_bytes".to_string(),
+                    "8388608".to_string()
                 ),
                 ("fulmen.stream.incremental".to_string(), "false".to_string()),
             ]

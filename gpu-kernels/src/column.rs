@@ -95,6 +95,23 @@ pub fn device_type(data_type: &DataType, value_bytes: usize) -> Result<DataType>
     Ok(converted)
 }
 
+/// The bytes a view array's values take once laid out end to end (what decides whether its
+/// offsets need 64 bits on the device): the lengths its views give, for its own rows. Not
+/// the size of its buffers, which a slice or a concatenation of slices shares with other
+/// arrays: a column concatenated from slices of larger batches (the cache makes its chunks
+/// so) can count gigabytes of buffers for megabytes of strings, and went up with 64-bit
+/// offsets, which no plan expects (TPC-H SF 0.1's `o_comment` in one chunk). Other types:
+/// their buffers' size (only views are converted by it).
+fn string_bytes(array: &dyn Array) -> usize {
+    use arrow::array::AsArray;
+    let lengths = |views: &[u128]| views.iter().map(|&v| v as u32 as usize).sum();
+    match array.data_type() {
+        DataType::Utf8View => lengths(array.as_string_view().views()),
+        DataType::BinaryView => lengths(array.as_binary_view().views()),
+        _ => array.get_buffer_memory_size(),
+    }
+}
+
 /// Uploads a variable-width column's bytes and its offsets, rebased to start at 0.
 fn upload_var<O>(device: &Device, data: &ArrayData) -> Result<(DeviceBuffer, Option<DeviceBuffer>)>
 where
@@ -208,8 +225,7 @@ impl DeviceColumn {
 
     /// Copies an Arrow array to `device`.
     pub fn upload(device: &Device, array: &dyn Array) -> Result<Self> {
-        let value_bytes = array.get_buffer_memory_size();
-        let target = device_type(array.data_type(), value_bytes)?;
+        let target = device_type(array.data_type(), string_bytes(array))?;
         let converted;
         let array: &dyn Array = if &target != array.data_type() {
             converted =

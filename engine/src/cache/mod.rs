@@ -1,12 +1,16 @@
 //! GPU-resident tables: `CACHE TABLE t` copies a table's rows into device memory once, so
 //! that later queries read them where the kernels run instead of uploading them again.
 //!
-//! - **Placement.** The rows are cut into device chunks (`fulmen.gpu.batch_rows` /
-//!   `_bytes`, as any device batch; smaller, down to 65 536 rows, where that gives every
-//!   device some) and the chunks dealt over the session's devices in turn, from the device
-//!   the cache holds least of. A scan of the table ([`GpuScanExec`]) has a partition per
-//!   device (or a multiple of that, to reach `target_partitions`), and
-//!   partition p reads chunks of device p mod n, which is the device every GPU operator
+//! - **Placement.** Where the source tells its rows, they are cut into device chunks of at
+//!   most `fulmen.gpu.batch_rows` rows and `fulmen.cache.chunk_bytes` bytes (every column;
+//!   512 MiB by default, larger than a device batch from the host, as a query reads some
+//!   of a chunk's columns and pays its fixed costs per chunk), as few as that allows but
+//!   as many on every device (in every part, for a sharded table), of equal rows (down to
+//!   65 536); else into chunks of a device
+//!   batch's size (`fulmen.gpu.batch_bytes`). The chunks are dealt over the session's
+//!   devices in turn, from the device the cache holds least of. A scan of the table
+//!   ([`GpuScanExec`]) has a partition per device (or a multiple of that, to reach
+//!   `target_partitions`), and partition p reads chunks of device p mod n, which is the device every GPU operator
 //!   runs partition p on: a filter, projection, aggregation or join probe over a cached
 //!   table takes its chunks on the device that holds them, with nothing uploaded.
 //! - **Replication.** A table of at most `fulmen.cache.replicate_below` bytes (64 MiB by
@@ -282,13 +286,49 @@ pub fn fingerprint(plan: &Arc<dyn ExecutionPlan>) -> Option<Fingerprint> {
 /// The fewest rows a chunk is cut to so that every device gets some of a table.
 const MIN_SPREAD_ROWS: usize = 1 << 16;
 
+/// The chunk size for a table (or a shard key's part of one) of about `rows` rows of about
+/// `per_row` bytes (`exact`: whether `rows` is a count, not an estimate) dealt over `n`
+/// devices (1 for a part, which lies on one): as few chunks as `limit` allows (in rows and in bytes), rounded up to a
+/// multiple of `n` so that every device gets as many rows, and of equal rows; but no fewer
+/// rows than [`MIN_SPREAD_ROWS`], so that a device's share of a small table does not cost
+/// more in fixed costs (launches, waits, a join's build per partition) than it saves. A
+/// query runs a cached table chunk by chunk, each chunk costing launches and a wait per
+/// operator, so fewer chunks cost less. `limit`'s bytes still bound each chunk (the rows
+/// of later batches may be wider).
+fn chunk_limit(
+    limit: BatchLimit,
+    rows: usize,
+    per_row: usize,
+    n: usize,
+    exact: bool,
+) -> BatchLimit {
+    let n = n.max(1);
+    let by_rows = rows.div_ceil(limit.rows);
+    // The first batch's width is a sample: a quarter more leaves room for wider rows
+    // later, so that the bytes limit seldom cuts a chunk short of its share.
+    let bytes = rows.saturating_mul(per_row.max(1)).saturating_mul(5) / 4;
+    let by_bytes = bytes.div_ceil(limit.bytes);
+    let chunks = by_rows.max(by_bytes).max(1).next_multiple_of(n);
+    let share = rows.div_ceil(chunks);
+    // Rows that are an estimate (a shard key's part, whose hash deals a few more or fewer)
+    // get an eighth more room, so that a part a little larger than its share does not end
+    // in a chunk of a few rows.
+    let share = match exact {
+        true => share,
+        false => share + share / 8,
+    };
+    BatchLimit::new(limit.rows.min(share.max(MIN_SPREAD_ROWS)), limit.bytes)
+}
+
 /// How much of each device the cache may hold: `limit`, or half the device.
 fn cache_limit(device: &Device, limit: Option<usize>) -> usize {
     limit.unwrap_or(device.memory_budget() / 2)
 }
 
 /// Reads `source` (a scan of the table's files or memory, every column) and copies its
-/// rows to `devices` in chunks of at most `batch`: dealt in turn (in fewer rows where the
+/// rows to `devices` in chunks of at most `batch.rows` rows and `chunk_bytes` bytes, as
+/// [`chunk_limit`] evens them out where the source tells its rows (else of at most
+/// `batch`, a device batch's size, so that they still spread): dealt in turn (in fewer rows where the
 /// source's statistics show that every device would not get one otherwise), or with
 /// `sharding`, by the hash of its key, part p to device p mod n. Nothing stays cached when
 /// any of it fails: the error says why, with the sizes when the rows do not fit.
@@ -299,6 +339,7 @@ pub async fn cache(
     task: Arc<TaskContext>,
     devices: Arc<Vec<Device>>,
     batch: BatchLimit,
+    chunk_bytes: usize,
     limit: Option<usize>,
     replicate_below: usize,
     sharding: Option<Sharding>,
@@ -316,16 +357,20 @@ pub async fn cache(
         )));
     }
     let n = devices.len();
-    // Chunks small enough that every device gets a share, where the source tells its rows,
-    // but not so small that a device's share of a small table costs more in fixed costs
-    // (launches, waits, a join's build per partition) than it saves.
-    let batch = match crate::gpu::overrides::estimated_rows(source) {
-        Some(rows) if rows > 0 && sharding.is_none() => {
-            let share = rows.div_ceil(n).max(MIN_SPREAD_ROWS);
-            BatchLimit::new(batch.rows.min(share), batch.bytes)
-        }
-        _ => batch,
+    // Where the source tells its rows, the chunk size is set by the first batch's bytes
+    // per row (`chunk_limit`), so that the devices get equal shares. Where it does not,
+    // chunks of a device batch's size spread the rows over the devices as they come.
+    // A sharded table's parts each lie on one device: a part's chunks are evened out.
+    let (ways, parts) = match &sharding {
+        None => (n, 1),
+        Some(s) => (1, s.parts.max(1)),
     };
+    let (estimated_rows, exact_rows) = match crate::gpu::overrides::source_rows(source) {
+        Some((rows, exact)) if rows > 0 => (Some(rows.div_ceil(parts)), exact),
+        _ => (None, false),
+    };
+    let mut batch = batch;
+    let mut sized = estimated_rows.is_none();
     // One CACHE at a time: each counts the room the others left.
     static CACHING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let _one_at_a_time = CACHING.lock().await;
@@ -364,6 +409,15 @@ pub async fn cache(
         let mut stream = source.execute(partition, Arc::clone(&task))?;
         while let Some(next) = stream.next().await {
             let next = next?;
+            if !sized && next.num_rows() > 0 {
+                let per_row = host_bytes(&next).div_ceil(next.num_rows());
+                let limit = BatchLimit::new(batch.rows, chunk_bytes);
+                let exact = exact_rows && sharding.is_none();
+                batch = chunk_limit(limit, estimated_rows.unwrap_or(0), per_row, ways, exact);
+                // Nothing waits yet: the chunks are made up to the new size.
+                pending = (0..pending.len()).map(|_| Coalescer::new(batch)).collect();
+                sized = true;
+            }
             deal(partitioner.as_mut(), next, |part, piece| {
                 feed(&mut loader, &mut pending[part], part, batch, piece)
             })?;
@@ -668,6 +722,26 @@ mod tests {
     use datafusion::prelude::SessionContext;
 
     use super::*;
+
+    #[test]
+    fn chunks_are_as_few_as_the_limits_allow_and_as_many_on_every_device() {
+        let limit = BatchLimit::new(4 << 20, 512 << 20);
+        // TPC-H SF 1's lineitem (6 M rows of about 175 bytes) on 2 devices: 1.3 GB with the
+        // margin makes 3 chunks by bytes, 4 to deal evenly, of 1.5 M rows each.
+        let l = chunk_limit(limit, 6_000_000, 175, 2, true);
+        assert_eq!((l.rows, l.bytes), (1_500_000, 512 << 20));
+        // Narrow rows: bounded by the rows a chunk may hold, then evened out.
+        assert_eq!(chunk_limit(limit, 9_000_000, 8, 2, true).rows, 2_250_000);
+        // A small table: one chunk per device, but not under 65 536 rows.
+        assert_eq!(chunk_limit(limit, 300_000, 100, 4, true).rows, 75_000);
+        assert_eq!(
+            chunk_limit(limit, 100_000, 100, 4, true).rows,
+            MIN_SPREAD_ROWS
+        );
+        assert_eq!(chunk_limit(limit, 1, 1, 1, true).rows, MIN_SPREAD_ROWS);
+        // A shard key's part of about 300 000 rows: room for an eighth more in one chunk.
+        assert_eq!(chunk_limit(limit, 300_000, 175, 1, false).rows, 337_500);
+    }
 
     /// Two in-memory sources with the same row counts but other arrays differ: a write that
     /// keeps every row count is still seen.

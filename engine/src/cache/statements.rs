@@ -369,6 +369,7 @@ pub async fn cache_table(
         session.task_ctx(),
         Arc::new(devices),
         BatchLimit::of(&config),
+        config.cache_chunk_bytes,
         config.cache_memory_limit,
         config.cache_replicate_below,
         sharding,

@@ -230,6 +230,28 @@ fn upload_and_download_round_trip_every_type() {
 }
 
 #[test]
+fn a_view_column_concatenated_from_slices_keeps_32_bit_offsets() {
+    // 8 192 values of 2 KiB (16 MiB of strings) cut in slices of 32 rows and put together
+    // again: each slice keeps every data buffer, so the result's buffers count 4 GiB.
+    let values: Vec<String> = (0..8192).map(|i| format!("{i:0>2048}")).collect();
+    let view = StringViewArray::from_iter_values(values.iter());
+    let slices: Vec<ArrayRef> = (0..256)
+        .map(|k| Arc::new(view.slice(32 * k, 32)) as ArrayRef)
+        .collect();
+    let pieces: Vec<&dyn Array> = slices.iter().map(|a| a.as_ref()).collect();
+    let joined = arrow::compute::concat(&pieces).unwrap();
+    assert!(joined.get_buffer_memory_size() > i32::MAX as usize);
+    // Its strings take 16 MiB: 32-bit offsets, as every plan expects of a view column.
+    let column = DeviceColumn::upload(&device(), joined.as_ref()).unwrap();
+    assert_eq!(column.data_type(), &DataType::Utf8);
+    let back = column.to_arrow().unwrap();
+    assert_eq!(
+        back.as_ref(),
+        &StringArray::from_iter_values(values.iter()) as &dyn Array
+    );
+}
+
+#[test]
 fn views_and_dictionaries_are_converted_on_upload() {
     let d = device();
     let view = StringViewArray::from(vec![

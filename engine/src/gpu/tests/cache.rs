@@ -358,6 +358,55 @@ async fn a_cache_that_does_not_fit_fails_with_its_sizes_and_caches_nothing() {
     assert!(summary.bytes <= 64 << 20);
 }
 
+/// A cached table is cut into as few chunks as `fulmen.gpu.batch_rows` and
+/// `fulmen.cache.chunk_bytes` allow, as many on each device and of equal rows; the scan's
+/// answers are DataFusion's, with nothing uploaded and no batch on the CPU.
+#[tokio::test]
+async fn cached_chunks_are_as_few_as_the_limits_allow_and_even() {
+    if super::on_cuda() {
+        println!("cached_chunks…: not on shared CUDA devices (it reads their memory)");
+        return;
+    }
+    let set = "emulated:2/cache-chunks";
+    let (gpu, cpu) = (session(gpu_config(set), 2), session(cpu_config(), 2));
+    let devices = devices_of(set);
+    // 300 000 rows of about 140 bytes (a 100-byte string kept out of its view): 42 MB.
+    let create = "CREATE TABLE t AS SELECT value AS a, value % 7 AS b, \
+                  concat(repeat('x', 97), CAST(value % 1000 AS VARCHAR)) AS s \
+                  FROM range(300000)";
+    text(&gpu, create).await;
+    text(&cpu, create).await;
+    text(&gpu, "SET fulmen.cache.replicate_below = 0").await;
+    let even = |what: &str| {
+        let held: Vec<usize> = devices.iter().map(crate::cache::cached_bytes_on).collect();
+        assert!(held[0] > 0 && held[0] == held[1], "{what}: {held:?}");
+    };
+    // By rows: 3 chunks of 100 000 would leave one device two of them; 4 of 75 000 instead.
+    text(&gpu, "SET fulmen.gpu.batch_rows = 100000").await;
+    let summary = gpu.cache_table("t").await.unwrap();
+    assert_eq!((summary.rows, summary.chunks), (300_000, 4), "{summary:?}");
+    even("by rows");
+    // By bytes: 16 MiB chunks (with a quarter's room for wider rows) make 4, not 3.
+    text(&gpu, "SET fulmen.gpu.batch_rows = 4194304").await;
+    text(&gpu, "SET fulmen.cache.chunk_bytes = '16M'").await;
+    let summary = gpu.refresh_cache("t").await.unwrap();
+    assert_eq!(summary.chunks, 4, "{summary:?}");
+    even("by bytes");
+    // The default: one chunk per device.
+    text(&gpu, "SET fulmen.cache.chunk_bytes = '512M'").await;
+    let summary = gpu.refresh_cache("t").await.unwrap();
+    assert_eq!(summary.chunks, 2, "{summary:?}");
+    even("one each");
+    let sql = "SELECT b, count(*), sum(a), max(s) FROM t WHERE a % 3 = 1 GROUP BY b ORDER BY b";
+    let plan = plan_of(&gpu, sql).await;
+    assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+    let work = Work::of(&plan);
+    assert!(work.nothing_fell_back() && work.gpu_batches > 0, "{work:?}");
+    for (name, h2d, _) in reads_of_cached(&plan) {
+        assert!(h2d < CONTROL_BYTES, "{name} uploaded {h2d} bytes");
+    }
+}
+
 /// A table no larger than `fulmen.cache.replicate_below` goes whole to each of two
 /// devices, and a scan of it still reads each row once; a larger one, or one whose copy
 /// would not fit in a device's cache room (while its share does; by its host bytes, or
