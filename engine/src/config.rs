@@ -238,7 +238,7 @@ const SETTINGS: &[Setting] = &[
         description: "The most bytes of column data (every column, as held on the host) in \
                       one chunk of a cached table whose source tells its rows, in bytes \
                       (suffixes K, M, G allowed); a chunk also holds at most \
-                      gpu.batch_rows rows. A query over a cached \
+                      gpu.batch_rows rows; at most 1G. A query over a cached \
                       table runs chunk by chunk, each costing launches and waits, so larger \
                       chunks cost less. Read at CACHE time.",
     },
@@ -364,8 +364,9 @@ impl ExtensionOptions for FulmenConfig {
                     parse_bytes("cache.replicate_below", value, REPLICATE_BELOW)?
             }
             "cache.chunk_bytes" => {
+                // At most 1 GiB, so that a chunk's string column keeps 32-bit offsets.
                 self.cache_chunk_bytes = Some(parse_bytes("cache.chunk_bytes", value, CHUNK_BYTES)?)
-                    .filter(|&b| b > 0)
+                    .filter(|&b| b > 0 && b <= 1 << 30)
                     .ok_or_else(|| {
                         DataFusionError::Configuration(format!(
                             "invalid value '{value}' for fulmen.cache.chunk_bytes (expected \
@@ -393,7 +394,7 @@ impl ExtensionOptions for FulmenConfig {
 const MEMORY_LIMIT: &str = "bytes, such as 268435456, 256M or 0 for the whole device";
 const CACHE_LIMIT: &str = "bytes, such as 1073741824, 1G or 0 for half the device";
 const REPLICATE_BELOW: &str = "bytes, such as 67108864, 64M or 0 for never";
-const CHUNK_BYTES: &str = "a positive number of bytes, such as 536870912 or 512M";
+const CHUNK_BYTES: &str = "bytes, more than 0 and at most 1G, such as 536870912 or 512M";
 
 fn parse_flag(key: &str, value: &str) -> Result<bool> {
     match value.trim().to_ascii_lowercase().as_str() {
@@ -455,6 +456,7 @@ mod tests {
         c.set("cache.replicate_below", "1M").unwrap();
         c.set("cache.chunk_bytes", "8M").unwrap();
         assert!(c.set("cache.chunk_bytes", "0").is_err());
+        assert!(c.set("cache.chunk_bytes", "2G").is_err());
         assert_eq!(c.cache_chunk_bytes, 8 << 20);
         assert!(!c.stream_incremental);
         assert_eq!(c.cache_replicate_below, 1 << 20);

@@ -5,9 +5,9 @@
 //!   most `fulmen.gpu.batch_rows` rows and `fulmen.cache.chunk_bytes` bytes (every column;
 //!   512 MiB by default, larger than a device batch from the host, as a query reads some
 //!   of a chunk's columns and pays its fixed costs per chunk), as few as that allows but
-//!   as many on every device (in every part, for a sharded table), of equal rows (down to
-//!   65 536); else into chunks of a device
-//!   batch's size (`fulmen.gpu.batch_bytes`). The chunks are dealt over the session's
+//!   as many on every device, of equal rows (down to 65 536; a sharded table's part: as
+//!   few, the last one smaller); else into chunks of a device batch's size
+//!   (`fulmen.gpu.batch_bytes`). The chunks are dealt over the session's
 //!   devices in turn, from the device the cache holds least of. A scan of the table
 //!   ([`GpuScanExec`]) has a partition per device (or a multiple of that, to reach
 //!   `target_partitions`), and partition p reads chunks of device p mod n, which is the device every GPU operator
@@ -287,21 +287,14 @@ pub fn fingerprint(plan: &Arc<dyn ExecutionPlan>) -> Option<Fingerprint> {
 const MIN_SPREAD_ROWS: usize = 1 << 16;
 
 /// The chunk size for a table (or a shard key's part of one) of about `rows` rows of about
-/// `per_row` bytes (`exact`: whether `rows` is a count, not an estimate) dealt over `n`
-/// devices (1 for a part, which lies on one): as few chunks as `limit` allows (in rows and in bytes), rounded up to a
+/// `per_row` bytes dealt over `n` devices (1 for a shard key's `part`, which lies on one): as few chunks as `limit` allows (in rows and in bytes), rounded up to a
 /// multiple of `n` so that every device gets as many rows, and of equal rows; but no fewer
 /// rows than [`MIN_SPREAD_ROWS`], so that a device's share of a small table does not cost
 /// more in fixed costs (launches, waits, a join's build per partition) than it saves. A
 /// query runs a cached table chunk by chunk, each chunk costing launches and a wait per
 /// operator, so fewer chunks cost less. `limit`'s bytes still bound each chunk (the rows
 /// of later batches may be wider).
-fn chunk_limit(
-    limit: BatchLimit,
-    rows: usize,
-    per_row: usize,
-    n: usize,
-    exact: bool,
-) -> BatchLimit {
+fn chunk_limit(limit: BatchLimit, rows: usize, per_row: usize, n: usize, part: bool) -> BatchLimit {
     let n = n.max(1);
     let by_rows = rows.div_ceil(limit.rows);
     // The first batch's width is a sample: a quarter more leaves room for wider rows
@@ -310,12 +303,12 @@ fn chunk_limit(
     let by_bytes = bytes.div_ceil(limit.bytes);
     let chunks = by_rows.max(by_bytes).max(1).next_multiple_of(n);
     let share = rows.div_ceil(chunks);
-    // Rows that are an estimate (a shard key's part, whose hash deals a few more or fewer)
-    // get an eighth more room, so that a part a little larger than its share does not end
-    // in a chunk of a few rows.
-    let share = match exact {
-        true => share,
-        false => share + share / 8,
+    // A part's rows are an estimate (its hash deals it a few more or fewer): its chunks get
+    // an eighth more room, so that a part a little larger than its share does not end in a
+    // chunk of a few rows. Its last chunk is smaller instead, on the same device.
+    let share = match part {
+        true => share + share / 8,
+        false => share,
     };
     BatchLimit::new(limit.rows.min(share.max(MIN_SPREAD_ROWS)), limit.bytes)
 }
@@ -328,8 +321,7 @@ fn cache_limit(device: &Device, limit: Option<usize>) -> usize {
 /// Reads `source` (a scan of the table's files or memory, every column) and copies its
 /// rows to `devices` in chunks of at most `batch.rows` rows and `chunk_bytes` bytes, as
 /// [`chunk_limit`] evens them out where the source tells its rows (else of at most
-/// `batch`, a device batch's size, so that they still spread): dealt in turn (in fewer rows where the
-/// source's statistics show that every device would not get one otherwise), or with
+/// `batch`, a device batch's size, so that they still spread): dealt in turn, or with
 /// `sharding`, by the hash of its key, part p to device p mod n. Nothing stays cached when
 /// any of it fails: the error says why, with the sizes when the rows do not fit.
 #[allow(clippy::too_many_arguments)]
@@ -365,10 +357,9 @@ pub async fn cache(
         None => (n, 1),
         Some(s) => (1, s.parts.max(1)),
     };
-    let (estimated_rows, exact_rows) = match crate::gpu::overrides::source_rows(source) {
-        Some((rows, exact)) if rows > 0 => (Some(rows.div_ceil(parts)), exact),
-        _ => (None, false),
-    };
+    let estimated_rows = crate::gpu::overrides::estimated_rows(source)
+        .filter(|&r| r > 0)
+        .map(|r| r.div_ceil(parts));
     let mut batch = batch;
     let mut sized = estimated_rows.is_none();
     // One CACHE at a time: each counts the room the others left.
@@ -412,8 +403,8 @@ pub async fn cache(
             if !sized && next.num_rows() > 0 {
                 let per_row = host_bytes(&next).div_ceil(next.num_rows());
                 let limit = BatchLimit::new(batch.rows, chunk_bytes);
-                let exact = exact_rows && sharding.is_none();
-                batch = chunk_limit(limit, estimated_rows.unwrap_or(0), per_row, ways, exact);
+                let part = sharding.is_some();
+                batch = chunk_limit(limit, estimated_rows.unwrap_or(0), per_row, ways, part);
                 // Nothing waits yet: the chunks are made up to the new size.
                 pending = (0..pending.len()).map(|_| Coalescer::new(batch)).collect();
                 sized = true;
@@ -728,19 +719,19 @@ mod tests {
         let limit = BatchLimit::new(4 << 20, 512 << 20);
         // TPC-H SF 1's lineitem (6 M rows of about 175 bytes) on 2 devices: 1.3 GB with the
         // margin makes 3 chunks by bytes, 4 to deal evenly, of 1.5 M rows each.
-        let l = chunk_limit(limit, 6_000_000, 175, 2, true);
+        let l = chunk_limit(limit, 6_000_000, 175, 2, false);
         assert_eq!((l.rows, l.bytes), (1_500_000, 512 << 20));
         // Narrow rows: bounded by the rows a chunk may hold, then evened out.
-        assert_eq!(chunk_limit(limit, 9_000_000, 8, 2, true).rows, 2_250_000);
+        assert_eq!(chunk_limit(limit, 9_000_000, 8, 2, false).rows, 2_250_000);
         // A small table: one chunk per device, but not under 65 536 rows.
-        assert_eq!(chunk_limit(limit, 300_000, 100, 4, true).rows, 75_000);
+        assert_eq!(chunk_limit(limit, 300_000, 100, 4, false).rows, 75_000);
         assert_eq!(
-            chunk_limit(limit, 100_000, 100, 4, true).rows,
+            chunk_limit(limit, 100_000, 100, 4, false).rows,
             MIN_SPREAD_ROWS
         );
-        assert_eq!(chunk_limit(limit, 1, 1, 1, true).rows, MIN_SPREAD_ROWS);
+        assert_eq!(chunk_limit(limit, 1, 1, 1, false).rows, MIN_SPREAD_ROWS);
         // A shard key's part of about 300 000 rows: room for an eighth more in one chunk.
-        assert_eq!(chunk_limit(limit, 300_000, 175, 1, false).rows, 337_500);
+        assert_eq!(chunk_limit(limit, 300_000, 175, 1, true).rows, 337_500);
     }
 
     /// Two in-memory sources with the same row counts but other arrays differ: a write that

@@ -212,17 +212,11 @@ fn estimated_input_rows(node: &Arc<dyn ExecutionPlan>) -> Option<usize> {
 
 /// The rows `plan`'s statistics say it makes, exactly or as an estimate.
 pub(crate) fn estimated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
-    source_rows(plan).map(|(rows, _)| rows)
-}
-
-/// The rows `plan`'s statistics say it makes, and whether that is exact.
-pub(crate) fn source_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<(usize, bool)> {
     let stats = StatisticsContext::new()
         .compute(plan.as_ref(), &StatisticsArgs::new())
         .ok()?;
     match stats.num_rows {
-        Precision::Exact(n) => Some((n, true)),
-        Precision::Inexact(n) => Some((n, false)),
+        Precision::Exact(n) | Precision::Inexact(n) => Some(n),
         Precision::Absent => None,
     }
 }

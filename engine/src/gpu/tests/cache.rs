@@ -370,7 +370,7 @@ async fn cached_chunks_are_as_few_as_the_limits_allow_and_even() {
     let set = "emulated:2/cache-chunks";
     let (gpu, cpu) = (session(gpu_config(set), 2), session(cpu_config(), 2));
     let devices = devices_of(set);
-    // 300 000 rows of about 140 bytes (a 100-byte string kept out of its view): 42 MB.
+    // 300 000 rows of about 120 to 132 bytes (a 100-byte string): 36 to 40 MB.
     let create = "CREATE TABLE t AS SELECT value AS a, value % 7 AS b, \
                   concat(repeat('x', 97), CAST(value % 1000 AS VARCHAR)) AS s \
                   FROM range(300000)";
@@ -386,7 +386,7 @@ async fn cached_chunks_are_as_few_as_the_limits_allow_and_even() {
     let summary = gpu.cache_table("t").await.unwrap();
     assert_eq!((summary.rows, summary.chunks), (300_000, 4), "{summary:?}");
     even("by rows");
-    // By bytes: 16 MiB chunks (with a quarter's room for wider rows) make 4, not 3.
+    // By bytes: 16 MiB chunks make 3, rounded up to 4 for two devices.
     text(&gpu, "SET fulmen.gpu.batch_rows = 4194304").await;
     text(&gpu, "SET fulmen.cache.chunk_bytes = '16M'").await;
     let summary = gpu.refresh_cache("t").await.unwrap();
