@@ -7,21 +7,21 @@
 //!   of a chunk's columns and pays its fixed costs per chunk), as few as that allows but
 //!   as many on every device, of equal rows (down to 65 536; a sharded table's part: as
 //!   few, the last one smaller); else into chunks of a device batch's size
-//!   (`fulmen.gpu.batch_bytes`). The chunks are dealt over the session's
-//!   devices in turn, from the device the cache holds least of. A scan of the table
-//!   ([`GpuScanExec`]) has a partition per device (or a multiple of that, to reach
-//!   `target_partitions`), and partition p reads chunks of device p mod n, which is the device every GPU operator
+//!   (`fulmen.gpu.batch_bytes`). The chunks are dealt over the session's devices in turn,
+//!   from the device the cache holds least of. A scan of the table ([`GpuScanExec`]) has a
+//!   partition per device (or a multiple of that, to reach `target_partitions`), and
+//!   partition p reads chunks of device p mod n, which is the device every GPU operator
 //!   runs partition p on: a filter, projection, aggregation or join probe over a cached
 //!   table takes its chunks on the device that holds them, with nothing uploaded.
 //! - **Replication.** A table of at most `fulmen.cache.replicate_below` bytes (64 MiB by
 //!   default), not sharded, goes whole to every device when there are several (each
 //!   device's copy counts against its cache room; one that would not fit everywhere is
 //!   dealt instead). A scan still reads each row once, chunk j from device (j + t) mod n,
-//!   replicated tables taking turns at t; but a CollectLeft join whose build side is such a scan (under GPU filters and
-//!   projections) can make its build side on each device from that device's own copy, so
-//!   that a dimension table joined to a table spread or sharded over the devices need not
-//!   cross between devices (it does where the cost model finds moving the made rows
-//!   cheaper than making them again).
+//!   replicated tables taking turns at t; but a CollectLeft join whose build side is such
+//!   a scan (under GPU filters and projections) can make its build side on each device
+//!   from that device's own copy, so that a dimension table joined to a table spread or
+//!   sharded over the devices need not cross between devices (it does where the cost
+//!   model finds moving the made rows cheaper than making them again).
 //! - **Sharding.** `CACHE TABLE t OPTIONS ('shard_key' 'k')` deals the rows by the hash of
 //!   `k` instead: into `target_partitions` parts with DataFusion's own hash repartitioning
 //!   (the same hash and seed as its `RepartitionExec`), part p on device p mod n. A scan
@@ -287,9 +287,10 @@ pub fn fingerprint(plan: &Arc<dyn ExecutionPlan>) -> Option<Fingerprint> {
 const MIN_SPREAD_ROWS: usize = 1 << 16;
 
 /// The chunk size for a table (or a shard key's part of one) of about `rows` rows of about
-/// `per_row` bytes dealt over `n` devices (1 for a shard key's `part`, which lies on one): as few chunks as `limit` allows (in rows and in bytes), rounded up to a
-/// multiple of `n` so that every device gets as many rows, and of equal rows; but no fewer
-/// rows than [`MIN_SPREAD_ROWS`], so that a device's share of a small table does not cost
+/// `per_row` bytes dealt over `n` devices (1 for a shard key's `part`, which lies on one):
+/// as few chunks as `limit` allows (in rows and in bytes), rounded up to a multiple of `n`
+/// so that every device gets as many rows, and of equal rows (a part's: see below); but no
+/// fewer rows than [`MIN_SPREAD_ROWS`], so that a device's share of a small table does not cost
 /// more in fixed costs (launches, waits, a join's build per partition) than it saves. A
 /// query runs a cached table chunk by chunk, each chunk costing launches and a wait per
 /// operator, so fewer chunks cost less. `limit`'s bytes still bound each chunk (the rows
