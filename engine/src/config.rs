@@ -129,6 +129,9 @@ pub struct FulmenConfig {
     /// `fulmen.cache.chunk_bytes`: the most bytes of column data (on the host, every
     /// column) in one cached chunk; a chunk also holds at most `gpu_batch_rows` rows.
     pub cache_chunk_bytes: usize,
+    /// `fulmen.cache.dictionary_limit`: a cached string column with at most this many
+    /// distinct values is held on the devices dictionary-encoded (`0`: never).
+    pub cache_dictionary_limit: usize,
 }
 
 impl Default for FulmenConfig {
@@ -149,6 +152,7 @@ impl Default for FulmenConfig {
             cache_memory_limit: None,
             cache_replicate_below: 64 << 20,
             cache_chunk_bytes: 512 << 20,
+            cache_dictionary_limit: 1 << 16,
         }
     }
 }
@@ -243,6 +247,15 @@ const SETTINGS: &[Setting] = &[
                       chunks cost less. Read at CACHE time.",
     },
     Setting {
+        key: "cache.dictionary_limit",
+        description: "A string column of a table being cached whose first chunk holds at \
+                      most this many distinct values (and at most one per two rows) is held \
+                      on the devices as 32-bit codes into one dictionary of its strings, \
+                      as long as the whole column stays within the limit; filters read it \
+                      through the dictionary, and gathers and downloads move only the \
+                      codes. 0 never encodes. Read at CACHE time.",
+    },
+    Setting {
         key: "stream.incremental",
         description: "Whether a windowed sink (CREATE SINK over TUMBLE, HOP or SESSION) \
                       keeps its open windows' partial aggregate states, adding each tick's \
@@ -280,6 +293,7 @@ impl FulmenConfig {
             "cache.memory_limit" => self.cache_memory_limit.unwrap_or(0).to_string(),
             "cache.replicate_below" => self.cache_replicate_below.to_string(),
             "cache.chunk_bytes" => self.cache_chunk_bytes.to_string(),
+            "cache.dictionary_limit" => self.cache_dictionary_limit.to_string(),
             _ => String::new(),
         }
     }
@@ -374,6 +388,19 @@ impl ExtensionOptions for FulmenConfig {
                         ))
                     })?
             }
+            "cache.dictionary_limit" => {
+                self.cache_dictionary_limit = value
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|&v: &usize| v <= u32::MAX as usize)
+                    .ok_or_else(|| {
+                        DataFusionError::Configuration(format!(
+                            "invalid value '{value}' for fulmen.cache.dictionary_limit \
+                             (expected a whole number of distinct values, 0 for none)"
+                        ))
+                    })?
+            }
             other => return Err(Self::unknown_key(other)),
         }
         Ok(())
@@ -458,6 +485,10 @@ mod tests {
         assert!(c.set("cache.chunk_bytes", "0").is_err());
         assert!(c.set("cache.chunk_bytes", "2G").is_err());
         assert_eq!(c.cache_chunk_bytes, 8 << 20);
+        c.set("cache.dictionary_limit", "100").unwrap();
+        assert!(c.set("cache.dictionary_limit", "-1").is_err());
+        assert!(c.set("cache.dictionary_limit", "many").is_err());
+        assert_eq!(c.cache_dictionary_limit, 100);
         assert!(!c.stream_incremental);
         assert_eq!(c.cache_replicate_below, 1 << 20);
         assert_eq!(c.gpu_on_error, OnError::Fail);
@@ -497,6 +528,10 @@ mod tests {
                 (
                     "fulmen.cache.chunk_bytes".to_string(),
                     "8388608".to_string()
+                ),
+                (
+                    "fulmen.cache.dictionary_limit".to_string(),
+                    "100".to_string()
                 ),
                 ("fulmen.stream.incremental".to_string(), "false".to_string()),
             ]

@@ -23,6 +23,7 @@ enum ExprOp {
     OP_STR_PREFIX, OP_STR_SUFFIX, OP_STR_CONTAINS, OP_STR_LIKE, OP_SUBSTR,
     OP_DATE_PART, OP_DATE_TRUNC,
     OP_OUT,
+    OP_LOAD_DICT,
 };
 
 // Integer kinds (aux of integer ops and casts): the range a result must fit.
@@ -278,6 +279,18 @@ __device__ __forceinline__ void expr_row(const ExprProgram& prog, uint64_t row, 
                     case OP_LOAD_STR32: load_string(v, col, row, false); break;
                     default: load_string(v, col, row, true); break;
                 }
+                break;
+            }
+            case OP_LOAD_DICT: {
+                // col: codes, validity, the dictionary's header (its offsets and bytes).
+                const uint64_t* col = prog.cols + 3 * arg;
+                const uint64_t* dict = (const uint64_t*)col[2];
+                const int32_t* off = (const int32_t*)dict[0];
+                const uint32_t code = ((const uint32_t*)col[0])[row];
+                Val& v = st[sp++];
+                v.valid = bit_is_set((const uint8_t*)col[1], row);
+                v.a.p = (const uint8_t*)dict[1] + off[code];
+                v.b = off[code + 1] - off[code];
                 break;
             }
             case OP_CONST: {

@@ -93,7 +93,11 @@ struct __attribute__((aligned(16))) Word128 {
 
 // Key columns for comparing rows (GROUP BY, join keys), four words each:
 // values, validity (null: no NULLs), offsets (strings), kind. Kinds (KeyCol.kind):
-enum KeyKind { KEY_1 = 0, KEY_2, KEY_4, KEY_8, KEY_16, KEY_F32, KEY_F64, KEY_S32, KEY_S64 };
+// KEY_DICT: u32 codes into a dictionary of strings; `offsets` then points to the
+// dictionary's header (its offsets' and bytes' addresses). String kinds (S32, S64, DICT)
+// compare by their bytes with one another, so a dictionary-encoded key meets the same
+// string held plainly or in another dictionary.
+enum KeyKind { KEY_1 = 0, KEY_2, KEY_4, KEY_8, KEY_16, KEY_F32, KEY_F64, KEY_S32, KEY_S64, KEY_DICT };
 
 struct KeyCol {
     const uint8_t* values;
@@ -101,6 +105,28 @@ struct KeyCol {
     const uint8_t* offsets;   // strings only
     uint64_t kind;
 };
+
+// The bytes of row i of a string key column (KEY_S32, KEY_S64 or KEY_DICT), and their length.
+__device__ __forceinline__ const uint8_t* key_string(const KeyCol& c, uint64_t i, int64_t* len) {
+    int64_t s, e;
+    const uint8_t* bytes = c.values;
+    if (c.kind == KEY_S32) {
+        s = ((const int32_t*)c.offsets)[i];
+        e = ((const int32_t*)c.offsets)[i + 1];
+    } else if (c.kind == KEY_S64) {
+        s = ((const int64_t*)c.offsets)[i];
+        e = ((const int64_t*)c.offsets)[i + 1];
+    } else {
+        const uint64_t* dict = (const uint64_t*)c.offsets;
+        const int32_t* off = (const int32_t*)dict[0];
+        const uint32_t code = ((const uint32_t*)c.values)[i];
+        s = off[code];
+        e = off[code + 1];
+        bytes = (const uint8_t*)dict[1];
+    }
+    *len = e - s;
+    return bytes + s;
+}
 
 __device__ __forceinline__ uint32_t key_f32_canon(uint32_t bits) { return (bits << 1) == 0 ? 0u : bits; }
 __device__ __forceinline__ uint64_t key_f64_canon(uint64_t bits) { return (bits << 1) == 0 ? 0ull : bits; }
@@ -132,18 +158,14 @@ __device__ bool keys_equal(const KeyCol* a, uint64_t i, const KeyCol* b, uint64_
                     return false;
                 break;
             case KEY_S32:
-            case KEY_S64: {
-                int64_t sa, ea, sb, eb;
-                if (a[c].kind == KEY_S32) {
-                    sa = ((const int32_t*)a[c].offsets)[i]; ea = ((const int32_t*)a[c].offsets)[i + 1];
-                    sb = ((const int32_t*)b[c].offsets)[j]; eb = ((const int32_t*)b[c].offsets)[j + 1];
-                } else {
-                    sa = ((const int64_t*)a[c].offsets)[i]; ea = ((const int64_t*)a[c].offsets)[i + 1];
-                    sb = ((const int64_t*)b[c].offsets)[j]; eb = ((const int64_t*)b[c].offsets)[j + 1];
-                }
-                if (ea - sa != eb - sb) return false;
-                for (int64_t k = 0; k < ea - sa; ++k)
-                    if (a[c].values[sa + k] != b[c].values[sb + k]) return false;
+            case KEY_S64:
+            case KEY_DICT: {
+                int64_t la, lb;
+                const uint8_t* x = key_string(a[c], i, &la);
+                const uint8_t* y = key_string(b[c], j, &lb);
+                if (la != lb) return false;
+                for (int64_t k = 0; k < la; ++k)
+                    if (x[k] != y[k]) return false;
                 break;
             }
             default: return false;

@@ -162,18 +162,13 @@ __device__ __forceinline__ bool fused_key_equal(const Val& v, const KeyCol& c, u
         case KEY_F32: return key_f32_canon(((const uint32_t*)c.values)[row]) == key_f32_canon(fused_f32_bits(v));
         case KEY_F64: return key_f64_canon(((const uint64_t*)c.values)[row]) == key_f64_canon(bits);
         case KEY_S32:
-        case KEY_S64: {
-            int64_t s, e;
-            if (c.kind == KEY_S32) {
-                s = ((const int32_t*)c.offsets)[row];
-                e = ((const int32_t*)c.offsets)[row + 1];
-            } else {
-                s = ((const int64_t*)c.offsets)[row];
-                e = ((const int64_t*)c.offsets)[row + 1];
-            }
-            if (e - s != v.b) return false;
+        case KEY_S64:
+        case KEY_DICT: {
+            int64_t len;
+            const uint8_t* s = key_string(c, row, &len);
+            if (len != v.b) return false;
             for (int64_t k = 0; k < v.b; ++k)
-                if (c.values[s + k] != v.a.p[k]) return false;
+                if (s[k] != v.a.p[k]) return false;
             return true;
         }
         default: return false;

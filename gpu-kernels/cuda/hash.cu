@@ -75,6 +75,23 @@ FULMEN_KERNEL hash_f64(const uint64_t* values, const uint8_t* validity, uint64_t
 HASH_STRINGS(o32, int32_t)
 HASH_STRINGS(o64, int64_t)
 
+// Dictionary-encoded strings hash as the strings their codes stand for (`dict`: the
+// dictionary's header, its offsets' and bytes' addresses), so that they meet the same
+// strings held plainly.
+FULMEN_KERNEL hash_dict(const uint32_t* codes, const uint64_t* dict, const uint8_t* validity, uint64_t n,
+                        uint64_t* hashes, uint32_t combine) {
+    const int32_t* off = (const int32_t*)dict[0];
+    const uint8_t* bytes = (const uint8_t*)dict[1];
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        uint64_t h = NULL_HASH;
+        if (bit_is_set(validity, i)) {
+            const uint32_t code = codes[i];
+            h = hash_string(bytes + off[code], (int64_t)(off[code + 1] - off[code]));
+        }
+        store_hash(hashes, i, h, combine);
+    }
+}
+
 #if defined(FULMEN_EMULATOR)
 FULMEN_EMU_EXPORT(hash_fixed_1)
 FULMEN_EMU_EXPORT(hash_fixed_2)
@@ -85,4 +102,5 @@ FULMEN_EMU_EXPORT(hash_f32)
 FULMEN_EMU_EXPORT(hash_f64)
 FULMEN_EMU_EXPORT(hash_string_o32)
 FULMEN_EMU_EXPORT(hash_string_o64)
+FULMEN_EMU_EXPORT(hash_dict)
 #endif

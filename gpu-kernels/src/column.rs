@@ -7,11 +7,20 @@
 //! boolean       values: bitmap, LSB first
 //! utf8/binary   offsets: (len + 1) × i32, from 0;  values: the bytes
 //! large…        offsets: (len + 1) × i64, from 0;  values: the bytes
+//! dictionary    values: len × u32 codes, each below the dictionary's length; the
+//!               dictionary (a `DeviceDictionary`, shared): its strings as a utf8 column
 //! any           validity: bitmap, LSB first, bit 0 = row 0; absent when no row is NULL
 //! ```
 //! Uploads start every buffer at row 0: sliced arrays are rebased, so kernels never see an
 //! Arrow offset. Utf8View, BinaryView and dictionaries are converted on upload (to Utf8 /
 //! Binary, or their large variants past 2 GiB, and to the dictionary's value type).
+//!
+//! Dictionary-encoded strings are made only by the cache, which encodes a low-cardinality
+//! string column of a table once for all its chunks ([`DeviceColumn::with_dictionary`]).
+//! Programs read them as strings (a load of the dictionary's string at the row's code);
+//! gathers, concatenations of chunks of one dictionary and downloads move only the codes;
+//! as keys (GROUP BY, joins) they hash and compare by the strings the codes stand for, so
+//! they meet the same strings held plainly or in another dictionary.
 
 use std::sync::Arc;
 
@@ -35,6 +44,10 @@ pub fn is_narrow_decimal(data_type: &DataType) -> bool {
     matches!(data_type, DataType::Decimal128(p, _) if *p <= NARROW_DECIMAL_PRECISION)
 }
 
+/// The longest dictionary string whose decoding sizes its bytes by it (every row that
+/// long at most) rather than by waiting for their total.
+pub const DECODE_WITHIN: usize = 64;
+
 /// How a data type is laid out on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
@@ -44,6 +57,13 @@ pub enum Layout {
     Bits,
     /// Offsets of this many bytes (4 or 8) into a byte buffer.
     Var(usize),
+    /// u32 codes into a dictionary of strings (see [`DeviceDictionary`]).
+    Dict,
+}
+
+/// The device type of dictionary-encoded strings: u32 codes into utf8 strings.
+pub fn dictionary_type() -> DataType {
+    DataType::Dictionary(Box::new(DataType::UInt32), Box::new(DataType::Utf8))
 }
 
 /// The device layout of `data_type`, or `None` when it must be converted first or is not
@@ -62,6 +82,7 @@ pub fn layout_of(data_type: &DataType) -> Option<Layout> {
         Boolean => Layout::Bits,
         Utf8 | Binary => Layout::Var(4),
         LargeUtf8 | LargeBinary => Layout::Var(8),
+        Dictionary(key, value) if **key == UInt32 && **value == Utf8 => Layout::Dict,
         _ => return None,
     })
 }
@@ -189,6 +210,98 @@ pub struct DeviceColumn {
     values: Arc<DeviceBuffer>,
     offsets: Option<Arc<DeviceBuffer>>,
     validity: Option<Arc<DeviceBuffer>>,
+    /// The dictionary that a dictionary-encoded column's codes index.
+    dictionary: Option<Arc<DeviceDictionary>>,
+}
+
+/// The strings that the codes of dictionary-encoded columns index, on one device: a utf8
+/// column of at least one string, and a 16-byte header holding its offsets' and bytes'
+/// addresses, which a program's column table points to (`OP_LOAD_DICT`). Columns share it
+/// (their codes compare equal only when they index the same dictionary); the host keeps a
+/// copy of the strings, so that a download moves only the codes.
+#[derive(Debug)]
+pub struct DeviceDictionary {
+    strings: DeviceColumn,
+    header: DeviceBuffer,
+    host: ArrayRef,
+    /// The longest string's bytes.
+    longest: usize,
+}
+
+impl DeviceDictionary {
+    /// Copies `strings` (no NULL among them, at least one, under 2 GiB of bytes) to
+    /// `device`.
+    pub fn upload(device: &Device, strings: &arrow::array::StringArray) -> Result<Arc<Self>> {
+        if strings.is_empty() || strings.null_count() > 0 {
+            return Err(KernelError::Unsupported(
+                "a dictionary of no strings, or with a NULL among them".into(),
+            ));
+        }
+        let column = DeviceColumn::upload(device, strings)?;
+        if column.layout() != Layout::Var(4) {
+            return Err(KernelError::Unsupported(format!(
+                "a dictionary of {} strings",
+                column.data_type()
+            )));
+        }
+        let offsets = column.offsets().map_or(0, DeviceBuffer::addr);
+        let words = [offsets, column.values().addr()];
+        let header = device.upload(&words.map(u64::to_le_bytes).concat())?;
+        let longest = (0..strings.len())
+            .map(|i| strings.value_length(i) as usize)
+            .max()
+            .unwrap_or(0);
+        Ok(Arc::new(Self {
+            strings: column,
+            header,
+            host: Arc::new(strings.clone()),
+            longest,
+        }))
+    }
+
+    /// How many strings.
+    pub fn len(&self) -> usize {
+        self.strings.len()
+    }
+
+    /// Whether it has no strings (never: an upload refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.strings.is_empty()
+    }
+
+    /// The strings, on the host.
+    pub fn host(&self) -> &ArrayRef {
+        &self.host
+    }
+
+    /// The strings, on the device.
+    pub fn strings(&self) -> &DeviceColumn {
+        &self.strings
+    }
+
+    /// The header a program's column table points to: the strings' offsets and bytes.
+    pub fn header(&self) -> &DeviceBuffer {
+        &self.header
+    }
+
+    /// Device bytes it occupies.
+    pub fn device_bytes(&self) -> usize {
+        self.strings.device_bytes() + self.header.len()
+    }
+
+    /// The bytes it holds of its device's budget.
+    pub fn reserved_bytes(&self) -> usize {
+        self.strings.reserved_bytes() + self.header.reserved()
+    }
+
+    /// The device buffers a kernel reading through the header reaches.
+    pub fn buffers(&self) -> [&DeviceBuffer; 3] {
+        [
+            &self.header,
+            self.strings.values(),
+            self.strings.offsets().unwrap_or(&self.header),
+        ]
+    }
 }
 
 fn bitmap_bytes(len: usize) -> usize {
@@ -210,7 +323,96 @@ impl DeviceColumn {
             values: Arc::new(values),
             offsets: offsets.map(Arc::new),
             validity: validity.map(Arc::new),
+            dictionary: None,
         }
+    }
+
+    /// A dictionary-encoded column: `codes` (a UInt32 column) indexing `dictionary`, on
+    /// the same device.
+    ///
+    /// # Safety
+    /// Every code, NULL rows' included, must be below `dictionary.len()`: kernels read the
+    /// dictionary at the codes unchecked.
+    pub unsafe fn with_dictionary(
+        codes: DeviceColumn,
+        dictionary: Arc<DeviceDictionary>,
+    ) -> Result<Self> {
+        if codes.data_type() != &DataType::UInt32 || codes.device() != dictionary.strings.device() {
+            return Err(KernelError::Unsupported(format!(
+                "dictionary codes of type {} on {} for a dictionary on {}",
+                codes.data_type(),
+                codes.device(),
+                dictionary.strings.device()
+            )));
+        }
+        Ok(Self {
+            data_type: dictionary_type(),
+            dictionary: Some(dictionary),
+            ..codes
+        })
+    }
+
+    /// The type of the column's values: its strings' (utf8) for a dictionary-encoded
+    /// column, else its type. Keys compare by it.
+    pub fn value_type(&self) -> &DataType {
+        match self.dictionary {
+            Some(_) => &DataType::Utf8,
+            None => &self.data_type,
+        }
+    }
+
+    /// The dictionary a dictionary-encoded column's codes index.
+    pub fn dictionary(&self) -> Option<&Arc<DeviceDictionary>> {
+        self.dictionary.as_ref()
+    }
+
+    /// The column with its codes (for a dictionary-encoded one: a UInt32 column).
+    pub(crate) fn codes(&self) -> Self {
+        match self.dictionary {
+            Some(_) => Self {
+                data_type: DataType::UInt32,
+                dictionary: None,
+                ..self.clone()
+            },
+            None => self.clone(),
+        }
+    }
+
+    /// `codes` (gathered or concatenated from this column's codes) as a column of this
+    /// column's dictionary, or as they are when this column has none.
+    pub(crate) fn recoded(&self, codes: Self) -> Self {
+        match &self.dictionary {
+            Some(d) => Self {
+                data_type: dictionary_type(),
+                dictionary: Some(Arc::clone(d)),
+                ..codes
+            },
+            None => codes,
+        }
+    }
+
+    /// The column with its strings in place of its codes (a gather of the dictionary's
+    /// strings by code, with the codes' validity); any other column as it is. No host wait
+    /// where the dictionary's strings are short (at most [`DECODE_WITHIN`] bytes): the
+    /// bytes are sized by the longest, instead of by a total read back; else one wait.
+    pub fn decoded(&self) -> Result<Self> {
+        let Some(dictionary) = &self.dictionary else {
+            return Ok(self.clone());
+        };
+        let indices =
+            crate::ops::RowIndices::of_codes(Arc::clone(&self.values), self.len, dictionary.len());
+        let strings = match dictionary.longest <= DECODE_WITHIN {
+            true => crate::ops::gather::gather_strings_within(
+                &dictionary.strings,
+                &indices,
+                self.len.saturating_mul(dictionary.longest),
+            )?,
+            false => crate::ops::gather::gather_column(&dictionary.strings, &indices)?,
+        };
+        Ok(Self {
+            validity: self.validity.clone(),
+            ..strings
+        })
     }
 
     /// The first `len` rows (all of them if there are fewer), sharing this column's
@@ -260,6 +462,11 @@ impl DeviceColumn {
             }
             Layout::Var(4) => upload_var::<i32>(device, &data)?,
             Layout::Var(_) => upload_var::<i64>(device, &data)?,
+            Layout::Dict => {
+                return Err(KernelError::Unsupported(
+                    "uploading dictionary codes without their dictionary".into(),
+                ));
+            }
         };
         Ok(Self::from_parts(target, len, values, offsets, validity))
     }
@@ -385,6 +592,15 @@ pub(crate) fn download_columns_with(
             let nulls = validity
                 .map(|v| NullBuffer::new(BooleanBuffer::new(v.into(), 0, c.len)))
                 .filter(|n| n.null_count() > 0);
+            if let Some(dictionary) = &c.dictionary {
+                // The codes and the host's copy of the strings.
+                let codes = arrow::buffer::ScalarBuffer::new(values.into(), 0, c.len);
+                let codes = arrow::array::UInt32Array::new(codes, nulls);
+                let array =
+                    arrow::array::DictionaryArray::try_new(codes, Arc::clone(dictionary.host()))
+                        .map_err(|e| KernelError::InvalidData(format!("dictionary column: {e}")))?;
+                return Ok(Arc::new(array) as ArrayRef);
+            }
             let mut builder = ArrayData::builder(c.data_type.clone())
                 .len(c.len)
                 .nulls(nulls);

@@ -122,6 +122,7 @@ kernels! {
     hash_f64 => fulmen_emu_launch_hash_f64 in "hash.cu",
     hash_string_o32 => fulmen_emu_launch_hash_string_o32 in "hash.cu",
     hash_string_o64 => fulmen_emu_launch_hash_string_o64 in "hash.cu",
+    hash_dict => fulmen_emu_launch_hash_dict in "hash.cu",
     hash_table_init => fulmen_emu_launch_hash_table_init in "hash_table.cu",
     hash_table_insert => fulmen_emu_launch_hash_table_insert in "hash_table.cu",
     hash_table_probe_count => fulmen_emu_launch_hash_table_probe_count in "hash_table.cu",

@@ -29,6 +29,10 @@
 //!   unchanged and `k` is read), so DataFusion puts no repartition between it and a join
 //!   or GROUP BY on `k`: co-sharded tables join part by part, each on its device, and an
 //!   ordinary table joined to one is repartitioned to match it.
+//! - **Encoding.** A string column with few distinct values (`fulmen.cache.dictionary_limit`)
+//!   is held as 32-bit codes into one dictionary per device, shared by its chunks
+//!   ([`dictionary`]): programs read it through the dictionary, gathers and downloads move
+//!   only the codes.
 //! - **Memory.** Cached chunks are ordinary device buffers, counted apart as the cache:
 //!   together the cached tables hold at most `fulmen.cache.memory_limit` of each device
 //!   (half the device by default). A CACHE that would pass it, or that meets a full device,
@@ -47,6 +51,8 @@
 //!
 //! [`GpuScanExec`]: crate::physical_plan::gpu_scan::GpuScanExec
 
+mod dictionary;
+mod loader;
 mod reread;
 pub mod statements;
 pub mod table;
@@ -55,7 +61,6 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use datafusion::arrow::array::RecordBatch;
-use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::datasource::physical_plan::FileScanConfig;
@@ -67,11 +72,13 @@ use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::metrics::Time;
 use datafusion::physical_plan::repartition::BatchPartitioner;
+use fulmen_kernels::column::DeviceDictionary;
 use fulmen_kernels::{Device, DeviceBatch};
 use futures::StreamExt;
 
 use crate::physical_plan::coalesce::{BatchLimit, Coalescer, host_bytes};
 
+use loader::{Loader, Replicas, feed};
 pub use reread::Reread;
 pub use table::CachedTable;
 
@@ -91,6 +98,9 @@ pub struct CachedData {
     /// The device the first chunk went to, or for a replicated table its turn: its scans
     /// read chunk j from device (j + first) mod n, so that small tables spread their reads.
     first: usize,
+    /// `dictionaries[d]`: the dictionaries of the encoded columns on `devices[d]`, by
+    /// column (see [`dictionary`]).
+    dictionaries: Vec<Vec<(usize, Arc<DeviceDictionary>)>>,
 }
 
 /// How a table is to be cached (`CACHE TABLE t OPTIONS (…)`).
@@ -175,7 +185,15 @@ impl CachedData {
             .filter(|(d, _)| *d == device)
             .flat_map(|(_, chunks)| chunks)
             .map(|c| batch_bytes(&c.batch))
-            .sum()
+            .sum::<usize>()
+            + self
+                .devices
+                .iter()
+                .zip(&self.dictionaries)
+                .filter(|(d, _)| *d == device)
+                .flat_map(|(_, dictionaries)| dictionaries)
+                .map(|(_, d)| d.reserved_bytes())
+                .sum::<usize>()
     }
 
     /// Device bytes the table holds on every device.
@@ -184,7 +202,22 @@ impl CachedData {
             .iter()
             .flatten()
             .map(|c| batch_bytes(&c.batch))
-            .sum()
+            .sum::<usize>()
+            + self
+                .dictionaries
+                .iter()
+                .flatten()
+                .map(|(_, d)| d.reserved_bytes())
+                .sum::<usize>()
+    }
+
+    /// The columns held dictionary-encoded (by index among the table's).
+    pub fn encoded_columns(&self) -> BTreeSet<usize> {
+        self.dictionaries
+            .iter()
+            .flatten()
+            .map(|(c, _)| *c)
+            .collect()
     }
 
     /// The source's identity when the rows were cached.
@@ -333,6 +366,7 @@ pub async fn cache(
     devices: Arc<Vec<Device>>,
     batch: BatchLimit,
     chunk_bytes: usize,
+    dictionary_limit: usize,
     limit: Option<usize>,
     replicate_below: usize,
     sharding: Option<Sharding>,
@@ -361,8 +395,6 @@ pub async fn cache(
     let estimated_rows = crate::gpu::overrides::estimated_rows(source)
         .filter(|&r| r > 0)
         .map(|r| r.div_ceil(parts));
-    let mut batch = batch;
-    let mut sized = estimated_rows.is_none();
     // One CACHE at a time: each counts the room the others left.
     static CACHING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let _one_at_a_time = CACHING.lock().await;
@@ -371,54 +403,78 @@ pub async fn cache(
     let first = (0..n)
         .min_by_key(|&d| cached_bytes_on(&devices[d]))
         .unwrap_or_default();
-    let mut loader = Loader {
-        name,
-        first,
-        room: devices
-            .iter()
-            .map(|d| cache_limit(d, limit).saturating_sub(cached_bytes_on(d)))
-            .collect(),
-        held: vec![0; n],
-        shards: (0..n).map(|_| Vec::new()).collect(),
-        devices: &devices,
-        rows: 0,
-        part_rows: vec![0; sharding.as_ref().map_or(1, |s| s.parts)],
-        chunks: 0,
-        full: None,
-        needed: 0,
-        sharded: sharding.is_some(),
-        replicas: (n > 1 && sharding.is_none() && replicate_below > 0).then(|| Replicas {
-            below: replicate_below,
-            bytes: 0,
-            held: Vec::new(),
-        }),
-    };
-    let mut partitioner = sharding.as_ref().map(Sharding::partitioner).transpose()?;
-    let mut pending: Vec<Coalescer<RecordBatch>> = (0..loader.part_rows.len())
-        .map(|_| Coalescer::new(batch))
-        .collect();
-    for partition in 0..source.properties().partitioning.partition_count() {
-        let mut stream = source.execute(partition, Arc::clone(&task))?;
-        while let Some(next) = stream.next().await {
-            let next = next?;
-            if !sized && next.num_rows() > 0 {
-                let per_row = host_bytes(&next).div_ceil(next.num_rows());
-                let limit = BatchLimit::new(batch.rows, chunk_bytes);
-                let part = sharding.is_some();
-                batch = chunk_limit(limit, estimated_rows.unwrap_or(0), per_row, ways, part);
-                // Nothing waits yet: the chunks are made up to the new size.
-                pending = (0..pending.len()).map(|_| Coalescer::new(batch)).collect();
-                sized = true;
+    // Columns that passed the dictionary limit in an earlier try, held plainly.
+    let mut plain = BTreeSet::new();
+    let (mut loader, replicated) = loop {
+        let mut batch = batch;
+        let mut sized = estimated_rows.is_none();
+        let mut loader = Loader {
+            name,
+            first,
+            room: devices
+                .iter()
+                .map(|d| cache_limit(d, limit).saturating_sub(cached_bytes_on(d)))
+                .collect(),
+            held: vec![0; n],
+            shards: (0..n).map(|_| Vec::new()).collect(),
+            devices: &devices,
+            rows: 0,
+            part_rows: vec![0; sharding.as_ref().map_or(1, |s| s.parts)],
+            chunks: 0,
+            full: None,
+            needed: 0,
+            sharded: sharding.is_some(),
+            replicas: (n > 1 && sharding.is_none() && replicate_below > 0).then(|| Replicas {
+                below: replicate_below,
+                bytes: 0,
+                held: Vec::new(),
+            }),
+            encoders: dictionary::Encoders::new(dictionary_limit, plain.clone()),
+            overflow: None,
+            dictionaries: (0..n).map(|_| Vec::new()).collect(),
+        };
+        let mut partitioner = sharding.as_ref().map(Sharding::partitioner).transpose()?;
+        let mut pending: Vec<Coalescer<RecordBatch>> = (0..loader.part_rows.len())
+            .map(|_| Coalescer::new(batch))
+            .collect();
+        'read: for partition in 0..source.properties().partitioning.partition_count() {
+            let mut stream = source.execute(partition, Arc::clone(&task))?;
+            while let Some(next) = stream.next().await {
+                let next = next?;
+                if !sized && next.num_rows() > 0 {
+                    let per_row = host_bytes(&next).div_ceil(next.num_rows());
+                    let limit = BatchLimit::new(batch.rows, chunk_bytes);
+                    let part = sharding.is_some();
+                    batch = chunk_limit(limit, estimated_rows.unwrap_or(0), per_row, ways, part);
+                    // Nothing waits yet: the chunks are made up to the new size.
+                    pending = (0..pending.len()).map(|_| Coalescer::new(batch)).collect();
+                    sized = true;
+                }
+                deal(partitioner.as_mut(), next, |part, piece| {
+                    feed(&mut loader, &mut pending[part], part, batch, piece)
+                })?;
+                if loader.overflow.is_some() {
+                    break 'read;
+                }
             }
-            deal(partitioner.as_mut(), next, |part, piece| {
-                feed(&mut loader, &mut pending[part], part, batch, piece)
-            })?;
         }
-    }
-    for (part, pending) in pending.iter_mut().enumerate() {
-        loader.place(part, pending.take())?;
-    }
-    let replicated = loader.finish()?;
+        for (part, pending) in pending.iter_mut().enumerate() {
+            loader.place(part, pending.take())?;
+        }
+        if let Some(c) = loader.overflow {
+            log::info!(
+                "CACHE TABLE {name}: column {} has more than {dictionary_limit} distinct \
+                 values; caching again with it held as strings",
+                source.schema().field(c).name()
+            );
+            plain.insert(c);
+            continue;
+        }
+        let replicated = loader.finish()?;
+        loader.encode()?;
+        break (loader, replicated);
+    };
+    let dictionaries = std::mem::take(&mut loader.dictionaries);
     let Loader {
         shards,
         rows,
@@ -452,6 +508,7 @@ pub async fn cache(
         sharding,
         replicated,
         first,
+        dictionaries,
     });
     registry()
         .lock()
@@ -471,222 +528,6 @@ fn deal(
     match partitioner {
         None => to(0, batch),
         Some(partitioner) => partitioner.partition(batch, to),
-    }
-}
-
-/// Adds `next`'s rows to the chunk `pending` makes up for `part`, placing each chunk as it
-/// fills. Batches are cut to what the chunk still has room for, in rows and in bytes (a
-/// slice shares its buffers), so that no chunk passes the limit.
-fn feed(
-    loader: &mut Loader,
-    pending: &mut Coalescer<RecordBatch>,
-    part: usize,
-    batch: BatchLimit,
-    next: RecordBatch,
-) -> Result<()> {
-    let per_row = (host_bytes(&next) / next.num_rows().max(1)).max(1);
-    let mut at = 0;
-    while at < next.num_rows() {
-        let rows_room = batch.rows.saturating_sub(pending.rows()).max(1);
-        let bytes_room = (batch.bytes.saturating_sub(pending.bytes()) / per_row).max(1);
-        let piece = next.slice(at, rows_room.min(bytes_room).min(next.num_rows() - at));
-        at += piece.num_rows();
-        if pending.closes_before(&piece) {
-            loader.place(part, pending.take())?;
-        }
-        pending.push(piece);
-        if pending.is_full() {
-            loader.place(part, pending.take())?;
-        }
-    }
-    Ok(())
-}
-
-/// Deals a table's chunks over the devices while they fit, then only counts the rest.
-struct Loader<'a> {
-    name: &'a str,
-    /// The device of the first chunk.
-    first: usize,
-    devices: &'a [Device],
-    /// What the cache may still take of each device, before this table.
-    room: Vec<usize>,
-    /// What this table holds of each device so far.
-    held: Vec<usize>,
-    shards: Vec<Vec<CachedChunk>>,
-    rows: usize,
-    /// Rows placed so far in each part.
-    part_rows: Vec<usize>,
-    chunks: usize,
-    /// Whether part p goes to device p mod n (else chunks go to the devices in turn).
-    sharded: bool,
-    /// Why the rows stopped fitting, once they did.
-    full: Option<String>,
-    /// Device bytes of the rows so far (estimated from the host's for those not uploaded).
-    needed: usize,
-    /// The chunks held back on the host while the table may still go to every device.
-    replicas: Option<Replicas>,
-}
-
-/// A table's chunks held back while they may still be replicated.
-struct Replicas {
-    /// The most host bytes a replicated table has.
-    below: usize,
-    bytes: usize,
-    held: Vec<Held>,
-}
-
-/// A chunk of a table being cached, on the host.
-struct Held {
-    chunk: RecordBatch,
-    part: usize,
-    first_row: usize,
-    /// Its place among the table's chunks.
-    index: usize,
-}
-
-impl Loader<'_> {
-    /// Places the chunk `group` makes of `part`'s rows: held back on the host while the
-    /// table may still be replicated; else on the part's device when sharded, or on the
-    /// next device in turn.
-    fn place(&mut self, part: usize, group: Vec<RecordBatch>) -> Result<()> {
-        if group.is_empty() {
-            return Ok(());
-        }
-        let chunk = match group.len() {
-            1 => group.into_iter().next().unwrap_or_else(|| unreachable!()),
-            _ => concat_batches(&group[0].schema(), &group)?,
-        };
-        let held = Held {
-            first_row: self.part_rows[part],
-            index: self.chunks,
-            part,
-            chunk,
-        };
-        self.part_rows[part] += held.chunk.num_rows();
-        self.rows += held.chunk.num_rows();
-        self.chunks += 1;
-        if let Some(replicas) = &mut self.replicas {
-            replicas.bytes += host_bytes(&held.chunk);
-            replicas.held.push(held);
-            if replicas.bytes <= replicas.below {
-                return Ok(());
-            }
-            // Too large to replicate: the chunks held back are dealt as any other.
-            let held = std::mem::take(&mut replicas.held);
-            self.replicas = None;
-            return self.deal(held);
-        }
-        self.deal(vec![held])
-    }
-
-    /// Puts chunks on the devices they are dealt to.
-    fn deal(&mut self, held: Vec<Held>) -> Result<()> {
-        held.into_iter().try_for_each(|h| self.deal_one(h))
-    }
-
-    /// Puts a chunk on the device it is dealt to.
-    fn deal_one(&mut self, held: Held) -> Result<()> {
-        let n = self.devices.len();
-        let d = match self.sharded {
-            true => held.part % n,
-            false => (self.first + held.index) % n,
-        };
-        self.put(d, &held)
-    }
-
-    /// Ends the load: a table still held back (small enough) goes to every device, each
-    /// chunk once per device. Whether it was replicated.
-    fn finish(&mut self) -> Result<bool> {
-        let Some(replicas) = self.replicas.take() else {
-            return Ok(false);
-        };
-        let n = self.devices.len();
-        let fits = (0..n).all(|d| self.room[d] >= replicas.bytes);
-        if fits {
-            for held in &replicas.held {
-                for d in 0..n {
-                    self.put(d, held)?;
-                }
-            }
-            if self.full.is_none() {
-                // Replicated tables take turns at being read first, so that one-chunk
-                // tables spread their reads.
-                static TURN: std::sync::atomic::AtomicUsize =
-                    std::sync::atomic::AtomicUsize::new(0);
-                self.first = TURN.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n;
-                return Ok(!replicas.held.is_empty());
-            }
-        }
-        // A copy that does not fit on every device (by the host bytes, or once uploaded in
-        // the device's size classes, or a device out of memory): the table is dealt
-        // instead, from nothing held.
-        log::info!(
-            "CACHE TABLE {}: a copy of its {} does not fit on every device; dealt instead \
-             of replicated",
-            self.name,
-            size(replicas.bytes)
-        );
-        self.full = None;
-        self.needed = 0;
-        self.held.iter_mut().for_each(|h| *h = 0);
-        self.shards.iter_mut().for_each(Vec::clear);
-        self.deal(replicas.held).map(|_| false)
-    }
-
-    /// Uploads a chunk to `devices[d]` while the table fits, else only counts its bytes.
-    fn put(&mut self, d: usize, held: &Held) -> Result<()> {
-        let estimate = host_bytes(&held.chunk);
-        if self.full.is_none() && self.held[d] + estimate > self.room[d] {
-            let left = self.room[d].saturating_sub(self.held[d]);
-            self.stop(format!(
-                "{} has room for {} more of the cache",
-                self.devices[d],
-                size(left)
-            ));
-        }
-        if self.full.is_some() {
-            self.needed += estimate;
-            return Ok(());
-        }
-        match DeviceBatch::upload(&self.devices[d], &held.chunk) {
-            Ok(batch) => {
-                let bytes = batch_bytes(&batch);
-                self.held[d] += bytes;
-                self.needed += bytes;
-                self.shards[d].push(CachedChunk {
-                    batch,
-                    part: held.part,
-                    first_row: held.first_row,
-                });
-                // The device's size classes can make a chunk larger than its host bytes.
-                if self.held[d] > self.room[d] {
-                    let over = format!(
-                        "{} has room for {} of the cache, and the chunks took {}",
-                        self.devices[d],
-                        size(self.room[d]),
-                        size(self.held[d])
-                    );
-                    self.stop(over);
-                }
-            }
-            Err(e @ fulmen_kernels::KernelError::OutOfDeviceMemory { .. }) => {
-                self.stop(format!("the device ran out of memory: {e}"));
-                self.needed += estimate;
-            }
-            Err(e) => {
-                return Err(DataFusionError::Execution(format!(
-                    "CACHE TABLE {}: {}: {e}; nothing was cached",
-                    self.name, self.devices[d]
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// The rows do not fit: what was uploaded is freed at once.
-    fn stop(&mut self, why: String) {
-        self.full = Some(why);
-        self.shards.iter_mut().for_each(Vec::clear);
     }
 }
 

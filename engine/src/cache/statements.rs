@@ -370,6 +370,7 @@ pub async fn cache_table(
         Arc::new(devices),
         BatchLimit::of(&config),
         config.cache_chunk_bytes,
+        config.cache_dictionary_limit,
         config.cache_memory_limit,
         config.cache_replicate_below,
         sharding,

@@ -322,7 +322,22 @@ impl DisplayAs for GpuScanExec {
                     self.data.chunks(),
                     self.data.rows(),
                     columns.join(", ")
-                )
+                )?;
+                // The columns read that are held dictionary-encoded.
+                let encoded = self.data.encoded_columns();
+                let read: Vec<usize> = match &self.projection {
+                    Some(p) => p.clone(),
+                    None => (0..self.data.schema().fields().len()).collect(),
+                };
+                let names: Vec<&str> = read
+                    .iter()
+                    .filter(|c| encoded.contains(c))
+                    .map(|&c| self.data.schema().field(c).name().as_str())
+                    .collect();
+                if !names.is_empty() {
+                    write!(f, ", dictionary=[{}]", names.join(", "))?;
+                }
+                Ok(())
             }
         }
     }

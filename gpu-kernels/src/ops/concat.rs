@@ -5,6 +5,8 @@
 //! device's stream (a string piece finds where its bytes start in the offsets the piece
 //! before it wrote, so the host never waits for a byte count).
 
+use std::sync::Arc;
+
 use super::{BLOCK, MAX_ROWS};
 use crate::column::{DeviceColumn, Layout};
 use crate::device::{Arg, Device, LaunchConfig};
@@ -18,6 +20,21 @@ pub fn concat_columns(device: &Device, pieces: &[DeviceColumn]) -> Result<Device
     let first = pieces
         .first()
         .ok_or_else(|| KernelError::InvalidData("a concatenation of no columns".into()))?;
+    if let Some(dictionary) = pieces.iter().find_map(DeviceColumn::dictionary) {
+        // Chunks of one dictionary join their codes; others, their strings.
+        let shared = pieces
+            .iter()
+            .all(|p| p.dictionary().is_some_and(|d| Arc::ptr_eq(d, dictionary)));
+        if shared && pieces.iter().all(|p| p.device() == device) {
+            let codes: Vec<DeviceColumn> = pieces.iter().map(DeviceColumn::codes).collect();
+            return Ok(first.recoded(concat_columns(device, &codes)?));
+        }
+        let strings = pieces
+            .iter()
+            .map(DeviceColumn::decoded)
+            .collect::<Result<Vec<_>>>()?;
+        return concat_columns(device, &strings);
+    }
     for piece in pieces {
         if piece.device() != device {
             return Err(KernelError::Unsupported(format!(
@@ -75,6 +92,11 @@ pub fn concat_columns(device: &Device, pieces: &[DeviceColumn]) -> Result<Device
         Layout::Var(width) => {
             let (values, offsets) = append_strings(device, pieces, width, total)?;
             (values, Some(offsets))
+        }
+        Layout::Dict => {
+            return Err(KernelError::InvalidData(
+                "dictionary codes without their dictionary".into(),
+            ));
         }
     };
     Ok(DeviceColumn::from_parts(

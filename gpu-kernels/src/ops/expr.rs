@@ -89,6 +89,9 @@ pub enum Op {
     DatePart,
     DateTrunc,
     Out,
+    /// A dictionary-encoded column's string at the row's code. Programs are compiled with
+    /// `LoadStr32`; a launch over a dictionary-encoded column loads it this way instead.
+    LoadDict,
 }
 
 impl Op {
@@ -97,8 +100,8 @@ impl Op {
         use Op::*;
         match self {
             LoadI8 | LoadI16 | LoadI32 | LoadI64 | LoadU8 | LoadU16 | LoadU32 | LoadF32
-            | LoadF64 | LoadBool | LoadDec | LoadDec64 | LoadStr32 | LoadStr64 | Const
-            | StrConst | Null => (0, 1),
+            | LoadF64 | LoadBool | LoadDec | LoadDec64 | LoadStr32 | LoadStr64 | LoadDict
+            | Const | StrConst | Null => (0, 1),
             AddI | SubI | MulI | DivI | ModI | AddF | SubF | MulF | DivF | ModF | AddD | SubD
             | MulD | DivD | ModD | CmpI | CmpF | CmpD | CmpS | And | Or | StrPrefix | StrSuffix
             | StrContains | StrLike => (2, 1),
@@ -123,6 +126,7 @@ impl Op {
             LoadBool => Layout::Bits,
             LoadStr32 => Layout::Var(4),
             LoadStr64 => Layout::Var(8),
+            LoadDict => Layout::Dict,
             _ => return None,
         })
     }
@@ -171,7 +175,7 @@ impl OutKind {
         Some(match self.layout()? {
             Layout::Fixed(width) => width * n,
             // Written one 32-bit word per warp.
-            Layout::Bits | Layout::Var(_) => n.div_ceil(32) * 4,
+            Layout::Bits | Layout::Var(_) | Layout::Dict => n.div_ceil(32) * 4,
         })
     }
 
@@ -333,6 +337,8 @@ impl Program {
                 let column = usize::try_from(arg).ok().and_then(|i| columns.get(i));
                 match column {
                     Some(c) if c.layout() == layout => {}
+                    // A string load reads a dictionary-encoded column through its dictionary.
+                    Some(c) if op == Op::LoadStr32 && c.layout() == Layout::Dict => {}
                     _ => return bad(format!("{op:?} of column {arg} ({layout:?})")),
                 }
             }
@@ -437,6 +443,7 @@ pub const ALL_OPS: &[Op] = &[
     Op::DatePart,
     Op::DateTrunc,
     Op::Out,
+    Op::LoadDict,
 ];
 
 fn op_from(code: i64) -> Option<Op> {
@@ -537,10 +544,31 @@ pub(crate) fn pack(
         col_table.extend([
             c.values().addr() as i64,
             c.validity().map_or(0, DeviceBuffer::addr) as i64,
-            c.offsets().map_or(0, DeviceBuffer::addr) as i64,
+            match c.dictionary() {
+                Some(d) => d.header().addr() as i64,
+                None => c.offsets().map_or(0, DeviceBuffer::addr) as i64,
+            },
         ]);
     }
-    let mut tables: Vec<&[i64]> = vec![lead, &program.code, &program.consts, &col_table];
+    // String loads of dictionary-encoded columns load through the dictionary.
+    let code = match columns.iter().any(|c| c.dictionary().is_some()) {
+        false => std::borrow::Cow::Borrowed(&program.code),
+        true => {
+            let mut code = program.code.clone();
+            for pc in 0..code.len() / 2 {
+                let (word, arg) = (code[2 * pc], code[2 * pc + 1]);
+                let encoded = usize::try_from(arg)
+                    .ok()
+                    .and_then(|i| columns.get(i))
+                    .is_some_and(|c| c.dictionary().is_some());
+                if word & 0xFF == Op::LoadStr32 as i64 && encoded {
+                    code[2 * pc] = (word & !0xFF) | Op::LoadDict as i64;
+                }
+            }
+            std::borrow::Cow::Owned(code)
+        }
+    };
+    let mut tables: Vec<&[i64]> = vec![lead, &code, &program.consts, &col_table];
     tables.extend_from_slice(tail);
     let Tables {
         mut bytes,
@@ -559,6 +587,9 @@ pub(crate) fn reached_columns<'a>(columns: &[&'a DeviceColumn]) -> Vec<&'a Devic
         reached.push(c.values());
         reached.extend(c.validity());
         reached.extend(c.offsets());
+        if let Some(d) = c.dictionary() {
+            reached.extend(d.buffers());
+        }
     }
     reached
 }

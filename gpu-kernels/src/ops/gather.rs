@@ -20,6 +20,50 @@ pub fn gather_column(column: &DeviceColumn, indices: &RowIndices) -> Result<Devi
     gather(column, indices, None)
 }
 
+/// Gathers a string column (32-bit offsets) at `indices` without a host wait, into a byte
+/// buffer of `bound` bytes, which must hold the gathered strings (the caller knows the
+/// longest): their total is not read. A dictionary's decoding, whose longest string the
+/// host knows, gathers this way.
+pub(crate) fn gather_strings_within(
+    column: &DeviceColumn,
+    indices: &RowIndices,
+    bound: usize,
+) -> Result<DeviceColumn> {
+    let (width, offsets) = string_offsets(column)?;
+    let count = indices.len();
+    if width != 4 || bound > i32::MAX as usize || count == 0 {
+        return gather(column, indices, None);
+    }
+    if indices.bound() > column.len() {
+        return Err(KernelError::Unsupported(format!(
+            "indices into {} rows used on a column of {}",
+            indices.bound(),
+            column.len()
+        )));
+    }
+    let device = column.device();
+    let lengths = device.alloc(count * 8)?;
+    // SAFETY: `offsets` holds column.len() + 1 offsets of 4 bytes, every index is below
+    // the bound checked above (or NULL_INDEX); `lengths` holds `count` u64; no count word.
+    unsafe {
+        device.launch(
+            Kernel::gather_string_lengths_o32,
+            LaunchConfig::for_items(device, count as u64, BLOCK),
+            &[
+                Arg::buf(offsets),
+                Arg::buf(indices.buffer()),
+                Arg::U64(count as u64),
+                Arg::Ptr(0),
+                Arg::buf(&lengths),
+            ],
+        )?;
+    }
+    // The total goes to a word nobody reads: the caller's bound sizes the bytes.
+    let total = device.alloc(8)?;
+    let starts = scan::exclusive_scan_queued(device, &lengths, count, Word::of(&total, 0)?)?;
+    gather(column, indices, Some((starts, bound.max(1) as u64, false)))
+}
+
 /// The output starts of a string column's gather, queued over indices whose count the host
 /// has not read ([`queue_string_starts`]); the byte total is in the word it was given.
 #[derive(Debug)]
@@ -195,6 +239,10 @@ fn gather(
     indices: &RowIndices,
     started: Option<Started>,
 ) -> Result<DeviceColumn> {
+    if column.dictionary().is_some() {
+        // The codes move; the dictionary is shared.
+        return Ok(column.recoded(gather(&column.codes(), indices, None)?));
+    }
     if indices.bound() > column.len() {
         return Err(KernelError::Unsupported(format!(
             "indices into {} rows used on a column of {}",
@@ -351,6 +399,11 @@ fn gather(
                 )?;
             }
             (out_bytes, Some(out_offsets))
+        }
+        Layout::Dict => {
+            return Err(KernelError::InvalidData(
+                "dictionary codes without their dictionary".into(),
+            ));
         }
     };
     Ok(DeviceColumn::from_parts(

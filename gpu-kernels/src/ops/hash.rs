@@ -172,24 +172,35 @@ pub fn hash_columns(device: &Device, columns: &[&DeviceColumn]) -> Result<Device
             (Layout::Fixed(16), _) => Kernel::hash_fixed_16,
             (Layout::Var(4), _) => Kernel::hash_string_o32,
             (Layout::Var(8), _) => Kernel::hash_string_o64,
+            (Layout::Dict, _) => Kernel::hash_dict,
             (_, other) => return Err(KernelError::Unsupported(format!("hashing {other} columns"))),
         };
         // hash_string_*(offsets, bytes, validity, n, hashes, combine) or
         // hash_fixed_* / hash_f*(values, validity, n, hashes, combine)
+        // hash_dict(codes, dictionary header, validity, n, hashes, combine)
         let mut args = Vec::with_capacity(6);
         if let Some(offsets) = column.offsets() {
             args.push(Arg::buf(offsets));
         }
+        args.push(Arg::buf(column.values()));
+        if let Some(dictionary) = column.dictionary() {
+            args.push(Arg::buf(dictionary.header()));
+        }
         args.extend([
-            Arg::buf(column.values()),
             Arg::opt(column.validity()),
             Arg::U64(n as u64),
             Arg::buf(&hashes),
             combine,
         ]);
+        let reached: Vec<&DeviceBuffer> = column
+            .dictionary()
+            .map(|d| d.buffers().to_vec())
+            .unwrap_or_default();
         // SAFETY: every column has n rows (checked) in the layout the chosen kernel reads
-        // (values of the kernel's width, or offsets + bytes); `hashes` holds n u64.
-        unsafe { device.launch(kernel, cfg, &args)? };
+        // (values of the kernel's width, or offsets + bytes, or codes below the length of
+        // the dictionary whose header is passed: `DeviceColumn::with_dictionary`'s
+        // contract); `hashes` holds n u64.
+        unsafe { device.launch_reaching(kernel, cfg, &args, &reached)? };
     }
     Ok(hashes)
 }

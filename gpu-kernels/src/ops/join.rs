@@ -142,7 +142,7 @@ impl JoinTable {
     ) -> Result<Option<QueuedProbe<'a>>> {
         if keys.len() != self.keys.len()
             || keys.iter().zip(&self.keys).any(|(p, b)| {
-                p.len() != n || p.data_type() != b.data_type() || p.device() != b.device()
+                p.len() != n || p.value_type() != b.value_type() || p.device() != b.device()
             })
         {
             return Err(KernelError::Unsupported(

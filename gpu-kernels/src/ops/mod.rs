@@ -145,7 +145,7 @@ pub(crate) fn check_rows(n: usize) -> Result<()> {
 /// can trust them.
 #[derive(Debug)]
 pub struct RowIndices {
-    buffer: DeviceBuffer,
+    buffer: std::sync::Arc<DeviceBuffer>,
     count: usize,
     bound: usize,
     nullable: bool,
@@ -154,10 +154,26 @@ pub struct RowIndices {
 impl RowIndices {
     pub(crate) fn new(buffer: DeviceBuffer, count: usize, bound: usize, nullable: bool) -> Self {
         Self {
-            buffer,
+            buffer: std::sync::Arc::new(buffer),
             count,
             bound,
             nullable,
+        }
+    }
+
+    /// The codes of a dictionary-encoded column as indices into its dictionary's `bound`
+    /// strings (`DeviceColumn::with_dictionary` holds its caller to every code being
+    /// below), none NULL.
+    pub(crate) fn of_codes(
+        codes: std::sync::Arc<DeviceBuffer>,
+        count: usize,
+        bound: usize,
+    ) -> Self {
+        Self {
+            buffer: codes,
+            count,
+            bound,
+            nullable: false,
         }
     }
 
@@ -227,7 +243,7 @@ impl RowIndices {
             let mut reads: Vec<(&DeviceBuffer, &mut [u8])> = lists
                 .iter()
                 .zip(bytes.iter_mut())
-                .map(|(l, b)| (&l.buffer, b.as_mut_slice()))
+                .map(|(l, b)| (&*l.buffer, b.as_mut_slice()))
                 .collect();
             device.read_many(&mut reads)?;
         }
@@ -260,6 +276,8 @@ fn key_kind(column: &DeviceColumn) -> Result<u64> {
         (_, Layout::Fixed(16)) => 4,
         (_, Layout::Var(4)) => 7,
         (_, Layout::Var(8)) => 8,
+        // Compared by the strings the codes stand for.
+        (_, Layout::Dict) => 9,
         (other, _) => {
             return Err(KernelError::Unsupported(format!("comparing {other} keys")));
         }
@@ -271,7 +289,10 @@ pub(crate) fn key_descriptor(column: &DeviceColumn) -> Result<[u64; 4]> {
     Ok([
         column.values().addr(),
         column.validity().map_or(0, DeviceBuffer::addr),
-        column.offsets().map_or(0, DeviceBuffer::addr),
+        match column.dictionary() {
+            Some(d) => d.header().addr(),
+            None => column.offsets().map_or(0, DeviceBuffer::addr),
+        },
         key_kind(column)?,
     ])
 }

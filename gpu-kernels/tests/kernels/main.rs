@@ -15,6 +15,7 @@ use proptest::prelude::*;
 
 mod aggregate;
 mod concat;
+mod dictionary;
 mod queued;
 
 /// Sizes that trip kernels up: empty, one, around a warp, around a block, many blocks.

@@ -49,7 +49,7 @@ async fn error(ctx: &FulmenContext, sql: &str) -> String {
 
 /// Each GPU filter, projection or aggregation that reads a cached table's scan directly:
 /// its name, the bytes it uploaded, and the bytes its scan downloaded.
-fn reads_of_cached(plan: &Arc<dyn ExecutionPlan>) -> Vec<(String, usize, usize)> {
+pub(super) fn reads_of_cached(plan: &Arc<dyn ExecutionPlan>) -> Vec<(String, usize, usize)> {
     let get = |node: &Arc<dyn ExecutionPlan>, name: &str| {
         node.metrics()
             .and_then(|m| m.sum_by_name(name))

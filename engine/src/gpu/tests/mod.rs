@@ -11,6 +11,8 @@
 //! join.rs              random joins of every type, the probe side's dynamic filter
 //! tpch.rs              the 22 TPC-H queries on one and four devices, memory, faults
 //! residency.rs         device-resident chains: only inputs go up, only groups come down
+//! cache.rs             cached tables: TPC-H resident, placement, faults, consistency
+//! dictionary.rs        cached strings held dictionary-encoded
 //! ```
 
 use std::sync::Arc;
@@ -26,6 +28,7 @@ use crate::{FulmenConfig, FulmenContext};
 mod aggregate;
 mod build_sides;
 mod cache;
+mod dictionary;
 mod filter_projection;
 mod fused;
 mod join;

@@ -640,6 +640,8 @@ impl DeviceProbing {
             gathered += match column.layout() {
                 Layout::Fixed(width) => rows * width,
                 Layout::Bits => rows.div_ceil(8),
+                // The codes move; the dictionary stays.
+                Layout::Dict => rows * 4,
                 Layout::Var(offset) => {
                     let text = match started.get(&i) {
                         Some((_, total)) => *total as usize,

@@ -510,6 +510,7 @@ fn row_bytes(data_type: &DataType) -> usize {
         Some(Layout::Fixed(width)) => width,
         Some(Layout::Bits) => 1,
         Some(Layout::Var(offset)) => 20 + offset,
+        Some(Layout::Dict) => 4,
         None => 24,
     }
 }

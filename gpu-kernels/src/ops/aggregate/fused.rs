@@ -220,6 +220,7 @@ impl GroupTable {
                 reached.push(key.values());
                 reached.extend(key.validity());
                 reached.extend(key.offsets());
+                reached.extend(key.dictionary().into_iter().flat_map(|d| d.buffers()));
             }
         }
         reached.extend(self.slots.as_ref().filter(|_| self.keyed));

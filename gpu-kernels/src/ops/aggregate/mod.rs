@@ -593,7 +593,7 @@ impl GroupTable {
             || keys
                 .iter()
                 .zip(&self.key_types)
-                .any(|(k, t)| k.data_type() != t || k.len() != n || k.device() != &self.device)
+                .any(|(k, t)| k.value_type() != t || k.len() != n || k.device() != &self.device)
         {
             return Err(KernelError::Unsupported(
                 "group keys of other types, lengths or devices than the table's".into(),
@@ -1135,6 +1135,16 @@ impl GroupTable {
                     if parts.is_empty() {
                         return Ok(new_empty_array(&self.key_types[k]));
                     }
+                    // Chunks of dictionary-encoded keys come down as dictionaries: every
+                    // chunk in the table's key type.
+                    let parts = parts
+                        .into_iter()
+                        .map(|a| match a.data_type() == &self.key_types[k] {
+                            true => Ok(a),
+                            false => arrow::compute::cast(&a, &self.key_types[k])
+                                .map_err(|e| KernelError::InvalidData(e.to_string())),
+                        })
+                        .collect::<Result<Vec<ArrayRef>>>()?;
                     let refs: Vec<&dyn arrow::array::Array> =
                         parts.iter().map(|a| a.as_ref()).collect();
                     arrow::compute::concat(&refs)
