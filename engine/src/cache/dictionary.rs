@@ -19,20 +19,28 @@ use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch, StringArra
 use datafusion::arrow::datatypes::{DataType, Field, Schema};
 
 /// The string values of a column of strings, or `None` for other types.
+/// (Not `LargeUtf8`: plans read it with 64-bit offsets, and an encoded column reads as
+/// utf8.)
 fn strings(column: &dyn Array) -> Option<Box<dyn Iterator<Item = Option<&str>> + '_>> {
     Some(match column.data_type() {
         DataType::Utf8 => Box::new(column.as_string::<i32>().iter()),
-        DataType::LargeUtf8 => Box::new(column.as_string::<i64>().iter()),
         DataType::Utf8View => Box::new(column.as_string_view().iter()),
         _ => return None,
     })
 }
+
+/// The most bytes of strings one dictionary holds: a column whose distinct values take more
+/// is held plainly (a dictionary's strings keep 32-bit offsets, and each device holding
+/// some of the table holds a copy).
+const DICTIONARY_BYTES: usize = 64 << 20;
 
 /// One column's dictionary so far.
 #[derive(Debug, Default)]
 struct Encoder {
     codes: HashMap<String, u32>,
     values: Vec<String>,
+    /// The values' bytes.
+    bytes: usize,
 }
 
 /// The encoders of a table's columns while it is cached.
@@ -55,7 +63,7 @@ impl Encoders {
         }
     }
 
-    /// The first chunk decides which string columns are encoded.
+    /// The first chunk decides which string columns (utf8 or utf8 views) are encoded.
     fn decide(&self, chunk: &RecordBatch) -> Vec<Option<Encoder>> {
         let rows = chunk.num_rows();
         (0..chunk.num_columns())
@@ -102,9 +110,12 @@ impl Encoders {
                     Some(v) => match encoder.codes.get(v) {
                         Some(&code) => code,
                         None => {
-                            if encoder.values.len() >= self.limit {
+                            if encoder.values.len() >= self.limit
+                                || encoder.bytes + v.len() > DICTIONARY_BYTES
+                            {
                                 return Err(c);
                             }
+                            encoder.bytes += v.len();
                             let code = encoder.values.len() as u32;
                             encoder.codes.insert(v.to_string(), code);
                             encoder.values.push(v.to_string());
@@ -213,5 +224,18 @@ mod tests {
             assert_eq!(out.schema().field(0).data_type(), &DataType::Utf8View);
             assert!(e.dictionaries().iter().all(|(c, _)| *c != 0));
         }
+        // Large utf8 is read with 64-bit offsets: held plainly.
+        let schema = Schema::new(vec![Field::new("l", DataType::LargeUtf8, false)]);
+        let large = RecordBatch::try_new(
+            Arc::new(schema),
+            vec![Arc::new(datafusion::arrow::array::LargeStringArray::from(
+                vec!["x"; 4],
+            ))],
+        )
+        .unwrap();
+        let mut e = Encoders::new(3, BTreeSet::new());
+        let out = e.encode(large).unwrap();
+        assert_eq!(out.schema().field(0).data_type(), &DataType::LargeUtf8);
+        assert!(e.dictionaries().is_empty());
     }
 }

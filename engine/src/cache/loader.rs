@@ -100,7 +100,12 @@ impl Loader<'_> {
             1 => group.into_iter().next().unwrap_or_else(|| unreachable!()),
             _ => concat_batches(&group[0].schema(), &group)?,
         };
-        let chunk = match self.encoders.encode(chunk) {
+        // A table that no longer fits is only counted: its chunks are not encoded.
+        let encoded = match self.full {
+            Some(_) => Ok(chunk),
+            None => self.encoders.encode(chunk),
+        };
+        let chunk = match encoded {
             Ok(chunk) => chunk,
             Err(column) => {
                 // Given up: what was uploaded is freed, and the load starts again.
@@ -249,17 +254,30 @@ impl Loader<'_> {
                 self.name
             ))
         };
-        for (d, chunks) in self.shards.iter_mut().enumerate() {
-            if chunks.is_empty() {
+        // First every device's dictionaries (a device out of memory: the table does not fit).
+        let mut uploaded = Vec::with_capacity(self.devices.len());
+        for (d, device) in self.devices.iter().enumerate() {
+            if self.shards[d].is_empty() {
+                uploaded.push(Vec::new());
                 continue;
             }
-            let device = &self.devices[d];
             let on_device = dictionaries
                 .iter()
                 .map(|(c, values)| Ok((*c, DeviceDictionary::upload(device, values)?)))
-                .collect::<Result<Vec<_>, fulmen_kernels::KernelError>>()
-                .map_err(|e| failed(device, e))?;
-            for chunk in chunks.iter_mut() {
+                .collect::<Result<Vec<_>, fulmen_kernels::KernelError>>();
+            match on_device {
+                Ok(on_device) => uploaded.push(on_device),
+                Err(e @ fulmen_kernels::KernelError::OutOfDeviceMemory { .. }) => {
+                    self.needed = self.held.iter().sum();
+                    self.stop(format!("the device ran out of memory: {e}"));
+                    return Ok(());
+                }
+                Err(e) => return Err(failed(device, e)),
+            }
+        }
+        for (d, on_device) in uploaded.into_iter().enumerate() {
+            let device = &self.devices[d];
+            for chunk in self.shards[d].iter_mut() {
                 let batch = &chunk.batch;
                 let mut columns = batch.columns().to_vec();
                 let mut fields: Vec<_> = batch
@@ -300,7 +318,6 @@ impl Loader<'_> {
                 );
                 self.needed = self.held.iter().sum();
                 self.stop(over);
-                self.dictionaries.iter_mut().for_each(Vec::clear);
                 return Ok(());
             }
         }
@@ -311,5 +328,6 @@ impl Loader<'_> {
     fn stop(&mut self, why: String) {
         self.full = Some(why);
         self.shards.iter_mut().for_each(Vec::clear);
+        self.dictionaries.iter_mut().for_each(Vec::clear);
     }
 }

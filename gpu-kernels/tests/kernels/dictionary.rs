@@ -272,8 +272,9 @@ fn group_keys_of_dictionaries_and_plain_strings_meet_by_their_strings() {
     assert_eq!(got, all, "one group per string (and one for NULL)");
 }
 
-/// Decoding a dictionary of short strings (keys of a GROUP BY or a join) queues its gather
-/// without waiting for the host: the bytes are sized by the longest string.
+/// Decoding a dictionary of short strings (a concatenation with pieces of another
+/// dictionary) queues its gather without waiting for the host: the bytes are sized by the
+/// longest string.
 #[test]
 fn decoding_short_strings_waits_for_nothing() {
     let d = emulated();

@@ -66,6 +66,26 @@ async fn low_cardinality_strings_are_cached_as_codes_and_answer_as_strings() {
         );
     }
     text(&gpu, "CACHE TABLE d").await;
+    // m's values first seen in another order (another dictionary's codes for them), cached
+    // on every device (replicated); and t's rows sharded by m.
+    let t2 = "CREATE TABLE t2 AS SELECT value AS a, concat('mode-', \
+              repeat('x', CAST(4 - value % 4 AS INT)), CAST(4 - value % 4 AS VARCHAR)) AS m \
+              FROM range(1000)";
+    text(&gpu, t2).await;
+    text(&cpu, t2).await;
+    text(&gpu, "SET fulmen.cache.replicate_below = '64M'").await;
+    let replicated = gpu.cache_table("t2").await.unwrap();
+    assert!(replicated.replicated, "{replicated:?}");
+    text(
+        &gpu,
+        "CACHE TABLE s OPTIONS ('shard_key' 'm') AS SELECT * FROM t",
+    )
+    .await;
+    text(&cpu, "CREATE TABLE s AS SELECT * FROM t").await;
+    for table in ["t2", "s"] {
+        let scan = shown(&plan_of(&gpu, &format!("SELECT * FROM {table}")).await);
+        assert!(scan.contains("dictionary=[m"), "{scan}");
+    }
     let queries = [
         // A filter reading m through its dictionary, GROUP BY m (keys by their strings).
         "SELECT m, count(*), sum(a) FROM t WHERE m <> 'mode-xx2' GROUP BY m ORDER BY m",
@@ -76,8 +96,14 @@ async fn low_cardinality_strings_are_cached_as_codes_and_answer_as_strings() {
         "SELECT d.name, count(*), min(t.a) FROM t JOIN d ON t.m = d.k \
          WHERE t.a % 2 = 0 GROUP BY d.name ORDER BY d.name",
         "SELECT count(DISTINCT m), count(m), count(*) FROM t WHERE a > 10",
-        // Both sides encoded, in different dictionaries.
+        // Both sides encoded, by one encoder and by another (other codes for the values).
         "SELECT count(*) FROM t AS x JOIN t AS y ON x.m = y.m AND x.a = y.a + 1",
+        "SELECT t2.m, count(*), max(t.a) FROM t JOIN t2 ON t.m = t2.m AND t.a % 1000 = t2.a \
+         GROUP BY t2.m ORDER BY t2.m",
+        "SELECT s.m, count(*) FROM s JOIN t2 ON s.m = t2.m WHERE s.a < 5000 \
+         GROUP BY s.m ORDER BY s.m",
+        // Sharded by m: GROUP BY m within each shard.
+        "SELECT m, count(*), sum(a) FROM s GROUP BY m ORDER BY m",
     ];
     for sql in queries {
         let plan = plan_of(&gpu, sql).await;

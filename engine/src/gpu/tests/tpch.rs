@@ -1,5 +1,6 @@
 //! The 22 TPC-H queries (SF 0.01) with the GPU forced: on one device and on four (each
-//! with every operator counted by kind), under device memory pressure, with every device
+//! with every operator counted by kind), under device memory pressure (over cached tables
+//! too), with every device
 //! fault of Q3, Q9 and Q18 in turn; and with the GPU off, DataFusion's own plans.
 
 use super::{
@@ -121,6 +122,38 @@ async fn tpch_answers_are_right_under_device_memory_pressure() {
          redone on the CPU, {fallbacks} aggregations finished on the CPU"
     );
     assert!(split > 0 && on_device > 0 && redone + fallbacks > 0);
+}
+
+/// With every table cached (its low-cardinality strings dictionary-encoded) and a query
+/// quota far below the queries' working set, every TPC-H query still answers as DataFusion
+/// does: the cache's memory is apart from the quota, and operators split their batches,
+/// redo cached chunks on the CPU (they are not split on the device) or finish on the CPU.
+#[tokio::test]
+async fn tpch_over_cached_tables_is_right_under_device_memory_pressure() {
+    let limit = 384 << 10;
+    let (gpu, cpu) = tpch_contexts("emulated:2/tpch-cached-memory", 2, Some(limit));
+    for table in super::cache::TPCH_TABLES {
+        gpu.cache_table(table).await.unwrap();
+    }
+    let (mut split, mut redone, mut fallbacks, mut on_device) = (0, 0, 0, 0);
+    for q in 1..=22 {
+        let (got, plan) = tpch_run(&gpu, q).await;
+        let (_, want) = run(&cpu, crate::tpch::QUERIES[q - 1]).await;
+        assert_eq!(
+            got, want,
+            "Q{q} over cached tables with {limit} bytes per query"
+        );
+        let work = Work::of(&plan);
+        split += work.split_batches;
+        redone += work.cpu_batches;
+        fallbacks += work.cpu_fallback;
+        on_device += work.gpu_batches;
+    }
+    println!(
+        "cached, {limit} bytes per query and device: {on_device} batches on the device, \
+         {split} split, {redone} redone on the CPU, {fallbacks} aggregations finished on the CPU"
+    );
+    assert!(on_device > 0 && redone + fallbacks + split > 0);
 }
 
 /// Failing each allocation, then each launch, of TPC-H Q3, Q9 and Q18 in turn still gives
