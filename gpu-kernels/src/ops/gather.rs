@@ -34,13 +34,7 @@ pub(crate) fn gather_strings_within(
     if width != 4 || bound > i32::MAX as usize || count == 0 {
         return gather(column, indices, None);
     }
-    if indices.bound() > column.len() {
-        return Err(KernelError::Unsupported(format!(
-            "indices into {} rows used on a column of {}",
-            indices.bound(),
-            column.len()
-        )));
-    }
+    check_bound(indices.bound(), column)?;
     let device = column.device();
     let lengths = device.alloc(count * 8)?;
     // SAFETY: `offsets` holds column.len() + 1 offsets of 4 bytes, every index is below
@@ -86,13 +80,7 @@ pub fn queue_string_starts(
     total_to: Word<'_>,
 ) -> Result<QueuedStarts> {
     let (width, offsets) = string_offsets(column)?;
-    if indices.bound() > column.len() {
-        return Err(KernelError::Unsupported(format!(
-            "indices into {} rows used on a column of {}",
-            indices.bound(),
-            column.len()
-        )));
-    }
+    check_bound(indices.bound(), column)?;
     let device = column.device();
     let slots = indices.slots();
     if indices.buffer.len() < slots * 4 {
@@ -178,6 +166,17 @@ pub fn queue_flagged_string_starts(
     starts_from(&lengths, n, total_to, None, offsets)
 }
 
+/// Checks that indices below `bound` address rows of `column`.
+fn check_bound(bound: usize, column: &DeviceColumn) -> Result<()> {
+    if bound > column.len() {
+        return Err(KernelError::Unsupported(format!(
+            "indices into {bound} rows used on a column of {}",
+            column.len()
+        )));
+    }
+    Ok(())
+}
+
 /// A string column's offset width and offsets.
 fn string_offsets(column: &DeviceColumn) -> Result<(usize, &DeviceBuffer)> {
     match (column.layout(), column.offsets()) {
@@ -243,13 +242,7 @@ fn gather(
         // The codes move; the dictionary is shared.
         return Ok(column.recoded(gather(&column.codes(), indices, None)?));
     }
-    if indices.bound() > column.len() {
-        return Err(KernelError::Unsupported(format!(
-            "indices into {} rows used on a column of {}",
-            indices.bound(),
-            column.len()
-        )));
-    }
+    check_bound(indices.bound(), column)?;
     let count = indices.len();
     let null_indices = indices.nullable();
     let indices = indices.buffer();

@@ -99,18 +99,18 @@ async fn tpch_answers_are_unchanged_with_the_gpu_forced_on_four_devices() {
     check_tpch_on("emulated:4/tpch", 4).await;
 }
 
-/// With a device memory limit far below the queries' working set, every TPC-H query still
-/// answers as DataFusion does: operators split batches that do not fit, redo them on the
-/// CPU, or finish on the CPU, and the plans' metrics show which happened.
-#[tokio::test]
-async fn tpch_answers_are_right_under_device_memory_pressure() {
-    let limit = 384 << 10;
-    let (gpu, cpu) = tpch_contexts("emulated:1/tpch-memory", 2, Some(limit));
+/// Runs the 22 TPC-H queries on `gpu` against `cpu`'s answers: (batches on the device,
+/// split, redone on the CPU, aggregations finished on the CPU), printed as `what`.
+async fn tpch_under_pressure(
+    gpu: &crate::FulmenContext,
+    cpu: &crate::FulmenContext,
+    what: &str,
+) -> (usize, usize, usize, usize) {
     let (mut split, mut redone, mut fallbacks, mut on_device) = (0, 0, 0, 0);
     for q in 1..=22 {
-        let (got, plan) = tpch_run(&gpu, q).await;
-        let (_, want) = run(&cpu, crate::tpch::QUERIES[q - 1]).await;
-        assert_eq!(got, want, "Q{q} with {limit} bytes of device memory");
+        let (got, plan) = tpch_run(gpu, q).await;
+        let (_, want) = run(cpu, crate::tpch::QUERIES[q - 1]).await;
+        assert_eq!(got, want, "Q{q} {what}");
         let work = Work::of(&plan);
         split += work.split_batches;
         redone += work.cpu_batches;
@@ -118,9 +118,21 @@ async fn tpch_answers_are_right_under_device_memory_pressure() {
         on_device += work.gpu_batches;
     }
     println!(
-        "{limit} bytes per device: {on_device} batches on the device, {split} split, {redone} \
-         redone on the CPU, {fallbacks} aggregations finished on the CPU"
+        "{what}: {on_device} batches on the device, {split} split, {redone} redone on the \
+         CPU, {fallbacks} aggregations finished on the CPU"
     );
+    (on_device, split, redone, fallbacks)
+}
+
+/// With a device memory limit far below the queries' working set, every TPC-H query still
+/// answers as DataFusion does: operators split batches that do not fit, redo them on the
+/// CPU, or finish on the CPU, and the plans' metrics show which happened.
+#[tokio::test]
+async fn tpch_answers_are_right_under_device_memory_pressure() {
+    let limit = 384 << 10;
+    let (gpu, cpu) = tpch_contexts("emulated:1/tpch-memory", 2, Some(limit));
+    let what = format!("with {limit} bytes of device memory");
+    let (on_device, split, redone, fallbacks) = tpch_under_pressure(&gpu, &cpu, &what).await;
     assert!(split > 0 && on_device > 0 && redone + fallbacks > 0);
 }
 
@@ -135,24 +147,8 @@ async fn tpch_over_cached_tables_is_right_under_device_memory_pressure() {
     for table in super::cache::TPCH_TABLES {
         gpu.cache_table(table).await.unwrap();
     }
-    let (mut split, mut redone, mut fallbacks, mut on_device) = (0, 0, 0, 0);
-    for q in 1..=22 {
-        let (got, plan) = tpch_run(&gpu, q).await;
-        let (_, want) = run(&cpu, crate::tpch::QUERIES[q - 1]).await;
-        assert_eq!(
-            got, want,
-            "Q{q} over cached tables with {limit} bytes per query"
-        );
-        let work = Work::of(&plan);
-        split += work.split_batches;
-        redone += work.cpu_batches;
-        fallbacks += work.cpu_fallback;
-        on_device += work.gpu_batches;
-    }
-    println!(
-        "cached, {limit} bytes per query and device: {on_device} batches on the device, \
-         {split} split, {redone} redone on the CPU, {fallbacks} aggregations finished on the CPU"
-    );
+    let what = format!("over cached tables with {limit} bytes per query and device");
+    let (on_device, split, redone, fallbacks) = tpch_under_pressure(&gpu, &cpu, &what).await;
     assert!(on_device > 0 && redone + fallbacks + split > 0);
 }
 
