@@ -14,9 +14,9 @@ use datafusion::dataframe::DataFrame;
 use datafusion::datasource::MemTable;
 use datafusion::datasource::file_format::options::ArrowReadOptions;
 use datafusion::error::{DataFusionError, Result};
-use datafusion::execution::SessionStateBuilder;
 use datafusion::execution::cache::cache_manager::CacheManagerConfig;
-use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
+use datafusion::execution::{SessionState, SessionStateBuilder};
 use datafusion::logical_expr::{DdlStatement, LogicalPlan};
 use datafusion::prelude::{
     CsvReadOptions, JsonReadOptions, ParquetReadOptions, SessionConfig, SessionContext,
@@ -80,6 +80,9 @@ impl TableFormat {
 pub struct FulmenContext {
     ctx: SessionContext,
     handlers: Arc<RwLock<Vec<Arc<dyn StatementHandler>>>>,
+    /// The scheduler's address (`http://host:port`) when the session runs its queries on
+    /// a Ballista cluster ([`FulmenContext::remote`]).
+    cluster: Option<Arc<str>>,
 }
 
 /// Statements that a crate built on the engine answers itself, before DataFusion parses
@@ -112,27 +115,33 @@ impl FulmenContext {
 
     /// A session with the given DataFusion and Fulmen settings.
     pub fn with_session_config(session: SessionConfig, config: FulmenConfig) -> Self {
-        let session = session
-            .with_information_schema(true)
-            .with_option_extension(config);
-        // Tables of files see the files their location holds at each query: DataFusion's
-        // own default keeps a location's listing for the life of the session, so that files
-        // added later are never read, and a cached table could not tell that its source
-        // changed. `SET datafusion.runtime.list_files_cache_limit = '1M'` brings it back.
-        let listings = CacheManagerConfig::default().with_list_files_cache_limit(0);
-        let runtime = RuntimeEnvBuilder::new()
-            .with_cache_manager(listings)
-            .with_object_store_registry(Arc::new(FulmenObjectStoreRegistry::new()))
-            .build_arc()
-            // Building a runtime with the default memory pool and disk manager cannot fail
-            // on a machine that can run the process at all; if it does, that is a bug.
-            .expect("the default DataFusion runtime builds");
-        let state = SessionStateBuilder::new()
-            .with_config(session)
-            .with_runtime_env(runtime)
-            .with_default_features()
-            .with_physical_optimizer_rule(Arc::new(GpuOverrides::new()))
-            .build();
+        Self::from_state(session_state(session, config), None)
+    }
+
+    /// A session whose queries run on the Ballista cluster whose scheduler listens at `url`
+    /// (`df://host:port`; see docs/cluster.md), with Fulmen's defaults and `FULMEN_DEVICES`
+    /// from the environment for anything the client runs itself.
+    ///
+    /// The client plans each query and sends it to the scheduler; every executor runs its
+    /// stages on its own devices, with this session's `fulmen.*` settings. Tables must be
+    /// files or object stores every process can read; Kafka tables, in-memory tables and
+    /// cached tables stay in this process, and a query that reads one fails with an error
+    /// saying so. Fails within seconds when nothing answers at `url`.
+    pub async fn remote(url: &str) -> Result<Self> {
+        Self::remote_with_config(url, FulmenConfig::from_env()?).await
+    }
+
+    /// [`FulmenContext::remote`] with the given Fulmen settings.
+    pub async fn remote_with_config(url: &str, config: FulmenConfig) -> Result<Self> {
+        use ballista_core::extension::SessionStateExt;
+        let scheduler = crate::cluster::scheduler_address(url)?;
+        crate::cluster::probe(&scheduler).await?;
+        let state = session_state(SessionConfig::new(), config)
+            .upgrade_for_ballista(format!("http://{scheduler}"))?;
+        Ok(Self::from_state(state, Some(Arc::from(scheduler.as_str()))))
+    }
+
+    fn from_state(state: SessionState, cluster: Option<Arc<str>>) -> Self {
         let ctx = SessionContext::new_with_state(state).enable_url_table();
         register_window_functions(&ctx);
         ctx.register_udtf(
@@ -142,7 +151,13 @@ impl FulmenContext {
         Self {
             ctx,
             handlers: Arc::default(),
+            cluster,
         }
+    }
+
+    /// The scheduler's `host:port` when this session runs its queries on a cluster.
+    pub fn cluster(&self) -> Option<&str> {
+        self.cluster.as_deref()
     }
 
     /// Lets `handler` answer statements before DataFusion sees them (see
@@ -210,6 +225,9 @@ impl FulmenContext {
                 )));
             }
         }
+        if self.cluster.is_some() {
+            return self.sql_on_cluster(plan).await;
+        }
         if let LogicalPlan::Explain(explain) = &plan {
             let state = self.ctx.state();
             let physical = state.create_physical_plan(&explain.plan).await?;
@@ -222,6 +240,24 @@ impl FulmenContext {
             };
         }
         self.ctx.execute_logical_plan(plan).await
+    }
+
+    /// Runs `plan` on the cluster: a query may read only tables every executor can read
+    /// itself, and EXPLAIN says where GPU placement is decided.
+    async fn sql_on_cluster(&self, plan: LogicalPlan) -> Result<DataFrame> {
+        if !matches!(plan, LogicalPlan::Ddl(_) | LogicalPlan::Statement(_)) {
+            crate::cluster::check_tables_travel(&plan)?;
+        }
+        let explain = matches!(plan, LogicalPlan::Explain(_));
+        let frame = self.ctx.execute_logical_plan(plan).await?;
+        if explain {
+            let line = "on a cluster, each executor places a stage's operators on its own \
+                        devices when it runs the stage (the plans above are the scheduler's \
+                        CPU plans); EXPLAIN ANALYZE shows, per operator, gpu_batches and \
+                        cpu_batches as the executors counted them";
+            return self.with_placement_row(frame, &[line.to_string()]).await;
+        }
+        Ok(frame)
     }
 
     /// EXPLAIN's output with one more row, `gpu_placement`: where each GPU-capable
@@ -244,8 +280,12 @@ impl FulmenContext {
             )?;
             batches.push(row);
         }
-        let table = MemTable::try_new(schema, vec![batches])?;
-        self.ctx.read_table(Arc::new(table))
+        let table = Arc::new(MemTable::try_new(schema, vec![batches])?);
+        if self.cluster.is_some() {
+            // Rows already here: read in this process, not sent to the cluster.
+            return SessionContext::new().read_table(table);
+        }
+        self.ctx.read_table(table)
     }
 
     /// Keeps table `name`'s rows in device memory (`CACHE TABLE name`; see
@@ -387,6 +427,37 @@ fn local_json_is_array(path: &str, extension: &str) -> bool {
         return false;
     };
     head[..n].iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[')
+}
+
+/// The session state of a Fulmen session: Fulmen's settings and GPU rule on DataFusion's
+/// defaults, with `information_schema` and object stores for remote URLs.
+pub(crate) fn session_state(session: SessionConfig, config: FulmenConfig) -> SessionState {
+    let session = session
+        .with_information_schema(true)
+        .with_option_extension(config);
+    SessionStateBuilder::new()
+        .with_config(session)
+        .with_runtime_env(runtime_env())
+        .with_default_features()
+        .with_physical_optimizer_rule(Arc::new(GpuOverrides::new()))
+        .build()
+}
+
+/// The runtime of every Fulmen process (client, scheduler, executor): object stores for
+/// s3://, gs://, az:// and http(s):// locations, and listings read again at each query.
+pub fn runtime_env() -> Arc<RuntimeEnv> {
+    // Tables of files see the files their location holds at each query: DataFusion's
+    // own default keeps a location's listing for the life of the session, so that files
+    // added later are never read, and a cached table could not tell that its source
+    // changed. `SET datafusion.runtime.list_files_cache_limit = '1M'` brings it back.
+    let listings = CacheManagerConfig::default().with_list_files_cache_limit(0);
+    RuntimeEnvBuilder::new()
+        .with_cache_manager(listings)
+        .with_object_store_registry(Arc::new(FulmenObjectStoreRegistry::new()))
+        .build_arc()
+        // Building a runtime with the default memory pool and disk manager cannot fail
+        // on a machine that can run the process at all; if it does, that is a bug.
+        .expect("the default DataFusion runtime builds")
 }
 
 /// Chooses the format of a file, or of the files in a folder, from their extensions.

@@ -6,6 +6,7 @@
 //! rule that places them (`gpu::GpuOverrides`; see DESIGN.md §2 and §5).
 
 pub mod cache;
+pub mod cluster;
 pub mod config;
 pub mod context;
 pub mod display;

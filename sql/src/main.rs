@@ -51,6 +51,11 @@ struct Args {
     #[arg(long, value_name = "DEVICES", global = true)]
     devices: Option<String>,
 
+    /// Run queries on the Ballista cluster whose scheduler listens at HOST:PORT (see
+    /// docs/cluster.md): tables must be files or object stores every executor can read.
+    #[arg(long, value_name = "HOST:PORT")]
+    cluster: Option<String>,
+
     /// Logs on stderr at this level and above: error, warn, info, debug, trace or off
     /// (default: $RUST_LOG, which also takes per-module filters, else warn; info for
     /// `fulmen run`). librdkafka's messages are among them.
@@ -65,6 +70,45 @@ enum Command {
     /// tick (written, flushed, committed) and exit 0. A sink that keeps failing ends the
     /// process with status 2 and its error, for a supervisor to restart it.
     Run(RunArgs),
+    /// Run a cluster's scheduler (Apache DataFusion Ballista's), which plans each query's
+    /// stages and hands their tasks to executors. It has no authentication and no TLS:
+    /// bind it where only trusted machines reach it (see docs/cluster.md).
+    Scheduler(SchedulerArgs),
+    /// Run a cluster executor, which runs stages on this machine's devices (--devices)
+    /// and serves their output to the other executors and to clients.
+    Executor(ExecutorArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct SchedulerArgs {
+    /// Where to listen for clients and executors (default loopback only; give a
+    /// non-loopback address to serve other machines).
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:50050")]
+    bind: SocketAddr,
+}
+
+#[derive(clap::Args, Debug)]
+struct ExecutorArgs {
+    /// The scheduler's HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT")]
+    scheduler: String,
+
+    /// Where to serve stage output (Arrow Flight); clients and other executors fetch it
+    /// here (default loopback only).
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:50051")]
+    bind: SocketAddr,
+
+    /// The port of the task service, on the same host (default: --bind's port + 1).
+    #[arg(long, value_name = "PORT")]
+    grpc_port: Option<u16>,
+
+    /// Tasks run at once (default: the machine's cores).
+    #[arg(long, value_name = "N")]
+    slots: Option<usize>,
+
+    /// Where to write shuffle files (default: a new temporary directory).
+    #[arg(long, value_name = "DIR")]
+    work_dir: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -134,7 +178,24 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
             .enable_all()
             .build()?,
     );
-    let ctx = FulmenContext::with_config(config);
+    match args.command {
+        Some(Command::Scheduler(scheduler)) => return cluster_scheduler(&runtime, scheduler),
+        Some(Command::Executor(executor)) => return cluster_executor(&runtime, executor, config),
+        _ => {}
+    }
+    let ctx = match &args.cluster {
+        Some(url) => {
+            if args.demo.is_some() {
+                anyhow::bail!(
+                    "--demo loads tables into this process, which a cluster's executors \
+                     cannot read; on a cluster, create tables of files every executor can \
+                     read (see docs/cluster.md)"
+                );
+            }
+            runtime.block_on(FulmenContext::remote_with_config(url, config))?
+        }
+        None => FulmenContext::with_config(config),
+    };
     // Kafka live tables and sinks: `STORED AS KAFKA`, `SHOW STREAMS`, `CREATE SINK` …
     let streams = fulmen_connectors::install(&ctx);
     let interactive = args.command.is_none()
@@ -218,6 +279,68 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `fulmen scheduler`: runs until the process is stopped.
+fn cluster_scheduler(
+    runtime: &tokio::runtime::Runtime,
+    args: SchedulerArgs,
+) -> anyhow::Result<ExitCode> {
+    warn_if_exposed("scheduler", args.bind);
+    runtime.block_on(fulmen_cluster::run_scheduler(
+        fulmen_cluster::SchedulerOptions { bind: args.bind },
+    ))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `fulmen executor`: runs until the process is stopped.
+fn cluster_executor(
+    runtime: &tokio::runtime::Runtime,
+    args: ExecutorArgs,
+    config: FulmenConfig,
+) -> anyhow::Result<ExitCode> {
+    let address = fulmen_engine::cluster::scheduler_address(&args.scheduler)?;
+    let (host, port) = address
+        .rsplit_once(':')
+        .and_then(|(h, p)| Some((h.trim_matches(|c| c == '[' || c == ']'), p.parse().ok()?)))
+        .ok_or_else(|| anyhow::anyhow!("--scheduler '{}' is not HOST:PORT", args.scheduler))?;
+    let grpc_port =
+        match args.grpc_port {
+            Some(port) => port,
+            None => args.bind.port().checked_add(1).ok_or_else(|| {
+                anyhow::anyhow!("--bind's port is the last one; give --grpc-port")
+            })?,
+        };
+    if args.bind.port() == 0 || grpc_port == 0 {
+        anyhow::bail!("an executor's ports are given, not 0: the scheduler reaches it there");
+    }
+    if args.slots == Some(0) {
+        anyhow::bail!("--slots must be at least 1");
+    }
+    warn_if_exposed("executor", args.bind);
+    runtime.block_on(fulmen_engine::cluster::probe(&address))?;
+    runtime.block_on(fulmen_cluster::run_executor(
+        fulmen_cluster::ExecutorOptions {
+            scheduler: (host.to_string(), port),
+            bind: args.bind,
+            grpc_port,
+            devices: config.devices,
+            slots: args.slots,
+            work_dir: args.work_dir,
+        },
+    ))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Says so when a cluster process listens beyond this machine: nothing authenticates its
+/// callers or encrypts its traffic.
+fn warn_if_exposed(process: &str, bind: SocketAddr) {
+    if !bind.ip().is_loopback() {
+        log::warn!(
+            "the {process} listens on {bind}, beyond this machine: anyone who reaches it can \
+             run queries and read what the cluster reads (no authentication, no TLS)"
+        );
+    }
 }
 
 /// `fulmen run`: the scripts, then the sinks until a signal or a sink failing for good.

@@ -110,6 +110,24 @@ pub async fn handle(ctx: &FulmenContext, sql: &str) -> Result<Option<DataFrame>>
     let written = words(sql, 6);
     let lower: Vec<String> = written.iter().map(|w| w.to_ascii_lowercase()).collect();
     let first: Vec<&str> = lower.iter().map(String::as_str).collect();
+    if let (
+        Some(scheduler),
+        ["show", "devices"] | ["refresh", "cache", ..] | ["cache", ..] | ["uncache", ..],
+    ) = (ctx.cluster(), first.as_slice())
+    {
+        return Err(DataFusionError::NotImplemented(format!(
+            "{} is not available on a cluster yet (this session runs its queries on the \
+             scheduler at {scheduler}; devices and cached tables belong to each executor \
+             process): see docs/cluster.md",
+            first
+                .iter()
+                .take(2)
+                .copied()
+                .collect::<Vec<_>>()
+                .join(" ")
+                .to_ascii_uppercase()
+        )));
+    }
     match first.as_slice() {
         ["show", "devices"] => show_devices(ctx).await.map(Some),
         ["refresh", "cache", _] => {
