@@ -4,6 +4,7 @@
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
+mod cluster;
 mod service;
 
 fn fulmen() -> Command {
