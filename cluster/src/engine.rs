@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ballista_core::JobId;
 use ballista_core::serde::protobuf::{
@@ -22,6 +23,7 @@ use fulmen_engine::gpu::GpuOverrides;
 use fulmen_engine::{DeviceSelection, FulmenConfig};
 
 use crate::metrics::{MetricsShape, align};
+use crate::pool::ConnectionPool;
 
 /// Runs each stage through Fulmen's GPU rule, with this executor's devices, then as
 /// Ballista does. The client's `fulmen.*` settings apply (mode, operators, batch sizes,
@@ -33,11 +35,13 @@ pub struct GpuExecutionEngine {
 }
 
 impl GpuExecutionEngine {
-    /// An engine placing stages on `devices`.
-    pub fn new(devices: DeviceSelection) -> Self {
+    /// An engine placing stages on `devices`, keeping its connections to other executors
+    /// for `connection_ttl` between uses.
+    pub fn new(devices: DeviceSelection, connection_ttl: Duration) -> Self {
+        let pool = Arc::new(ConnectionPool::new(connection_ttl));
         Self {
             devices,
-            inner: DefaultExecutionEngine::new(),
+            inner: DefaultExecutionEngine::with_client_pool(pool),
         }
     }
 }
@@ -73,6 +77,17 @@ impl ExecutionEngine for GpuExecutionEngine {
         let recompute = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
         let plan = Arc::clone(&plan).replace_children(vec![placed], recompute)?;
         let gpu_shape = MetricsShape::of(plan.as_ref());
+        let on_devices = gpu_shape.gpu_operators();
+        log::info!(
+            "job {job_id} stage {stage_id} task {task_id}: {} operators on devices {} ({})",
+            on_devices.len(),
+            self.devices,
+            if on_devices.is_empty() {
+                "none placed".to_string()
+            } else {
+                on_devices.join(", ")
+            }
+        );
         let inner = self.inner.create_query_stage_exec(
             job_id,
             stage_id,

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ballista_executor::executor_process::{ExecutorProcessConfig, start_executor_process};
 use datafusion::error::Result;
@@ -40,7 +41,9 @@ pub async fn run_executor(options: ExecutorOptions) -> Result<()> {
     let defaults = ExecutorProcessConfig::default();
     let config = ExecutorProcessConfig {
         bind_host: options.bind.ip().to_string(),
-        external_host: Some(options.bind.ip().to_string()),
+        // Bound to every interface: the scheduler records the address it sees the
+        // executor connect from, which the others can reach.
+        external_host: (!options.bind.ip().is_unspecified()).then(|| options.bind.ip().to_string()),
         port: options.bind.port(),
         grpc_port: options.grpc_port,
         scheduler_host: options.scheduler.0,
@@ -51,7 +54,10 @@ pub async fn run_executor(options: ExecutorOptions) -> Result<()> {
         print_thread_info: false,
         override_config_producer: Some(Arc::new(session_config)),
         override_runtime_producer: Some(Arc::new(|_| Ok(fulmen_engine::context::runtime_env()))),
-        override_execution_engine: Some(Arc::new(GpuExecutionEngine::new(options.devices))),
+        override_execution_engine: Some(Arc::new(GpuExecutionEngine::new(
+            options.devices,
+            Duration::from_secs(defaults.client_ttl),
+        ))),
         ..defaults
     };
     start_executor_process(Arc::new(config))

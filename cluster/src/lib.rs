@@ -15,6 +15,7 @@
 mod engine;
 mod executor;
 mod metrics;
+mod pool;
 mod scheduler;
 
 pub use engine::GpuExecutionEngine;

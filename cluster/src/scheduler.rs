@@ -28,7 +28,6 @@ pub async fn run_scheduler(options: SchedulerOptions) -> Result<()> {
     let config = SchedulerConfig {
         bind_host: options.bind.ip().to_string(),
         bind_port: options.bind.port(),
-        external_host: options.bind.ip().to_string(),
         override_config_producer: Some(Arc::new(session_config)),
         override_session_builder: Some(Arc::new(session_state)),
         // A killed executor is noticed in seconds, not Ballista's default three minutes:

@@ -36,8 +36,10 @@ pub fn scheduler_address(url: &str) -> Result<String> {
     if rest.is_empty() || rest.contains('/') {
         return Err(bad("a host and a port, nothing else"));
     }
+    // `[::1]` (IPv6, no port) has colons but no port; `[::1]:9` and `h:9` have one.
+    let bracketed = rest.starts_with('[') && rest.ends_with(']');
     let (host, port) = match rest.rsplit_once(':') {
-        Some((host, port)) if !host.ends_with(']') || host.starts_with('[') => {
+        Some((host, port)) if !bracketed => {
             let port: u16 = port.parse().map_err(|_| bad("the port is not a number"))?;
             (host, port)
         }
@@ -125,6 +127,7 @@ mod tests {
         );
         assert_eq!(scheduler_address("127.0.0.1:7").unwrap(), "127.0.0.1:7");
         assert_eq!(scheduler_address("df://[::1]:9/").unwrap(), "[::1]:9");
+        assert_eq!(scheduler_address("df://[::1]").unwrap(), "[::1]:50050");
         for bad in [
             "http://h:1",
             "df://h:port",

@@ -217,6 +217,15 @@ impl FulmenContext {
                     remote = true;
                 }
             }
+            if let (Some(scheduler), Some((key, _))) = (&self.cluster, store_options.first()) {
+                return Err(DataFusionError::NotImplemented(format!(
+                    "option '{key}' configures an object store in this process only, and the \
+                     cluster's executors (scheduler at {scheduler}) would read the table \
+                     without it: on a cluster, give each process its credentials in its \
+                     environment (AWS_…, GOOGLE_…, AZURE_…) and leave them out of the \
+                     statement; see docs/cluster.md"
+                )));
+            }
             if !remote && let Some((key, _)) = store_options.first() {
                 return Err(DataFusionError::Configuration(format!(
                     "option '{key}' configures an object store, but '{}' is not an s3://, \
@@ -245,7 +254,9 @@ impl FulmenContext {
     /// Runs `plan` on the cluster: a query may read only tables every executor can read
     /// itself, and EXPLAIN says where GPU placement is decided.
     async fn sql_on_cluster(&self, plan: LogicalPlan) -> Result<DataFrame> {
-        if !matches!(plan, LogicalPlan::Ddl(_) | LogicalPlan::Statement(_)) {
+        // `CREATE TABLE … AS SELECT` and `CREATE VIEW` are checked too: their queries
+        // read tables on the cluster.
+        if !matches!(plan, LogicalPlan::Statement(_)) {
             crate::cluster::check_tables_travel(&plan)?;
         }
         let explain = matches!(plan, LogicalPlan::Explain(_));

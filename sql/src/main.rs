@@ -302,7 +302,7 @@ fn cluster_executor(
     let address = fulmen_engine::cluster::scheduler_address(&args.scheduler)?;
     let (host, port) = address
         .rsplit_once(':')
-        .and_then(|(h, p)| Some((h.trim_matches(|c| c == '[' || c == ']'), p.parse().ok()?)))
+        .and_then(|(h, p)| Some((h, p.parse().ok()?)))
         .ok_or_else(|| anyhow::anyhow!("--scheduler '{}' is not HOST:PORT", args.scheduler))?;
     let grpc_port =
         match args.grpc_port {
