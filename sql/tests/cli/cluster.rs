@@ -1,40 +1,106 @@
 //! Fulmen on a Ballista cluster: a scheduler and two executors started here as child
 //! processes of the `fulmen` binary, on loopback ports chosen at run time, each executor
 //! with emulated devices of its own. TPC-H's 22 queries give the single-process answers
-//! with GPU operators in the executors' stages (checked by their metrics); a setting SET
-//! on the client reaches the executors; an executor killed mid-query costs a retry, not a
-//! wrong answer or a hang; a scheduler that does not answer is a clear error in seconds.
+//! with GPU operators in the executors' stages (checked by their metrics and their logs);
+//! settings SET on the client reach the executors; an executor killed while it runs a
+//! task of a query costs a retry, not a wrong answer or a hang; a scheduler that does not
+//! answer, and what a cluster cannot run, are clear errors.
 
-use std::net::TcpListener;
+use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Child;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use fulmen_engine::tpch::{QUERIES, TABLES};
 
 use super::*;
 
-/// A port nothing listens on now (the OS's pick; free again once returned).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// The cluster tests run one at a time: each starts processes of its own, and on two
+/// cores they would otherwise slow each other towards the executors' heartbeat timeout.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Waits for `log` to contain `text`, failing after `within` with the log shown.
-fn wait_for_log(log: &Path, text: &str, within: Duration) {
+/// `n` distinct ports nothing listens on now (the OS's picks, all held until each is
+/// known, so that no two are the same).
+fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    held.iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
+}
+
+/// Runs `cmd` with its output in files under `dir`, failing the test when it takes longer
+/// than `limit` (the process is killed): a hang is a failure, not a stuck CI run.
+fn output_within(mut cmd: Command, dir: &Path, limit: Duration) -> Output {
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let (out, err) = (
+        dir.join(format!("run{n}.out")),
+        dir.join(format!("run{n}.err")),
+    );
+    let mut child = cmd
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .expect("the fulmen binary runs");
     let start = Instant::now();
-    loop {
-        let seen = std::fs::read_to_string(log).unwrap_or_default();
-        if seen.contains(text) {
-            return;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
         }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "no answer within {limit:?}: {cmd:?}\nstderr: {}",
+                std::fs::read_to_string(&err).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Output {
+        status,
+        stdout: std::fs::read(&out).unwrap(),
+        stderr: std::fs::read(&err).unwrap(),
+    }
+}
+
+/// How often `text` is in `log` so far.
+fn occurrences(log: &Path, text: &str) -> usize {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .matches(text)
+        .count()
+}
+
+/// Waits until `log` holds more than `seen` of `texts` together, failing after `within`
+/// with the log shown.
+fn wait_for_log(log: &Path, texts: &[&str], seen: usize, within: Duration) {
+    let start = Instant::now();
+    while texts.iter().map(|t| occurrences(log, t)).sum::<usize>() <= seen {
         assert!(
             start.elapsed() < within,
-            "'{text}' not in {} after {within:?}:\n{seen}",
-            log.display()
+            "none of {texts:?} in {} after {within:?}:\n{}",
+            log.display(),
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits until something accepts connections on `port`.
+fn wait_for_port(port: u16, within: Duration) {
+    let start = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            start.elapsed() < within,
+            "nothing listens on {port} after {within:?}"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -50,7 +116,7 @@ struct Cluster {
 impl Cluster {
     fn start(executors: usize) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
+        let port = free_ports(1)[0];
         let mut cluster = Cluster {
             scheduler: format!("127.0.0.1:{port}"),
             dir,
@@ -58,8 +124,7 @@ impl Cluster {
         };
         let scheduler = cluster.scheduler.clone();
         cluster.spawn("scheduler", &["scheduler", "--bind", &scheduler]);
-        let log = cluster.log("scheduler");
-        wait_for_log(&log, "listening on", Duration::from_secs(30));
+        wait_for_port(port, Duration::from_secs(30));
         for n in 0..executors {
             cluster.add_executor(&format!("executor{n}"));
         }
@@ -85,7 +150,7 @@ impl Cluster {
     /// Starts an executor on two emulated devices named after it, and waits until the
     /// scheduler has it.
     fn add_executor(&mut self, name: &str) {
-        let (flight, grpc) = (free_port(), free_port());
+        let ports = free_ports(2);
         let work = self.dir.path().join(name);
         std::fs::create_dir_all(&work).unwrap();
         let scheduler = self.scheduler.clone();
@@ -96,9 +161,9 @@ impl Cluster {
                 "--scheduler",
                 &scheduler,
                 "--bind",
-                &format!("127.0.0.1:{flight}"),
+                &format!("127.0.0.1:{}", ports[0]),
                 "--grpc-port",
-                &grpc.to_string(),
+                &ports[1].to_string(),
                 "--devices",
                 &format!("emulated:2/{name}"),
                 "--slots",
@@ -109,7 +174,8 @@ impl Cluster {
         );
         wait_for_log(
             &self.log(name),
-            "Executor registration succeed",
+            &["Executor registration succeed"],
+            0,
             Duration::from_secs(30),
         );
     }
@@ -134,6 +200,11 @@ impl Cluster {
         ]);
         cmd
     }
+
+    /// The client's output for `sql`, within two minutes.
+    fn query(&self, sql: &str) -> Output {
+        output_within(self.client(sql), self.dir.path(), Duration::from_secs(120))
+    }
 }
 
 impl Drop for Cluster {
@@ -143,6 +214,18 @@ impl Drop for Cluster {
             let _ = child.wait();
         }
     }
+}
+
+/// One process, the CPU only, running `sql`: the oracle.
+fn single_process(dir: &Path, sql: &[&str]) -> String {
+    let mut cmd = fulmen();
+    cmd.args(["--devices", "none", "-q", "--format", "csv"]);
+    for s in sql {
+        cmd.args(["-c", s]);
+    }
+    let o = output_within(cmd, dir, Duration::from_secs(120));
+    assert!(o.status.success(), "{}", stderr(&o));
+    stdout(&o)
 }
 
 /// TPC-H at SF 0.01 as Parquet folders under `dir`, and the statements that declare them.
@@ -164,134 +247,181 @@ fn tpch_parquet(dir: &Path) -> String {
     create
 }
 
-/// The operators' `name=value` counts in EXPLAIN ANALYZE's text, summed.
-fn metric(text: &str, name: &str) -> u64 {
+/// The operators' `name=value` counts in EXPLAIN ANALYZE's text, summed (DataFusion
+/// writes 1 234 as `1.23 K`).
+fn metric(text: &str, name: &str) -> f64 {
     let key = format!("{name}=");
-    text.split([' ', '[', ','])
-        .filter_map(|w| w.strip_prefix(&key))
-        .map(|v| v.trim_end_matches(']').parse::<u64>().unwrap_or(0))
-        .sum()
+    let mut total = 0.0;
+    for (at, _) in text.match_indices(&key) {
+        if !matches!(text[..at].chars().next_back(), Some(' ' | '[' | ',')) {
+            continue;
+        }
+        let value = &text[at + key.len()..];
+        let value = value[..value.find([',', ']']).unwrap_or(value.len())].trim();
+        let (number, scale) = match value.split_once(' ') {
+            Some((n, "K")) => (n, 1e3),
+            Some((n, "M")) => (n, 1e6),
+            Some((n, "B")) => (n, 1e9),
+            Some(_) => panic!("{name}: '{value}' is not a count"),
+            None => (value, 1.0),
+        };
+        let n: f64 = number
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}: '{value}' is not a count"));
+        total += n * scale;
+    }
+    total
+}
+
+#[test]
+fn metrics_are_read_as_datafusion_writes_them() {
+    let text = "X: metrics=[gpu_batches=2, cpu_batches=0]\n Y: metrics=[gpu_batches=1.50 K]";
+    assert_eq!(metric(text, "gpu_batches"), 1502.0);
+    assert_eq!(metric(text, "cpu_batches"), 0.0);
+    assert_eq!(metric("[split_gpu_batches=3]", "gpu_batches"), 0.0);
 }
 
 #[test]
 fn tpch_on_a_cluster_gives_the_single_process_answers_with_gpu_stages() {
+    let _serial = one_at_a_time();
     let mut cluster = Cluster::start(2);
     let data = cluster.dir.path().join("tpch");
     let tables = tpch_parquet(&data);
     let queries = QUERIES.join("\n");
-
-    // One process, the CPU only: the oracle.
-    let local = run(&[
-        "--devices",
-        "none",
-        "-q",
-        "--format",
-        "csv",
-        "-c",
-        &tables,
-        "-c",
-        &queries,
-    ]);
-    assert!(local.status.success(), "{}", stderr(&local));
-    let want = stdout(&local);
+    let want = single_process(cluster.dir.path(), &[&tables, &queries]);
     assert!(want.lines().count() > 100, "{want}");
 
-    // The cluster, every GPU-capable operator forced onto the executors' devices.
-    let forced = cluster
-        .client(&format!(
-            "{tables}\nSET fulmen.gpu.mode = 'force';\nSET fulmen.gpu.on_error = 'fail';\n{queries}"
-        ))
-        .output()
-        .unwrap();
+    // The cluster, every GPU-capable operator forced onto the executors' devices, and a
+    // device error failing the query rather than being redone on the CPU.
+    let placed = |name: &str| occurrences(&cluster.log(name), "operators on devices emulated");
+    let before = (placed("executor0"), placed("executor1"));
+    let forced = cluster.query(&format!(
+        "{tables}\nSET fulmen.gpu.mode = 'force';\nSET fulmen.gpu.on_error = 'fail';\n{queries}"
+    ));
     assert!(forced.status.success(), "{}", stderr(&forced));
     let got = stdout(&forced);
     for (n, (w, g)) in want.lines().zip(got.lines()).enumerate() {
         assert_eq!(w, g, "line {n} differs");
     }
     assert_eq!(want.lines().count(), got.lines().count());
+    // Both executors ran tasks, each placing operators on its own two devices.
+    for (name, before) in [("executor0", before.0), ("executor1", before.1)] {
+        let log = std::fs::read_to_string(cluster.log(name)).unwrap();
+        assert!(placed(name) > before, "{name} ran no task:\n{log}");
+        let on_its_devices = format!("operators on devices emulated:2/{name} (Gpu");
+        assert!(log.contains(&on_its_devices), "{name}:\n{log}");
+    }
 
-    // Q1 and Q5's stages ran their operators on the executors' devices, by the metrics
-    // the executors sent back; with the GPU turned off by SET on the client, none did.
+    // Q1 and Q5 by the metrics the executors sent back: with the GPU forced by SET on the
+    // client, their operators ran on devices; left at the default (auto, which keeps SF
+    // 0.01's small inputs on the CPU) or SET off, none did. So the client's SET is what
+    // the executors ran with.
     for (q, needs) in [(0, "AggregateExec"), (4, "HashJoinExec")] {
-        let analyze = |mode: &str| {
-            let o = cluster
-                .client(&format!(
-                    "{tables}\nSET fulmen.gpu.mode = '{mode}';\nEXPLAIN ANALYZE {}",
-                    QUERIES[q]
-                ))
-                .output()
-                .unwrap();
+        let analyze = |set: &str| {
+            let o = cluster.query(&format!("{tables}\n{set}\nEXPLAIN ANALYZE {}", QUERIES[q]));
             assert!(o.status.success(), "{}", stderr(&o));
-            stdout(&o)
+            let text = stdout(&o);
+            assert!(
+                text.contains("Plan with Metrics") && text.contains(needs),
+                "{text}"
+            );
+            text
         };
-        let on = analyze("force");
+        let on = analyze("SET fulmen.gpu.mode = 'force';");
         assert!(
-            on.contains("Plan with Metrics") && on.contains(needs),
-            "{on}"
-        );
-        assert!(
-            metric(&on, "gpu_batches") > 0,
+            metric(&on, "gpu_batches") > 0.0,
             "Q{}: no device work:\n{on}",
             q + 1
         );
-        assert!(metric(&on, "launches") > 0, "{on}");
-        assert_eq!(metric(&on, "cpu_batches"), 0, "Q{}: {on}", q + 1);
-        let off = analyze("off");
-        assert!(off.contains("Plan with Metrics"), "{off}");
-        assert_eq!(metric(&off, "gpu_batches"), 0, "{off}");
-        assert!(!off.contains("launches="), "{off}");
+        assert!(metric(&on, "launches") > 0.0, "{on}");
+        assert_eq!(metric(&on, "cpu_batches"), 0.0, "Q{}: {on}", q + 1);
+        for unset in ["", "SET fulmen.gpu.mode = 'off';"] {
+            let off = analyze(unset);
+            assert_eq!(metric(&off, "gpu_batches"), 0.0, "'{unset}': {off}");
+            assert!(!off.contains("launches="), "'{unset}': {off}");
+        }
     }
 
-    // Both executors placed operators on their own devices.
-    for name in ["executor0", "executor1"] {
-        let log = std::fs::read_to_string(cluster.log(name)).unwrap();
-        assert!(log.contains(&format!("emulated:2/{name}")), "{log}");
-    }
-
-    // An executor killed mid-query: its tasks run again on the other, once the scheduler
-    // has missed its heartbeats; the answer is the single-process one.
+    // An executor killed while it runs a task of a query (whichever executor is running
+    // one first): the scheduler misses its heartbeats (or fails to reach it), runs its
+    // tasks again on the other, and the answer is the single-process one.
     let slow = "SELECT count(*) FROM lineitem, part WHERE l_partkey < p_partkey \
                 AND l_quantity > p_size";
-    let want = run(&[
-        "--devices",
-        "none",
-        "-q",
-        "--format",
-        "csv",
-        "-c",
-        &tables,
-        "-c",
-        slow,
-    ]);
-    assert!(want.status.success(), "{}", stderr(&want));
-    let start = Instant::now();
-    let query = cluster
+    let want = single_process(cluster.dir.path(), &[&tables, slow]);
+    let lost = ["heartbeat timed out", "Removing executor"];
+    let lost_before: usize = lost
+        .iter()
+        .map(|t| occurrences(&cluster.log("scheduler"), t))
+        .sum();
+    let running = |name: &str| {
+        let log = cluster.log(name);
+        occurrences(&log, "Execute task") > occurrences(&log, "Finished task")
+    };
+    assert!(!running("executor0") && !running("executor1"));
+    let (out, err) = (
+        cluster.dir.path().join("slow.out"),
+        cluster.dir.path().join("slow.err"),
+    );
+    let mut query = cluster
         .client(&format!("{tables}\n{slow}"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
-    cluster.kill("executor1");
-    let o = query.wait_with_output().unwrap();
-    let took = start.elapsed();
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert_eq!(stdout(&o), stdout(&want));
-    assert!(took < Duration::from_secs(120), "{took:?}");
-    // And the scheduler noticed that it died.
+    let start = Instant::now();
+    let victim = loop {
+        if let Some(name) = ["executor0", "executor1"].into_iter().find(|n| running(n)) {
+            break name;
+        }
+        assert!(
+            query.try_wait().unwrap().is_none(),
+            "the query ended before a task was seen running"
+        );
+        assert!(start.elapsed() < Duration::from_secs(60), "no task ran");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    cluster.kill(victim);
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = query.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > Duration::from_secs(120) {
+            let _ = query.kill();
+            panic!("no answer 120 s after {victim} died: a hang");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let err = std::fs::read_to_string(&err).unwrap();
+    assert!(status.success(), "{victim} killed: {err}");
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), want);
     wait_for_log(
         &cluster.log("scheduler"),
-        "heartbeat timed out",
+        &lost,
+        lost_before,
         Duration::from_secs(60),
     );
 }
 
 #[test]
 fn a_cluster_refuses_what_it_cannot_run_with_clear_errors() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let within = |cmd: Command| output_within(cmd, dir.path(), Duration::from_secs(30));
+    let args = |a: &[&str]| {
+        let mut cmd = fulmen();
+        cmd.args(a);
+        cmd
+    };
     // Nothing listens: an error within seconds, naming the address.
-    let port = free_port();
+    let port = free_ports(1)[0];
     let start = Instant::now();
-    let o = run(&["--cluster", &format!("127.0.0.1:{port}"), "-c", "SELECT 1"]);
+    let o = within(args(&[
+        "--cluster",
+        &format!("127.0.0.1:{port}"),
+        "-c",
+        "SELECT 1",
+    ]));
     assert_eq!(o.status.code(), Some(1));
     assert!(
         stderr(&o).contains(&format!(
@@ -301,27 +431,31 @@ fn a_cluster_refuses_what_it_cannot_run_with_clear_errors() {
         stderr(&o)
     );
     assert!(start.elapsed() < Duration::from_secs(10));
-    let o = run(&["--cluster", "http://h:1", "-c", "SELECT 1"]);
+    let o = within(args(&["--cluster", "http://h:1", "-c", "SELECT 1"]));
     assert!(
         stderr(&o).contains("is not a scheduler address"),
         "{}",
         stderr(&o)
     );
-    let o = run(&["executor", "--scheduler", &format!("127.0.0.1:{port}")]);
+    let o = within(args(&[
+        "executor",
+        "--scheduler",
+        &format!("127.0.0.1:{port}"),
+    ]));
     assert_eq!(o.status.code(), Some(1));
     assert!(
         stderr(&o).contains("no Ballista scheduler answers"),
         "{}",
         stderr(&o)
     );
-    let o = run(&[
+    let o = within(args(&[
         "--cluster",
         "127.0.0.1:1",
         "--demo",
         "0.01",
         "-c",
         "SELECT 1",
-    ]);
+    ]));
     assert!(
         stderr(&o).contains("--demo loads tables into this process"),
         "{}",
@@ -330,13 +464,18 @@ fn a_cluster_refuses_what_it_cannot_run_with_clear_errors() {
 
     let cluster = Cluster::start(1);
     let refused = |sql: &str, says: &str| {
-        let o = cluster.client(sql).output().unwrap();
+        let o = cluster.query(sql);
         assert_eq!(o.status.code(), Some(1), "{sql}: {}", stdout(&o));
         assert!(stderr(&o).contains(says), "{sql}: {}", stderr(&o));
     };
+    let in_memory = "table 't' is an in-memory table held by this process";
     refused(
         "CREATE TABLE t AS VALUES (1), (2); SELECT sum(column1) FROM t",
-        "table 't' is an in-memory table held by this process",
+        in_memory,
+    );
+    refused(
+        "CREATE TABLE t AS VALUES (1), (2); CREATE TABLE u AS SELECT * FROM t",
+        in_memory,
     );
     refused(
         "SHOW DEVICES",
@@ -346,29 +485,29 @@ fn a_cluster_refuses_what_it_cannot_run_with_clear_errors() {
         "CACHE TABLE t",
         "CACHE TABLE is not available on a cluster yet",
     );
-
-    // What it can run: a query of files, and EXPLAIN with the stages and a word on
-    // where operators are placed.
-    let dir = cluster.dir.path().join("n.csv");
-    std::fs::write(&dir, "a,b\n1,x\n2,y\n3,x\n").unwrap();
-    let table = format!(
-        "CREATE EXTERNAL TABLE n STORED AS CSV LOCATION '{}' OPTIONS ('format.has_header' 'true');",
-        dir.display()
+    refused(
+        "CREATE EXTERNAL TABLE s STORED AS PARQUET LOCATION 's3://b/t/' \
+         OPTIONS ('aws.region' 'x')",
+        "configures an object store in this process only",
     );
-    let o = cluster
-        .client(&format!(
-            "{table} SELECT b, sum(a) FROM n GROUP BY b ORDER BY b"
-        ))
-        .output()
-        .unwrap();
+
+    // What it can run: a query of files, and EXPLAIN with the stages and a word on where
+    // operators are placed.
+    let csv = cluster.dir.path().join("n.csv");
+    std::fs::write(&csv, "a,b\n1,x\n2,y\n3,x\n").unwrap();
+    let table = format!(
+        "CREATE EXTERNAL TABLE n STORED AS CSV LOCATION '{}' \
+         OPTIONS ('format.has_header' 'true');",
+        csv.display()
+    );
+    let o = cluster.query(&format!(
+        "{table} SELECT b, sum(a) FROM n GROUP BY b ORDER BY b"
+    ));
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&o), "b,sum(n.a)\nx,4\ny,2\n");
-    let o = cluster
-        .client(&format!(
-            "{table} EXPLAIN SELECT b, sum(a) FROM n GROUP BY b"
-        ))
-        .output()
-        .unwrap();
+    let o = cluster.query(&format!(
+        "{table} EXPLAIN SELECT b, sum(a) FROM n GROUP BY b"
+    ));
     assert!(o.status.success(), "{}", stderr(&o));
     let text = stdout(&o);
     assert!(
