@@ -23,6 +23,9 @@ pub enum Engine {
     /// error fails the query) on whatever
     /// devices `FULMEN_DEVICES` gives.
     FulmenGpu,
+    /// Fulmen on a local Ballista cluster (`--cluster N`): `fulmen-gpu`'s settings, each
+    /// executor on the devices `FULMEN_DEVICES` names.
+    FulmenCluster,
     /// Plain DataFusion, the reference for answers and ratios.
     DataFusion,
     /// DuckDB through its Python package.
@@ -36,9 +39,12 @@ impl FromStr for Engine {
         Ok(match s.trim() {
             "fulmen" => Self::Fulmen,
             "fulmen-gpu" => Self::FulmenGpu,
+            "fulmen-cluster" => Self::FulmenCluster,
             "datafusion" => Self::DataFusion,
             "duckdb" => Self::DuckDb,
-            other => bail!("unknown engine '{other}' (fulmen, fulmen-gpu, datafusion, duckdb)"),
+            other => bail!(
+                "unknown engine '{other}' (fulmen, fulmen-gpu, fulmen-cluster, datafusion, duckdb)"
+            ),
         })
     }
 }
@@ -48,6 +54,7 @@ impl fmt::Display for Engine {
         f.write_str(match self {
             Self::Fulmen => "fulmen",
             Self::FulmenGpu => "fulmen-gpu",
+            Self::FulmenCluster => "fulmen-cluster",
             Self::DataFusion => "datafusion",
             Self::DuckDb => "duckdb",
         })
@@ -82,15 +89,17 @@ pub struct EngineRun {
     pub outcomes: Vec<Outcome>,
 }
 
-/// The session of a DataFusion-based engine, with its Fulmen context where it has one.
-fn datafusion_session(
+/// The session of a DataFusion-based engine, with its Fulmen context where it has one;
+/// `fulmen-cluster`'s runs on the scheduler at `cluster`.
+async fn datafusion_session(
     engine: Engine,
     gpu: GpuMode,
+    cluster: Option<&str>,
 ) -> Result<(SessionContext, Option<FulmenContext>)> {
     let gpu_mode = match engine {
         Engine::DataFusion => return Ok((SessionContext::new(), None)),
         Engine::Fulmen => GpuMode::Off,
-        Engine::FulmenGpu => gpu,
+        Engine::FulmenGpu | Engine::FulmenCluster => gpu,
         Engine::DuckDb => bail!("DuckDB is not a DataFusion session"),
     };
     let mut config = FulmenConfig {
@@ -102,8 +111,23 @@ fn datafusion_session(
         // being redone on the CPU.
         config.gpu_on_error = fulmen_engine::OnError::Fail;
     }
-    let fulmen = FulmenContext::with_config(config);
+    let fulmen = match (engine, cluster) {
+        (Engine::FulmenCluster, Some(scheduler)) => {
+            FulmenContext::remote_with_config(scheduler, config).await?
+        }
+        (Engine::FulmenCluster, None) => bail!("fulmen-cluster runs with --cluster N"),
+        _ => FulmenContext::with_config(config),
+    };
     Ok((fulmen.session_context().clone(), Some(fulmen)))
+}
+
+/// Where fulmen-gpu's tables and fulmen-cluster's queries go.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Placement<'a> {
+    /// `--resident`: every table cached on fulmen-gpu's devices, these sharded by their key.
+    pub resident: Option<&'a [(String, String)]>,
+    /// `--cluster N`: the local cluster fulmen-cluster runs on.
+    pub cluster: Option<&'a crate::cluster::LocalCluster>,
 }
 
 /// Runs `queries` (name, SQL) on the DataFusion-based `engines`, interleaved so that no
@@ -118,12 +142,14 @@ pub async fn run_datafusion(
     tables: &[&str],
     queries: &[(String, String)],
     iterations: usize,
-    resident: Option<&[(String, String)]>,
+    placement: Placement<'_>,
 ) -> Result<Vec<EngineRun>> {
+    let Placement { resident, cluster } = placement;
     let mut sessions = Vec::with_capacity(engines.len());
     let mut cached = None;
     for &engine in engines {
-        let (ctx, fulmen) = datafusion_session(engine, gpu)?;
+        let scheduler = cluster.map(|c| c.scheduler.as_str());
+        let (ctx, fulmen) = datafusion_session(engine, gpu, scheduler).await?;
         for table in tables {
             let path = data.join(format!("{table}.parquet"));
             ctx.register_parquet(
@@ -199,13 +225,24 @@ pub async fn run_datafusion(
         .zip(outcomes)
         .map(|(&engine, outcomes)| EngineRun {
             engine,
-            note: (engine == Engine::FulmenGpu).then(|| {
+            note: match (engine, cluster) {
+                (Engine::FulmenCluster, Some(cluster)) => Some(format!(
+                    "{} local executors and a scheduler (Ballista), child processes on this \
+                     machine, each executor on FULMEN_DEVICES = {} (fulmen.gpu.mode = {}); \
+                     times include Ballista's scheduling and its shuffles through files",
+                    cluster.executors,
+                    std::env::var("FULMEN_DEVICES").unwrap_or_else(|_| "auto".into()),
+                    format!("{gpu:?}").to_lowercase()
+                )),
+                _ => None,
+            }
+            .or((engine == Engine::FulmenGpu).then(|| {
                 let note = fulmen_gpu_note(gpu);
                 match &cached {
                     Some(cached) => format!("{note}; {cached}"),
                     None => note,
                 }
-            }),
+            })),
             outcomes,
         })
         .collect())

@@ -11,6 +11,7 @@
 //!
 //! Benchmarks are not tests: they report ratios measured in one run (DESIGN.md §9).
 
+pub mod cluster;
 pub mod compare;
 pub mod data;
 pub mod engines;

@@ -4,6 +4,7 @@
 //! fulmen-bench tpch --sf 1 --engines fulmen,fulmen-gpu,datafusion,duckdb --iterations 5
 //! fulmen-bench ssb --sf 1
 //! FULMEN_DEVICES=emulated:2 fulmen-bench tpch --sf 0.1 --engines fulmen-gpu --resident
+//! FULMEN_DEVICES=emulated:1 fulmen-bench tpch --sf 0.1 --engines fulmen-gpu --cluster 2
 //! fulmen-bench stream --events 500000
 //! ```
 //! Generates the data once per scale factor (Parquet, cached), runs every query on every
@@ -111,7 +112,8 @@ struct Options {
     /// Scale factor (1 is 6 million line items).
     #[arg(long, default_value_t = 1.0)]
     sf: f64,
-    /// Engines to compare, comma-separated: fulmen, fulmen-gpu, datafusion, duckdb.
+    /// Engines to compare, comma-separated: fulmen, fulmen-gpu, datafusion, duckdb (and
+    /// fulmen-cluster, which --cluster adds).
     #[arg(
         long,
         value_delimiter = ',',
@@ -144,6 +146,11 @@ struct Options {
     /// others are spread over the devices.
     #[arg(long, value_delimiter = ',', requires = "resident")]
     shard: Vec<String>,
+    /// Also run the queries on a Ballista cluster of N local executors (engine
+    /// fulmen-cluster; the `fulmen` binary beside fulmen-bench runs them), each on the
+    /// devices FULMEN_DEVICES names, beside the single-process engines.
+    #[arg(long, value_name = "N")]
+    cluster: Option<usize>,
 }
 
 fn machine() -> String {
@@ -236,6 +243,23 @@ async fn run(benchmark: &str, options: Options) -> Result<bool> {
             .copied()
             .filter(|e| *e != Engine::DataFusion),
     );
+    let cluster = match options.cluster {
+        Some(executors) => {
+            if options.resident {
+                anyhow::bail!("--resident and --cluster: tables are not cached on a cluster yet");
+            }
+            if !order.contains(&Engine::FulmenCluster) {
+                order.push(Engine::FulmenCluster);
+            }
+            Some(fulmen_benches::cluster::LocalCluster::start(executors)?)
+        }
+        None => {
+            if order.contains(&Engine::FulmenCluster) {
+                anyhow::bail!("the fulmen-cluster engine needs --cluster N");
+            }
+            None
+        }
+    };
     let datafusion_like: Vec<Engine> = order
         .iter()
         .copied()
@@ -269,9 +293,13 @@ async fn run(benchmark: &str, options: Options) -> Result<bool> {
         &tables,
         &queries,
         options.iterations,
-        options.resident.then_some(shard_keys.as_slice()),
+        engines::Placement {
+            resident: options.resident.then_some(shard_keys.as_slice()),
+            cluster: cluster.as_ref(),
+        },
     )
     .await?;
+    drop(cluster);
     if order.contains(&Engine::DuckDb) {
         eprintln!("running duckdb…");
         runs.push(engines::run_duckdb(
