@@ -148,7 +148,7 @@ impl StatementHandler for Handler {
                 None if if_exists => {}
                 None => return plan_err!("sink '{sink}' does not exist"),
             }
-            return Ok(Some(ctx.session_context().read_empty()?));
+            return Ok(Some(ctx.local_session().read_empty()?));
         }
         if let Some(rest) = keyword(text, "create").and_then(|r| keyword(r, "sink")) {
             let usage = "usage: CREATE SINK [IF NOT EXISTS] name INTO kafka_table AS SELECT …";
@@ -170,13 +170,15 @@ impl StatementHandler for Handler {
             };
             if self.streams.sinks.contains(&sink) {
                 if if_not_exists {
-                    return Ok(Some(ctx.session_context().read_empty()?));
+                    return Ok(Some(ctx.local_session().read_empty()?));
                 }
                 return plan_err!("sink '{sink}' already exists");
             }
-            let started = Sink::start(ctx.session_context(), &sink, &target, query.trim()).await?;
+            // A sink runs in this process, also on a cluster: its Kafka tables live here.
+            let session = ctx.local_session();
+            let started = Sink::start(&session, &sink, &target, query.trim()).await?;
             self.streams.sinks.add(started)?;
-            return Ok(Some(ctx.session_context().read_empty()?));
+            return Ok(Some(ctx.local_session().read_empty()?));
         }
         Ok(None)
     }
@@ -233,7 +235,7 @@ impl Handler {
                 status.iter().map(|s| s.last_error.clone()),
             )),
         ];
-        ctx.session_context()
+        ctx.local_session()
             .read_batch(RecordBatch::try_new(schema, columns)?)
     }
 
@@ -286,7 +288,7 @@ impl Handler {
             )),
             Arc::new(StringArray::from_iter_values(sinks.iter().map(|s| &s.2))),
         ];
-        ctx.session_context()
+        ctx.local_session()
             .read_batch(RecordBatch::try_new(schema, columns)?)
     }
 }

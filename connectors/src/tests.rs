@@ -712,3 +712,82 @@ async fn an_idle_partition_does_not_hold_the_watermark_back() {
     assert_eq!(watermark("stalled"), None);
     streams.shutdown();
 }
+
+/// A session of a cluster's client keeps Kafka live tables and sinks in its own process:
+/// a sink runs here and writes its windows; a query that would need a live table on the
+/// executors is a clear error. Something accepting connections stands where the scheduler
+/// would be (the client checks that it answers); none of this is sent to it, and a query
+/// that were would get no answer, which the timeout turns into a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_client_kafka_tables_and_sinks_stay_in_the_client() {
+    let scheduler = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = format!("df://{}", scheduler.local_addr().unwrap());
+    let config = fulmen_engine::FulmenConfig::default();
+    let ctx = FulmenContext::remote_with_config(&address, config)
+        .await
+        .unwrap();
+    let streams = crate::install(&ctx);
+    let cluster = cluster(&[("payments", 1), ("totals", 1)]);
+    let servers = cluster.bootstrap_servers();
+    let within = |sql: String| {
+        let ctx = ctx.clone();
+        async move {
+            tokio::time::timeout(Duration::from_secs(60), query(&ctx, &sql))
+                .await
+                .unwrap_or_else(|_| panic!("{sql}: no answer (sent to the cluster?)"))
+        }
+    };
+    within(format!(
+        "CREATE EXTERNAL TABLE payments (card VARCHAR, amount DOUBLE, ts TIMESTAMP) \
+         STORED AS KAFKA LOCATION 'payments' OPTIONS ('bootstrap.servers' '{servers}', \
+         'start' 'earliest', 'event_time' 'ts', 'watermark' '1 second')"
+    ))
+    .await;
+    within(format!(
+        "CREATE EXTERNAL TABLE totals (card VARCHAR, window_end TIMESTAMP, total DOUBLE) \
+         STORED AS KAFKA LOCATION 'totals' OPTIONS ('bootstrap.servers' '{servers}')"
+    ))
+    .await;
+    within(
+        "CREATE SINK per_card INTO totals AS SELECT card, window_end, sum(amount) AS total \
+         FROM TUMBLE(payments, ts, INTERVAL '10 seconds') GROUP BY card, window_end"
+            .to_string(),
+    )
+    .await;
+    let mut messages: Vec<_> = (0..20)
+        .map(|i| (0, None, json(&format!("c{}", i % 2), i as f64, i * 100)))
+        .collect();
+    messages.push((0, None, json("zz", 0.0, 60_000)));
+    produce(&servers, "payments", &messages);
+    wait_for_sinks(&streams, 10_000).await;
+    let mut written: Vec<String> = read_topic(&servers, "totals", 2)
+        .into_iter()
+        .map(|(m, _)| String::from_utf8(m).unwrap())
+        .collect();
+    written.sort();
+    assert_eq!(written.len(), 2, "{written:?}");
+    // c0 has 0 + 2 + … + 18 = 90, c1 has 1 + 3 + … + 19 = 100.
+    assert!(
+        written[0].contains(r#""card":"c0""#) && written[0].contains("90"),
+        "{written:?}"
+    );
+    assert!(
+        written[1].contains(r#""card":"c1""#) && written[1].contains("100"),
+        "{written:?}"
+    );
+    let listed = pretty_format_batches(&within("SHOW SINKS".to_string()).await)
+        .unwrap()
+        .to_string();
+    assert!(listed.contains("per_card"), "{listed}");
+
+    let e = ctx
+        .sql("SELECT count(*) FROM payments")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("table 'payments' is a table (a Kafka live table"),
+        "{e}"
+    );
+    streams.shutdown();
+}

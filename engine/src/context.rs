@@ -15,9 +15,12 @@ use datafusion::datasource::MemTable;
 use datafusion::datasource::file_format::options::ArrowReadOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::cache::cache_manager::CacheManagerConfig;
+use datafusion::execution::context::QueryPlanner;
 use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
 use datafusion::execution::{SessionState, SessionStateBuilder};
 use datafusion::logical_expr::{DdlStatement, LogicalPlan};
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion::physical_planner::{DefaultPhysicalPlanner, PhysicalPlanner};
 use datafusion::prelude::{
     CsvReadOptions, JsonReadOptions, ParquetReadOptions, SessionConfig, SessionContext,
 };
@@ -160,6 +163,19 @@ impl FulmenContext {
         self.cluster.as_deref()
     }
 
+    /// A session that plans and runs its queries in this process, sharing this one's
+    /// tables, settings and devices: on a cluster, for what stays in the client (Kafka
+    /// live tables and sinks, rows already at hand); otherwise this session itself.
+    pub fn local_session(&self) -> SessionContext {
+        if self.cluster.is_none() {
+            return self.ctx.clone();
+        }
+        let state = SessionStateBuilder::new_from_existing(self.ctx.state())
+            .with_query_planner(Arc::new(LocalPlanner))
+            .build();
+        SessionContext::new_with_state(state)
+    }
+
     /// Lets `handler` answer statements before DataFusion sees them (see
     /// [`StatementHandler`]); handlers are asked in the order they were added.
     pub fn add_statement_handler(&self, handler: Arc<dyn StatementHandler>) {
@@ -292,11 +308,8 @@ impl FulmenContext {
             batches.push(row);
         }
         let table = Arc::new(MemTable::try_new(schema, vec![batches])?);
-        if self.cluster.is_some() {
-            // Rows already here: read in this process, not sent to the cluster.
-            return SessionContext::new().read_table(table);
-        }
-        self.ctx.read_table(table)
+        // Rows already here: on a cluster, read in this process, not sent to it.
+        self.local_session().read_table(table)
     }
 
     /// Keeps table `name`'s rows in device memory (`CACHE TABLE name`; see
@@ -438,6 +451,24 @@ fn local_json_is_array(path: &str, extension: &str) -> bool {
         return false;
     };
     head[..n].iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[')
+}
+
+/// DataFusion's own physical planning, in this process (a cluster session's planner sends
+/// queries to the scheduler instead).
+#[derive(Debug)]
+struct LocalPlanner;
+
+#[async_trait::async_trait]
+impl QueryPlanner for LocalPlanner {
+    async fn create_physical_plan(
+        &self,
+        plan: &LogicalPlan,
+        state: &dyn datafusion::catalog::Session,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        DefaultPhysicalPlanner::default()
+            .create_physical_plan(plan, state)
+            .await
+    }
 }
 
 /// The session state of a Fulmen session: Fulmen's settings and GPU rule on DataFusion's
