@@ -83,8 +83,8 @@ impl TableFormat {
 pub struct FulmenContext {
     ctx: SessionContext,
     handlers: Arc<RwLock<Vec<Arc<dyn StatementHandler>>>>,
-    /// The scheduler's address (`http://host:port`) when the session runs its queries on
-    /// a Ballista cluster ([`FulmenContext::remote`]).
+    /// The scheduler's `host:port` when the session runs its queries on a Ballista
+    /// cluster ([`FulmenContext::remote`]).
     cluster: Option<Arc<str>>,
 }
 
@@ -223,6 +223,15 @@ impl FulmenContext {
         let mut plan = self.ctx.state().create_logical_plan(sql).await?;
         if let LogicalPlan::Ddl(DdlStatement::CreateExternalTable(cmd)) = &mut plan {
             let store_options = take_store_options(&mut cmd.options);
+            if let (Some(scheduler), Some((key, _))) = (&self.cluster, store_options.first()) {
+                return Err(DataFusionError::NotImplemented(format!(
+                    "option '{key}' configures an object store in this process only, and the \
+                     cluster's executors (scheduler at {scheduler}) would read the table \
+                     without it: on a cluster, give each process its credentials in its \
+                     environment (AWS_…, GOOGLE_…, AZURE_…) and leave them out of the \
+                     statement; see docs/cluster.md"
+                )));
+            }
             let mut remote = false;
             for location in &cmd.locations {
                 if let Ok(url) = Url::parse(location)
@@ -232,15 +241,6 @@ impl FulmenContext {
                     self.ctx.register_object_store(&url, store);
                     remote = true;
                 }
-            }
-            if let (Some(scheduler), Some((key, _))) = (&self.cluster, store_options.first()) {
-                return Err(DataFusionError::NotImplemented(format!(
-                    "option '{key}' configures an object store in this process only, and the \
-                     cluster's executors (scheduler at {scheduler}) would read the table \
-                     without it: on a cluster, give each process its credentials in its \
-                     environment (AWS_…, GOOGLE_…, AZURE_…) and leave them out of the \
-                     statement; see docs/cluster.md"
-                )));
             }
             if !remote && let Some((key, _)) = store_options.first() {
                 return Err(DataFusionError::Configuration(format!(
