@@ -32,9 +32,7 @@ impl MetricsShape {
         walk(plan, &mut names);
         Self(names)
     }
-}
 
-impl MetricsShape {
     /// The names of its GPU operators.
     pub fn gpu_operators(&self) -> Vec<&str> {
         self.0
