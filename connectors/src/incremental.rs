@@ -218,6 +218,12 @@ pub(crate) fn split(
 }
 
 impl Split {
+    /// Whether states must be merged before windows close (`SESSION` windows: sessions that
+    /// meet become one), rather than only to keep the open windows' states small.
+    pub fn merges_before_closing(&self) -> bool {
+        self.sessions.is_some()
+    }
+
     /// Whether both plans the states go through take them as they are (checked once, when
     /// the sink starts: every tick's plan has the same shape).
     pub fn check(&self) -> std::result::Result<(), String> {
@@ -284,6 +290,12 @@ pub(crate) struct WindowStates {
 }
 
 impl WindowStates {
+    /// The earliest end of a window held (nanoseconds): when the watermark reaches it, a
+    /// window can close.
+    pub fn earliest_end(&self, split: &Split) -> Result<Option<i64>> {
+        earliest_end(self.merged.iter().chain(&self.recent), split)
+    }
+
     /// State rows held.
     pub fn rows(&self) -> usize {
         self.merged_rows + self.recent_rows
@@ -462,6 +474,20 @@ impl Sessions {
 }
 
 /// Each state row's window end, in nanoseconds.
+/// The earliest window end (nanoseconds) of `states`.
+pub(crate) fn earliest_end<'a>(
+    states: impl IntoIterator<Item = &'a RecordBatch>,
+    split: &Split,
+) -> Result<Option<i64>> {
+    let mut earliest: Option<i64> = None;
+    for batch in states {
+        if let Some(end) = window_ends(batch, split)?.into_iter().flatten().min() {
+            earliest = Some(earliest.map_or(end, |e| e.min(end)));
+        }
+    }
+    Ok(earliest)
+}
+
 fn window_ends(batch: &RecordBatch, split: &Split) -> Result<Vec<Option<i64>>> {
     let column = batch.column(split.end_column);
     nanos(column, split.end_shift)
@@ -496,7 +522,7 @@ fn aggregate(plan: &Arc<dyn ExecutionPlan>) -> Option<&AggregateExec> {
     plan.downcast_ref::<AggregateExec>()
 }
 
-fn is_window(plan: &Arc<dyn ExecutionPlan>) -> bool {
+pub(crate) fn is_window(plan: &Arc<dyn ExecutionPlan>) -> bool {
     plan.name() == "WindowExec"
 }
 

@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use datafusion::arrow::array::{
@@ -73,6 +73,8 @@ enum Source {
 const CHUNK: usize = 4096;
 /// How long an idle poll waits.
 const POLL: Duration = Duration::from_millis(50);
+/// librdkafka's pause before fetching again into a full queue (see `LiveTable::start`).
+const FETCH_QUEUE_BACKOFF_MS: &str = "10";
 /// How often the consumer lag is asked for.
 const LAG_EVERY: Duration = Duration::from_secs(1);
 
@@ -143,6 +145,8 @@ pub struct Shared {
     consumer: BaseConsumer,
     dead_letters: Option<Mutex<Producer>>,
     state: Mutex<State>,
+    /// Notified whenever the watermark moves (see [`Shared::wait_for_watermark`]).
+    moved: Condvar,
     stop: AtomicBool,
 }
 
@@ -287,6 +291,13 @@ impl LiveTable {
         };
 
         let mut config = options.client_config();
+        // librdkafka pauses a partition's fetching for `fetch.queue.backoff.ms` (1 s by
+        // default) whenever the consumer's queue holds `queued.min.messages`: over a backlog
+        // the fetcher runs ahead of decoding, fills the queue and then idles for most of each
+        // second. A short pause keeps it fed; a user's own setting wins.
+        if config.get("fetch.queue.backoff.ms").is_none() {
+            config.set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS);
+        }
         config
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "false")
@@ -382,6 +393,7 @@ impl LiveTable {
             consumer,
             dead_letters,
             state: Mutex::new(state),
+            moved: Condvar::new(),
             stop: AtomicBool::new(false),
         });
         log::info!(
@@ -530,6 +542,22 @@ impl LiveScope {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until the watermark reaches `at` (nanoseconds) or `timeout` passes, whichever
+    /// comes first: a sink sleeping between ticks wakes as soon as a window can close.
+    pub fn wait_for_watermark(&self, at: i64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.lock();
+        while state.watermark.is_none_or(|w| w < at) {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return;
+            };
+            state = match self.moved.wait_timeout(state, left) {
+                Ok((state, _)) => state,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+        }
     }
 
     /// Whether ingestion has been asked to stop.
@@ -1048,6 +1076,7 @@ impl Shared {
             if state.watermark.is_none_or(|w| next > w) {
                 state.watermark = Some(next);
                 state.watermark_moved = Some(Instant::now());
+                self.moved.notify_all();
             }
         }
     }

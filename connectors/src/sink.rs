@@ -47,6 +47,7 @@ use crate::live::{Extent, LiveScope, LiveTable, Shared};
 use crate::options::Delivery;
 use crate::producer::Producer;
 
+mod joins;
 mod runner;
 pub(crate) use runner::incremental_session;
 use runner::scoped;
@@ -324,6 +325,7 @@ impl Sink {
             from: BTreeMap::new(),
             states: WindowStates::default(),
             chunks: VecDeque::new(),
+            next_close: None,
         };
         log::info!(
             "sink '{name}' started into '{target}' ({}, {})",
@@ -396,6 +398,9 @@ struct Runner {
     /// restart must read them again while a window they lie in is open).
     states: WindowStates,
     chunks: VecDeque<Extent>,
+    /// Incremental sinks: the earliest end of an open window (nanoseconds), at the end of
+    /// the last tick; the sink wakes when the watermark reaches it rather than a tick later.
+    next_close: Option<i64>,
 }
 
 /// The sinks of a session, by name.

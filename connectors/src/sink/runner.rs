@@ -19,6 +19,7 @@ use fulmen_engine::{FulmenConfig, GpuMode};
 use rdkafka::consumer::Consumer;
 use rdkafka::producer::Producer as _;
 
+use super::joins::with_stream_probes;
 use super::{Plan, Runner, SinkStatus, TICK};
 use crate::incremental::{self, WindowStates};
 use crate::live::{LiveScope, OffsetRange, Shared};
@@ -30,7 +31,7 @@ pub(super) fn scoped(
     streams: Arc<StreamScope>,
     live: Arc<LiveScope>,
 ) -> SessionContext {
-    let mut state = state.clone();
+    let mut state = with_stream_probes(state.clone());
     state.config_mut().set_extension(streams);
     state.config_mut().set_extension(live);
     SessionContext::new_with_state(state)
@@ -44,7 +45,7 @@ pub(crate) fn incremental_session(
     streams: Arc<StreamScope>,
     live: Arc<LiveScope>,
 ) -> SessionContext {
-    let mut state = state.clone();
+    let mut state = with_stream_probes(state.clone());
     let config = state.config_mut();
     config.options_mut().execution.target_partitions = 1;
     if let Some(fulmen) = config.options_mut().extensions.get_mut::<FulmenConfig>() {
@@ -71,8 +72,23 @@ impl Runner {
                 Err(e) => self.failed(&e),
             }
             if let Some(rest) = TICK.checked_sub(started.elapsed()) {
-                std::thread::sleep(rest);
+                self.pause(rest);
             }
+        }
+    }
+
+    /// Sleeps until the next tick, or, for an incremental sink, until the watermark reaches
+    /// the end of its earliest open window, if that comes sooner: the window then closes at
+    /// once rather than up to a tick later.
+    fn pause(&self, rest: Duration) {
+        let source = self.plan.sources.first();
+        match (self.next_close, source) {
+            (Some(at), Some(source))
+                if self.states.rows() > 0 && source.watermark().is_none_or(|w| w < at) =>
+            {
+                source.wait_for_watermark(at, rest)
+            }
+            _ => std::thread::sleep(rest),
         }
     }
 
@@ -241,6 +257,9 @@ impl Runner {
         })?;
         if fresh {
             let states = runtime.block_on(collect(Arc::clone(&split.lower), session.task_ctx()))?;
+            if let Some(end) = incremental::earliest_end(&states, &split)? {
+                self.next_close = Some(self.next_close.map_or(end, |n| n.min(end)));
+            }
             // Taken in: the rows are not read again, whatever happens to the rest of the tick.
             self.states.add(states);
             self.status_mut().rows_read += live.rows() as u64;
@@ -251,12 +270,21 @@ impl Runner {
                 self.from.insert(*p, *to);
             }
         }
-        // Before any window is closed: sessions that meet must have been merged.
-        runtime.block_on(self.states.merge_if_due(&split, session.task_ctx()))?;
+        // Before any window is closed: sessions that meet must have been merged. The states
+        // of closing TUMBLE and HOP windows are merged by the final aggregate anyway, so
+        // theirs are merged after closing, among the windows left open.
+        let sessions = split.merges_before_closing();
+        if sessions || watermark.is_none() {
+            runtime.block_on(self.states.merge_if_due(&split, session.task_ctx()))?;
+        }
         let Some((watermark, closed_at)) = watermark else {
             return Ok(None);
         };
-        let (closing, left) = self.states.closing(&split, self.emitted_up_to, watermark)?;
+        let (closing, mut left) = self.states.closing(&split, self.emitted_up_to, watermark)?;
+        if !sessions {
+            runtime.block_on(left.merge_if_due(&split, session.task_ctx()))?;
+        }
+        self.next_close = left.earliest_end(&split)?;
         let batches = runtime.block_on(collect(split.finished(closing)?, session.task_ctx()))?;
         // Rows are needed again on a restart while a window they lie in is open: one that
         // reaches `span` back from its end, or a session starting at the earliest start held.

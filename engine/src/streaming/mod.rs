@@ -12,7 +12,9 @@ pub mod window;
 
 use std::sync::Mutex;
 
-pub use window::{WindowKind, register_window_functions, session_key};
+pub use window::{
+    WindowKind, fixed_window_columns, fixed_window_over, register_window_functions, session_key,
+};
 
 /// What a continuous query's tick allows its window functions to emit, and what they report
 /// back. Put into a session with `SessionConfig::set_extension`.

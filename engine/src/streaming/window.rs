@@ -389,6 +389,78 @@ pub fn session_key(plan: &Arc<dyn ExecutionPlan>) -> Option<String> {
     Some(window.input.schema().field(key).name().clone())
 }
 
+/// Where the output columns of a `TUMBLE` or `HOP` node of a plan come from: `Some(i)` for
+/// its input's column `i`, `None` for `window_start` and `window_end`. `None` for any other
+/// node, sessions included (a row's session depends on the other rows of its key, so nothing
+/// that drops rows may move below one).
+pub fn fixed_window_columns(plan: &Arc<dyn ExecutionPlan>) -> Option<Vec<Option<usize>>> {
+    let window = plan
+        .downcast_ref::<WindowExec>()
+        .filter(|w| !matches!(w.kind, WindowKind::Session { .. }))?;
+    let inputs = window.input.schema().fields().len();
+    let columns = match &window.projection {
+        Some(p) => p.clone(),
+        None => (0..window.full_schema.fields().len()).collect(),
+    };
+    Some(
+        columns
+            .into_iter()
+            .map(|i| (i < inputs).then_some(i))
+            .collect(),
+    )
+}
+
+/// The windows of `plan` (a `TUMBLE` or `HOP` node, see [`fixed_window_columns`]) assigned to
+/// the rows of `input`, whose columns from `offset` on are those of `plan`'s input (say, a
+/// join of an ordinary table with it). Its output: `input`'s columns, then `window_start` and
+/// `window_end`. A row lies in the same windows wherever it goes, so windowing the rows of
+/// such a join gives the rows the join of the windowed rows would.
+pub fn fixed_window_over(
+    plan: &Arc<dyn ExecutionPlan>,
+    input: Arc<dyn ExecutionPlan>,
+    offset: usize,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let window = plan
+        .downcast_ref::<WindowExec>()
+        .filter(|w| !matches!(w.kind, WindowKind::Session { .. }))
+        .ok_or_else(|| internal_datafusion_err!("{} is not a TUMBLE or HOP node", plan.name()))?;
+    let own = window.input.schema();
+    let schema = input.schema();
+    for (i, field) in own.fields().iter().enumerate() {
+        let moved = schema.fields().get(offset + i);
+        if moved.is_none_or(|m| m.data_type() != field.data_type()) {
+            return Err(internal_datafusion_err!(
+                "column {} of the new input is not the window's column {}",
+                offset + i,
+                field.name()
+            ));
+        }
+    }
+    let mut fields: Vec<Field> = schema.fields().iter().map(|f| f.as_ref().clone()).collect();
+    for bound in &window.full_schema.fields()[own.fields().len()..] {
+        if schema.column_with_name(bound.name()).is_some() {
+            return plan_err!(
+                "the window's input already has a column named {}",
+                bound.name()
+            );
+        }
+        fields.push(bound.as_ref().clone());
+    }
+    let full_schema = Arc::new(Schema::new(fields));
+    Ok(Arc::new(WindowExec {
+        properties: window_properties(&input, &full_schema, window.kind),
+        input,
+        time_index: offset + window.time_index,
+        key_index: window.key_index.map(|k| offset + k),
+        kind: window.kind,
+        nanos_kind: window.nanos_kind,
+        range: window.range,
+        projection: None,
+        schema: Arc::clone(&full_schema),
+        full_schema,
+    }))
+}
+
 /// Assigns windows to its input's rows (see the module documentation).
 #[derive(Debug)]
 struct WindowExec {
