@@ -27,6 +27,10 @@ const HOUR: i64 = 60 * MINUTE;
 /// The generated stream starts here: 2026-01-01T00:00:00Z, in milliseconds.
 pub const START_MS: i64 = 1_767_225_600_000;
 
+/// The pipeline's watermark delay ('watermark' '5 seconds' in pipeline.sql): a window
+/// closes once an event this far past its end has arrived.
+pub const WATERMARK_MS: i64 = 5_000;
+
 const COUNTRIES: &[&str] = &["US", "GB", "DE", "FR", "ES", "IT", "NL", "SE", "BR", "JP"];
 
 /// One card transaction.
@@ -336,5 +340,12 @@ mod tests {
         }
         assert_eq!(rfc3339(START_MS), "2026-01-01T00:00:00.000Z");
         assert_eq!(rfc3339(951_782_400_000 + 1_234), "2000-02-29T00:00:01.234Z");
+    }
+
+    #[test]
+    fn the_watermark_constant_is_the_pipelines() {
+        let transactions = &pipeline_statements("b:1", "p.csv")[0];
+        let delay = format!("'watermark' '{} seconds'", WATERMARK_MS / 1000);
+        assert!(transactions.contains(&delay), "{transactions}");
     }
 }
