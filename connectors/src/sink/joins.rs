@@ -85,10 +85,13 @@ impl PhysicalOptimizerRule for StreamProbes {
 
 /// `join` (of an ordinary table, left, with a `TUMBLE` or `HOP` window's rows, right) as the
 /// join of the table with the window's input, windowed, projected to `join`'s columns; `None`
-/// when it is not such a join, or it joins on a window bound or has a filter.
+/// when it is not such a join, or it joins on a window bound, has a filter or a row limit.
 fn window_above(join: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     let window = join.right();
-    if *join.join_type() != JoinType::Inner || join.filter().is_some() || reads_window(join.left())
+    if *join.join_type() != JoinType::Inner
+        || join.filter().is_some()
+        || join.fetch().is_some()
+        || reads_window(join.left())
     {
         return Ok(None);
     }
