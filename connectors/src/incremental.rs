@@ -473,7 +473,6 @@ impl Sessions {
     }
 }
 
-/// Each state row's window end, in nanoseconds.
 /// The earliest window end (nanoseconds) of `states`.
 pub(crate) fn earliest_end<'a>(
     states: impl IntoIterator<Item = &'a RecordBatch>,
@@ -488,6 +487,7 @@ pub(crate) fn earliest_end<'a>(
     Ok(earliest)
 }
 
+/// Each state row's window end, in nanoseconds.
 fn window_ends(batch: &RecordBatch, split: &Split) -> Result<Vec<Option<i64>>> {
     let column = batch.column(split.end_column);
     nanos(column, split.end_shift)

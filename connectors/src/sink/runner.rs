@@ -273,15 +273,15 @@ impl Runner {
         // Before any window is closed: sessions that meet must have been merged. The states
         // of closing TUMBLE and HOP windows are merged by the final aggregate anyway, so
         // theirs are merged after closing, among the windows left open.
-        let sessions = split.merges_before_closing();
-        if sessions || watermark.is_none() {
+        let merge_first = split.merges_before_closing();
+        if merge_first || watermark.is_none() {
             runtime.block_on(self.states.merge_if_due(&split, session.task_ctx()))?;
         }
         let Some((watermark, closed_at)) = watermark else {
             return Ok(None);
         };
         let (closing, mut left) = self.states.closing(&split, self.emitted_up_to, watermark)?;
-        if !sessions {
+        if !merge_first {
             runtime.block_on(left.merge_if_due(&split, session.task_ctx()))?;
         }
         self.next_close = left.earliest_end(&split)?;
