@@ -98,6 +98,8 @@ fn window_above(join: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     let Some(sources) = fixed_window_columns(window) else {
         return Ok(None);
     };
+    let stream = Arc::clone(window.children()[0]);
+    let streamed = stream.schema().fields().len();
     // The keys on the stream's side, as columns of the window's input.
     let mut on = Vec::with_capacity(join.on().len());
     for (left, right) in join.on() {
@@ -107,7 +109,11 @@ fn window_above(join: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
                 let Some(column) = e.downcast_ref::<Column>() else {
                     return Ok(Transformed::no(e));
                 };
-                match sources.get(column.index()).copied().flatten() {
+                match sources
+                    .get(column.index())
+                    .copied()
+                    .filter(|&i| i < streamed)
+                {
                     Some(i) => Ok(Transformed::yes(
                         Arc::new(Column::new(column.name(), i)) as Arc<dyn PhysicalExpr>
                     )),
@@ -123,11 +129,7 @@ fn window_above(join: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
         }
         on.push((Arc::clone(left), right));
     }
-    let stream = Arc::clone(window.children()[0]);
-    let (tables, streamed) = (
-        join.left().schema().fields().len(),
-        stream.schema().fields().len(),
-    );
+    let tables = join.left().schema().fields().len();
     let joined = join
         .builder()
         .with_new_children(vec![Arc::clone(join.left()), stream])?
@@ -135,8 +137,8 @@ fn window_above(join: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
         .with_projection(None)
         .build_exec()?;
     let windowed = fixed_window_over(window, joined, tables)?;
-    // `join`'s columns in `windowed`: the table's, the stream's after them, the bounds last.
-    let window_schema = window.schema();
+    // `join`'s columns in `windowed`: the table's, then the stream's and the window's bounds
+    // in the order the window gives them.
     let columns: Vec<usize> = match &join.projection {
         Some(p) => p.to_vec(),
         None => (0..tables + sources.len()).collect(),
@@ -145,11 +147,7 @@ fn window_above(join: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     for (&c, field) in columns.iter().zip(join.schema().fields()) {
         let at = match c.checked_sub(tables) {
             None => c,
-            Some(w) => match sources[w] {
-                Some(i) => tables + i,
-                None if window_schema.field(w).name() == "window_start" => tables + streamed,
-                None => tables + streamed + 1,
-            },
+            Some(w) => tables + sources[w],
         };
         exprs.push(ProjectionExpr {
             expr: Arc::new(Column::new(field.name(), at)),

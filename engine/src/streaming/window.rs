@@ -389,25 +389,19 @@ pub fn session_key(plan: &Arc<dyn ExecutionPlan>) -> Option<String> {
     Some(window.input.schema().field(key).name().clone())
 }
 
-/// Where the output columns of a `TUMBLE` or `HOP` node of a plan come from: `Some(i)` for
-/// its input's column `i`, `None` for `window_start` and `window_end`. `None` for any other
-/// node, sessions included (a row's session depends on the other rows of its key, so nothing
-/// that drops rows may move below one).
-pub fn fixed_window_columns(plan: &Arc<dyn ExecutionPlan>) -> Option<Vec<Option<usize>>> {
+/// Where the output columns of a `TUMBLE` or `HOP` node of a plan come from: each one's
+/// position among its input's columns followed by `window_start` and `window_end` (so a
+/// position past the input's columns is a window bound). `None` for any other node, sessions
+/// included (a row's session depends on the other rows of its key, so nothing that drops rows
+/// may move below one).
+pub fn fixed_window_columns(plan: &Arc<dyn ExecutionPlan>) -> Option<Vec<usize>> {
     let window = plan
         .downcast_ref::<WindowExec>()
         .filter(|w| !matches!(w.kind, WindowKind::Session { .. }))?;
-    let inputs = window.input.schema().fields().len();
-    let columns = match &window.projection {
+    Some(match &window.projection {
         Some(p) => p.clone(),
         None => (0..window.full_schema.fields().len()).collect(),
-    };
-    Some(
-        columns
-            .into_iter()
-            .map(|i| (i < inputs).then_some(i))
-            .collect(),
-    )
+    })
 }
 
 /// The windows of `plan` (a `TUMBLE` or `HOP` node, see [`fixed_window_columns`]) assigned to
