@@ -275,14 +275,29 @@ impl FulmenContext {
         if !matches!(plan, LogicalPlan::Statement(_)) {
             crate::cluster::check_tables_travel(&plan)?;
         }
-        let explain = matches!(plan, LogicalPlan::Explain(_));
+        let stages = match &plan {
+            LogicalPlan::Explain(explain) => Some(
+                crate::cluster::stage_placement(&self.local_session().state(), &explain.plan)
+                    .await
+                    .unwrap_or_else(|e| vec![format!("the stages could not be placed here: {e}")]),
+            ),
+            _ => None,
+        };
         let frame = self.ctx.execute_logical_plan(plan).await?;
-        if explain {
-            let line = "on a cluster, each executor places a stage's operators on its own \
-                        devices when it runs the stage (the plans above are the scheduler's \
-                        CPU plans); EXPLAIN ANALYZE shows, per operator, gpu_batches and \
-                        cpu_batches as the executors counted them";
-            return self.with_placement_row(frame, &[line.to_string()]).await;
+        if let Some(stages) = stages {
+            let mut lines = vec![
+                "on a cluster, each executor places a stage's operators on its own devices \
+                 when it runs a task of the stage (the plans above are the scheduler's CPU \
+                 plans); per stage, the placement it makes:"
+                    .to_string(),
+            ];
+            lines.extend(stages);
+            lines.push(
+                "EXPLAIN ANALYZE shows, per operator, gpu_batches and cpu_batches as the \
+                 executors counted them"
+                    .to_string(),
+            );
+            return self.with_placement_row(frame, &lines).await;
         }
         Ok(frame)
     }

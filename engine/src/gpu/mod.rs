@@ -7,7 +7,7 @@ pub mod fuse;
 pub mod listing;
 pub mod overrides;
 
-pub use overrides::{GpuOverrides, SupportLevel, placement_report};
+pub use overrides::{GpuOverrides, SupportLevel, placement_report, stage_placement_report};
 
 #[cfg(test)]
 mod tests;

@@ -236,44 +236,124 @@ pub fn placement_report(plan: &Arc<dyn ExecutionPlan>, config: &ConfigOptions) -
         Ok(devices) => quarantine_notes(devices),
         Err(_) => Vec::new(),
     };
+    lines.extend(operator_lines(
+        plan,
+        fulmen,
+        &available,
+        &|d| describe(d),
+        false,
+    ));
+    lines
+}
+
+/// The devices a cluster's client places a stage's operators on for EXPLAIN: one emulated
+/// device, opened in the client only for this. An executor makes the same decisions with
+/// its own devices, because the rule decides by the operators, the settings and the row
+/// estimates, never by which device it is given; only a device's quarantine differs.
+const STAGE_PLANNING_DEVICES: &str = "emulated:1/fulmen-explain";
+
+/// EXPLAIN's `gpu_placement` lines for one stage of a query on a cluster (`stage` is
+/// Ballista's stage id; `input` is the plan under the stage's shuffle writer): the placement
+/// the GPU rule makes of its operators under `config`'s settings, as each executor makes
+/// it with its own devices when it runs a task of the stage. In auto mode an operator over
+/// an earlier stage's output is marked as decided when the stage runs, since only then are
+/// that output's rows known.
+pub fn stage_placement_report(
+    stage: usize,
+    input: &Arc<dyn ExecutionPlan>,
+    config: &ConfigOptions,
+) -> Result<Vec<String>> {
+    let Some(fulmen) = config.extensions.get::<FulmenConfig>() else {
+        return Ok(Vec::new());
+    };
+    let mut options = config.clone();
+    let planning = options
+        .extensions
+        .get_mut::<FulmenConfig>()
+        .expect("the settings were just read");
+    planning.devices = STAGE_PLANNING_DEVICES
+        .parse()
+        .expect("a valid device selection");
+    planning.gpu_memory_limit = None;
+    let planning = planning.clone();
+    let placed = GpuOverrides::new().optimize(Arc::clone(input), &options)?;
+    let available = devices(&planning.devices);
+    let mut lines = operator_lines(
+        &placed,
+        &planning,
+        &available,
+        &|_| "each executor's devices".to_string(),
+        fulmen.gpu_mode == GpuMode::Auto,
+    );
+    if lines.is_empty() {
+        lines.push("no filter, projection, aggregation or hash join".to_string());
+    }
+    Ok(lines
+        .into_iter()
+        .map(|line| format!("stage {stage}: {line}"))
+        .collect())
+}
+
+/// A line per GPU-capable operator of `plan`: the device twin it became and where it runs
+/// (`on` names the devices), or why it stays on the CPU. With `sized_at_run`, a twin whose
+/// input has no row estimate is marked as decided only when it runs (auto mode on a
+/// cluster).
+fn operator_lines(
+    plan: &Arc<dyn ExecutionPlan>,
+    fulmen: &FulmenConfig,
+    available: &Result<Arc<Vec<Device>>, String>,
+    on: &dyn Fn(&[Device]) -> String,
+    sized_at_run: bool,
+) -> Vec<String> {
+    let mut lines = Vec::new();
     let _ = plan.apply(|node| {
-        if let Some(gpu) = node.downcast_ref::<GpuFilterExec>() {
-            lines.push(format!("GpuFilterExec runs on {}", describe(gpu.devices())));
+        let placed = if let Some(gpu) = node.downcast_ref::<GpuFilterExec>() {
+            Some(format!("GpuFilterExec runs on {}", on(gpu.devices())))
         } else if let Some(gpu) = node.downcast_ref::<GpuProjectionExec>() {
-            lines.push(format!(
-                "GpuProjectionExec runs on {}",
-                describe(gpu.devices())
-            ));
+            Some(format!("GpuProjectionExec runs on {}", on(gpu.devices())))
         } else if let Some(gpu) = node.downcast_ref::<GpuAggregateExec>() {
             let fused = if gpu.fused_filter().is_some() {
                 ", the filter under it fused in"
             } else {
                 ""
             };
-            lines.push(format!(
+            Some(format!(
                 "GpuAggregateExec ({:?}{fused}) runs on {}",
                 gpu.mode(),
-                describe(gpu.devices())
-            ));
+                on(gpu.devices())
+            ))
         } else if let Some(gpu) = node.downcast_ref::<GpuHashJoinExec>() {
             let filter = if gpu.has_filter() {
                 ", its filter on the CPU"
             } else {
                 ""
             };
-            lines.push(format!(
+            Some(format!(
                 "GpuHashJoinExec ({}{filter}) runs on {}",
                 gpu.join_type(),
-                describe(gpu.devices())
-            ));
+                on(gpu.devices())
+            ))
         } else if let Some(scan) = node.downcast_ref::<crate::physical_plan::GpuScanExec>() {
-            lines.push(format!(
+            Some(format!(
                 "GpuScanExec reads cached table {} on {}",
                 scan.data().name(),
-                describe(scan.data().devices())
-            ));
-        } else if let Decision::Cpu(name, reason) = decide(node, fulmen, &available) {
-            lines.push(format!("{name} stays on CPU: {reason}"));
+                on(scan.data().devices())
+            ))
+        } else {
+            if let Decision::Cpu(name, reason) = decide(node, fulmen, available) {
+                lines.push(format!("{name} stays on CPU: {reason}"));
+            }
+            None
+        };
+        if let Some(mut line) = placed {
+            if sized_at_run && estimated_input_rows(node).is_none() {
+                line.push_str(&format!(
+                    " if its input, whose rows are known only when the stage runs, has at \
+                     least fulmen.gpu.min_rows ({}) rows",
+                    fulmen.gpu_min_rows
+                ));
+            }
+            lines.push(line);
         }
         Ok(TreeNodeRecursion::Continue)
     });
