@@ -106,7 +106,7 @@ PY
 done
 echo "without NVRTC: TPC-H Q1 right on compute 9.0 and 8.6 (cubins built ahead) and 12.0 (PTX); Fulmen's counts of launches, syncs, copies, bytes and allocations equal the driver's, and the emulated device's"
 
-step "benchmark smoke runs: TPC-H and SSB at SF 0.01, every engine, answers checked against DataFusion; TPC-H over cached tables and on a local cluster"
+step "benchmark smoke runs: TPC-H and SSB at SF 0.01, every engine, answers checked against DataFusion; TPC-H and SSB over cached tables; TPC-H on a local cluster"
 # DuckDB comes from PyPI into a private folder (the runner skips it, with a note, if absent).
 duckdb_dir="${FULMEN_PYTHON_DIR:-$HOME/.cache/fulmen/python}"
 if ! PYTHONPATH="$duckdb_dir" python3 -c 'import duckdb' 2>/dev/null; then
@@ -117,8 +117,10 @@ for benchmark in tpch ssb; do
     "$benchmark" --sf 0.01 --iterations 1 --output "$target/bench-smoke"
 done
 # Every table cached on two emulated devices, the GPU forced: the answers are DataFusion's.
-FULMEN_DEVICES=emulated:2 "$bin/fulmen-bench" tpch --sf 0.01 --iterations 1 --engines fulmen-gpu \
-  --gpu-mode force --resident --output "$target/bench-smoke/resident"
+for benchmark in tpch ssb; do
+  FULMEN_DEVICES=emulated:2 "$bin/fulmen-bench" "$benchmark" --sf 0.01 --iterations 1 \
+    --engines fulmen-gpu --gpu-mode force --resident --output "$target/bench-smoke/resident"
+done
 # A local Ballista cluster of two executors (the fulmen binary beside fulmen-bench), each on
 # its own emulated device, the GPU forced: the answers are DataFusion's.
 FULMEN_DEVICES=emulated:1 "$bin/fulmen-bench" tpch --sf 0.01 --iterations 1 --engines fulmen-gpu \

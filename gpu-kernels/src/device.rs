@@ -163,6 +163,10 @@ struct Inner {
     ordinal: usize,
     name: String,
     budget: usize,
+    /// The device's whole memory (a GPU's; the budget on the emulator).
+    total_memory: usize,
+    /// A GPU's compute capability (major, minor); none on the emulator.
+    compute_capability: Option<(i32, i32)>,
     multiprocessors: u32,
     seed: u64,
     workers: u32,
@@ -201,6 +205,8 @@ impl Inner {
             ordinal,
             name,
             budget,
+            total_memory: budget,
+            compute_capability: None,
             multiprocessors,
             seed: 0,
             workers: 0,
@@ -317,14 +323,18 @@ impl Device {
         let (backend, properties) = CudaBackend::open(ordinal)?;
         let (major, minor) = properties.compute_capability;
         Ok(Self {
-            inner: Arc::new(Inner::new(
-                DeviceKind::Cuda,
-                ordinal,
-                format!("{} (compute {major}.{minor})", properties.name),
-                properties.total_memory / 10 * 9,
-                properties.multiprocessors,
-                Backend::Cuda(backend),
-            )),
+            inner: Arc::new(Inner {
+                total_memory: properties.total_memory,
+                compute_capability: Some(properties.compute_capability),
+                ..Inner::new(
+                    DeviceKind::Cuda,
+                    ordinal,
+                    format!("{} (compute {major}.{minor})", properties.name),
+                    properties.total_memory / 10 * 9,
+                    properties.multiprocessors,
+                    Backend::Cuda(backend),
+                )
+            }),
             quota: None,
         })
     }
@@ -356,6 +366,17 @@ impl Device {
     /// A human-readable name.
     pub fn name(&self) -> &str {
         &self.inner.name
+    }
+
+    /// A GPU's compute capability (major, minor); `None` on the emulator.
+    pub fn compute_capability(&self) -> Option<(i32, i32)> {
+        self.inner.compute_capability
+    }
+
+    /// The device's whole memory: a GPU's total, of which Fulmen uses the budget (90 %);
+    /// the budget itself on the emulator.
+    pub fn total_memory(&self) -> usize {
+        self.inner.total_memory
     }
 
     /// Multiprocessors, used to size grids.

@@ -449,8 +449,8 @@ pub async fn refresh_cache(ctx: &FulmenContext, name: &str) -> Result<CacheSumma
 pub async fn show_devices(ctx: &FulmenContext) -> Result<DataFrame> {
     ctx.session_context()
         .sql(
-            "SELECT device, name, state, reason, memory_budget AS memory_total, \
-             memory_cached, memory_working, cached_tables, launches, kernel_time_us, syncs, \
+            "SELECT device, name, compute_capability, state, reason, memory_total, \
+             memory_budget, memory_cached, memory_working, cached_tables, launches, kernel_time_us, syncs, \
              h2d_bytes, d2h_bytes, device_errors FROM fulmen_devices()",
         )
         .await

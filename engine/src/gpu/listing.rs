@@ -31,8 +31,10 @@ pub fn schema() -> SchemaRef {
     Arc::new(Schema::new(vec![
         text("device", false),
         text("name", false),
+        text("compute_capability", true),
         text("state", false),
         text("reason", true),
+        count("memory_total"),
         count("memory_budget"),
         count("memory_in_use"),
         count("memory_peak"),
@@ -55,9 +57,11 @@ pub fn schema() -> SchemaRef {
     ]))
 }
 
-/// The listing of the devices `config` selects: `state` is `in service` or `quarantined`
-/// (with the `reason`); `memory_budget`, `memory_in_use` and `memory_peak` are the whole
-/// device's (`fulmen.gpu.memory_limit` is each query's quota within it);
+/// The listing of the devices `config` selects: `compute_capability` is a GPU's (`9.0`;
+/// NULL on the emulator); `state` is `in service` or `quarantined` (with the `reason`);
+/// `memory_total` is the device's memory, `memory_budget` what Fulmen may use of it (90 %
+/// of a GPU's), and `memory_in_use` and `memory_peak` are the whole device's
+/// (`fulmen.gpu.memory_limit` is each query's quota within it);
 /// `memory_cached` is what cached tables hold of the device, `memory_working` the rest of
 /// what the device holds (queries' working memory), and `cached_tables` names the cached
 /// tables with their bytes and chunks there; the counts are what Fulmen asked of the
@@ -86,6 +90,10 @@ pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
         Arc::new(StringArray::from_iter_values(
             devices.iter().map(|d| d.name().to_string()),
         )),
+        Arc::new(StringArray::from_iter(devices.iter().map(|d| {
+            d.compute_capability()
+                .map(|(major, minor)| format!("{major}.{minor}"))
+        }))),
         Arc::new(StringArray::from_iter_values(quarantine.iter().map(|q| {
             if q.is_some() {
                 "quarantined"
@@ -94,6 +102,7 @@ pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
             }
         }))),
         Arc::new(StringArray::from(quarantine)),
+        counts(&|d| d.total_memory() as u64),
         counts(&|d| d.memory_budget() as u64),
         counts(&|d| d.device_memory_usage().0 as u64),
         counts(&|d| d.device_memory_usage().1 as u64),

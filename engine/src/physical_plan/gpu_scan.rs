@@ -18,7 +18,9 @@ use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
-use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricsSet};
+use datafusion::physical_plan::metrics::{
+    ExecutionPlanMetricsSet, Label, MetricBuilder, MetricsSet,
+};
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, StatisticsArgs,
     StatisticsContext,
@@ -204,6 +206,10 @@ impl GpuScanExec {
     ) -> Result<(ChunkStream, GpuMetrics)> {
         let device: Device = self.data.devices()[d].clone();
         let metrics = GpuMetrics::new(&self.metrics, partition, &device, &context);
+        // EXPLAIN ANALYZE's word that rows were read from the source, not the cache.
+        let from_source = MetricBuilder::new(&self.metrics)
+            .with_label(Label::new("device", device.to_string()))
+            .counter("source_rows", partition);
         let reread = {
             let mut shared = self.reread.lock().unwrap_or_else(|p| p.into_inner());
             shared.upgrade().unwrap_or_else(|| {
@@ -224,7 +230,7 @@ impl GpuScanExec {
             let cached = &data.shard(d)[j];
             let (part, first, len) = (cached.part, cached.first_row, cached.batch.num_rows());
             let read = Arc::clone(&reread);
-            let (device, out) = (device.clone(), out.clone());
+            let (device, out, from_source) = (device.clone(), out.clone(), from_source.clone());
             let chunk = match device.quarantined() {
                 Some(_) => None,
                 None => Some(project(&cached.batch, projection.as_deref())),
@@ -235,11 +241,16 @@ impl GpuScanExec {
                     log::debug!("{device} is quarantined: reading cached rows from the source");
                     count_batch(&out, BatchOn::Fallback);
                     let batch = read.rows_async(part, first, len).await?;
+                    from_source.add(batch.num_rows());
                     out.record_batch(&batch);
                     return Ok(Chunk::Host(batch));
                 };
                 // Not a batch of device work (`gpu_batches`): the chunk is only handed on.
-                let redo = Redo::new(move || read.rows(part, first, len));
+                let redo = Redo::new(move || {
+                    let batch = read.rows(part, first, len)?;
+                    from_source.add(batch.num_rows());
+                    Ok(batch)
+                });
                 let chunk = Chunk::Device(batch?, host_schema, redo);
                 out.record_chunk(&chunk);
                 Ok(chunk)

@@ -9,8 +9,8 @@ use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::physical_plan::ExecutionPlan;
 
 use super::{
-    Work, cpu_config, devices_of, gpu_config, needs_emulator, plan_has, plan_of, rows_of, run,
-    session, tpch_contexts,
+    Work, cpu_config, devices_of, gpu_config, metric_sum, needs_emulator, plan_has, plan_of,
+    rows_of, run, session, tpch_contexts,
 };
 use crate::FulmenContext;
 use crate::config::OnError;
@@ -72,16 +72,16 @@ pub(super) fn reads_of_cached(plan: &Arc<dyn ExecutionPlan>) -> Vec<(String, usi
     reads
 }
 
-/// The 22 TPC-H queries over the eight tables cached on two devices, spread (none
+/// The 22 TPC-H queries over the eight tables cached on four devices, spread (none
 /// replicated), answer as DataFusion does. Every table is read from device memory (`GpuScanExec`); the filters, projections
 /// and aggregations reading it take its chunks where they lie, uploading no column (only
 /// their programs and counts) and downloading nothing from the scan; both devices work; and
 /// the queries upload a fraction of what they do over the same tables uncached.
 #[tokio::test]
 async fn tpch_over_cached_tables_answers_as_datafusion_with_no_column_uploaded() {
-    let set = "emulated:2/cache-tpch";
-    let (gpu, cpu) = tpch_contexts(set, 2, None);
-    let (plain, _) = tpch_contexts(set, 2, None);
+    let set = "emulated:4/cache-tpch";
+    let (gpu, cpu) = tpch_contexts(set, 4, None);
+    let (plain, _) = tpch_contexts(set, 4, None);
     text(&gpu, "SET fulmen.cache.replicate_below = 0").await;
     for table in TPCH_TABLES {
         let summary = gpu.cache_table(table).await.unwrap();
@@ -104,13 +104,14 @@ async fn tpch_over_cached_tables_answers_as_datafusion_with_no_column_uploaded()
         let reads = reads_of_cached(&plan);
         direct += reads.len();
         for (name, up, down) in reads {
-            assert!(up < CONTROL_BYTES, "Q{q}: {name} uploaded {up} bytes");
+            assert!(up < 4 * CONTROL_BYTES, "Q{q}: {name} uploaded {up} bytes");
             assert_eq!(down, 0, "Q{q}: the scan under {name} downloaded");
         }
-        cached_up += super::metric_sum(&plan, "h2d_bytes");
+        assert_eq!(metric_sum(&plan, "source_rows"), 0, "Q{q} read its source");
+        cached_up += metric_sum(&plan, "h2d_bytes");
         let plain_plan = plan_of(&plain, sql).await;
         rows_of(&plain, &plain_plan).await;
-        plain_up += super::metric_sum(&plain_plan, "h2d_bytes");
+        plain_up += metric_sum(&plain_plan, "h2d_bytes");
     }
     println!(
         "TPC-H SF 0.01, 22 queries on {set}: {cached_up} bytes uploaded over cached tables, \
@@ -120,8 +121,9 @@ async fn tpch_over_cached_tables_answers_as_datafusion_with_no_column_uploaded()
         direct >= 22,
         "only {direct} GPU operators read a cached scan directly"
     );
-    // What is still uploaded: join build sides, collected on the host (8.4 MB of the
-    // 10.7 MB), and partial aggregates brought back up after a repartition.
+    // What is still uploaded: the build sides of joins collected on the host (outer,
+    // semi and anti joins, and joins fed from the host), and partial aggregates brought
+    // back up after a repartition.
     assert!(
         cached_up * 3 < plain_up,
         "cached {cached_up} bytes up, uncached {plain_up}"
@@ -266,17 +268,14 @@ async fn tpch_over_sharded_tables_joins_part_by_part() {
             assert!(!plan_has(&plan, "RepartitionExec"), "{shown}");
         }
     }
-    // orders sharded by customer: customer and orders meet part by part.
+    // orders sharded by customer: customer and orders meet part by part; the 22 queries
+    // (every join partitioned now) still give DataFusion's answers.
     text(&gpu, "UNCACHE TABLE orders").await;
     text(&gpu, "CACHE TABLE orders OPTIONS ('shard_key' 'o_custkey')").await;
     let by_customer = "SELECT c_mktsegment, count(*), sum(o_totalprice) FROM customer JOIN \
                        orders ON c_custkey = o_custkey GROUP BY c_mktsegment \
                        ORDER BY c_mktsegment";
-    for sql in [
-        by_customer,
-        crate::tpch::QUERIES[12],
-        crate::tpch::QUERIES[2],
-    ] {
+    for sql in std::iter::once(by_customer).chain(crate::tpch::QUERIES) {
         let plan = plan_of(&gpu, sql).await;
         assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1, "{sql}");
         if sql == by_customer {
@@ -474,8 +473,9 @@ async fn small_tables_are_replicated_and_read_once() {
     assert_eq!(text(&gpu, sql).await, want);
 }
 
-/// A source written after caching (an INSERT, a file added to a table's folder) is read
-/// instead of the stale snapshot until REFRESH CACHE takes a new one.
+/// A source written after caching (an INSERT; a file added to a table's folder, rewritten
+/// or removed) is read instead of the stale snapshot until REFRESH CACHE takes a new one;
+/// DROP TABLE of a table of files uncaches it.
 #[tokio::test]
 async fn a_changed_source_is_read_until_the_cache_is_refreshed() {
     let set = "emulated:1/cache-changes";
@@ -518,16 +518,128 @@ async fn a_changed_source_is_read_until_the_cache_is_refreshed() {
         text(ctx, &create).await;
     }
     let sql = "SELECT count(*), sum(a) FROM f WHERE b > 10";
+    // The query's rows, equal to DataFusion's, and whether it read the cache. The plan
+    // goes with it: a plan holds the snapshot it reads.
+    let answer = || {
+        let (gpu, cpu) = (&gpu, &cpu);
+        async move {
+            let plan = plan_of(gpu, sql).await;
+            let got = rows_of(gpu, &plan).await;
+            assert_eq!(got, run(cpu, sql).await.1);
+            (got, plan_has(&plan, "GpuScanExec"))
+        }
+    };
     text(&gpu, "CACHE TABLE f").await;
-    let plan = plan_of(&gpu, sql).await;
-    assert!(plan_has(&plan, "GpuScanExec"));
-    assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+    assert!(answer().await.1, "not read from the cache");
     text(&cpu, &copy(4000)).await;
-    let plan = plan_of(&gpu, sql).await;
-    assert!(!plan_has(&plan, "GpuScanExec"), "a stale snapshot was read");
-    let got = rows_of(&gpu, &plan).await;
-    assert_eq!(got, run(&cpu, sql).await.1);
+    let (got, cached) = answer().await;
+    assert!(!cached, "a stale snapshot was read");
     assert!(got.contains("6988"), "both files are read: {got}");
+
+    // A file rewritten in place (other rows, the same name), then a file removed: each
+    // time the source is read until REFRESH CACHE, which then caches what is there.
+    let refresh = |why: &'static str| {
+        let (gpu, answer) = (&gpu, &answer);
+        async move {
+            text(gpu, "REFRESH CACHE f").await;
+            assert!(answer().await.1, "{why}: not cached again");
+        }
+    };
+    refresh("after the added file").await;
+    text(
+        &cpu,
+        &format!(
+            "COPY (SELECT value + 1 AS a, value AS b FROM range(3000)) TO '{path}/p3000.parquet'"
+        ),
+    )
+    .await;
+    assert!(!answer().await.1, "a rewritten file's old rows were read");
+    refresh("after the rewritten file").await;
+    std::fs::remove_file(folder.join("p4000.parquet")).unwrap();
+    let (got, cached) = answer().await;
+    assert!(!cached, "a removed file's rows were read");
+    assert!(
+        got.contains("2989"),
+        "only the rewritten file is read: {got}"
+    );
+    refresh("after the removed file").await;
+
+    // DROP TABLE of a cached table of files uncaches it and frees its device memory; a
+    // table made again under the name reads its files.
+    text(&gpu, "DROP TABLE f").await;
+    let listed = text(&gpu, "SHOW DEVICES").await;
+    assert!(!listed.contains("f ("), "{listed}");
+    text(&gpu, &create).await;
+    assert!(!answer().await.1, "the dropped cache was read");
+}
+
+/// `FulmenContext::devices()` and SHOW DEVICES list the session's devices alike: a GPU with
+/// its compute capability (none on the emulator), the budget Fulmen uses within the
+/// device's memory, and a cached table's bytes on the devices holding it.
+#[tokio::test]
+async fn the_library_and_show_devices_list_the_devices_alike() {
+    use datafusion::arrow::array::{Array, AsArray};
+    use datafusion::arrow::datatypes::UInt64Type;
+    let set = "emulated:2/cache-listing";
+    let gpu = session(gpu_config(set), 2);
+    text(
+        &gpu,
+        "CREATE TABLE listed AS SELECT value AS a FROM range(1000)",
+    )
+    .await;
+    text(&gpu, "CACHE TABLE listed").await;
+    let batches = gpu.devices().await.unwrap();
+    let rows = datafusion::arrow::compute::concat_batches(&batches[0].schema(), &batches).unwrap();
+    assert_eq!(rows.num_rows(), devices_of(set).len());
+    let column = |name: &str| {
+        let at = rows
+            .schema()
+            .index_of(name)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        Arc::clone(rows.column(at))
+    };
+    let capability = column("compute_capability");
+    let capability = capability.as_string::<i32>();
+    let total = column("memory_total");
+    let budget = column("memory_budget");
+    let cached = column("memory_cached");
+    let tables = column("cached_tables");
+    let mut holding = 0;
+    for row in 0..rows.num_rows() {
+        if super::on_cuda() {
+            let cc = capability.value(row);
+            let parts: Vec<&str> = cc.split('.').collect();
+            assert!(
+                parts.len() == 2 && parts.iter().all(|p| p.parse::<u32>().is_ok()),
+                "compute capability '{cc}'"
+            );
+        } else {
+            assert!(
+                capability.is_null(row),
+                "the emulator has no compute capability"
+            );
+        }
+        let (total, budget) = (
+            total.as_primitive::<UInt64Type>().value(row),
+            budget.as_primitive::<UInt64Type>().value(row),
+        );
+        assert!(0 < budget && budget <= total, "budget {budget} of {total}");
+        if tables.as_string::<i32>().value(row).contains("listed (") {
+            holding += 1;
+            assert!(cached.as_primitive::<UInt64Type>().value(row) > 0);
+        }
+    }
+    assert!(holding > 0, "no device lists the cached table");
+    let shown = text(&gpu, "SHOW DEVICES").await;
+    for name in [
+        "compute_capability",
+        "memory_total",
+        "memory_budget",
+        "listed (",
+    ] {
+        assert!(shown.contains(name), "{name}:\n{shown}");
+    }
+    assert!(gpu.uncache_table("listed").await.unwrap());
 }
 
 /// UNCACHE TABLE and DROP TABLE free a cached table's device memory; SHOW DEVICES lists
@@ -631,6 +743,21 @@ async fn a_device_lost_mid_query_has_its_chunks_read_from_the_source() {
         Work::of(&plan).cpu_batches > 0,
         "the lost chunks were not re-read"
     );
+    // EXPLAIN ANALYZE says so: the scan's rows read from the source, on the lost device.
+    let rows = metric_sum(&plan, "source_rows");
+    assert!(
+        rows > 0 && rows < 60_175,
+        "{rows} rows read from the source"
+    );
+    let analyzed = text(&gpu, &format!("EXPLAIN ANALYZE {sql}")).await;
+    let scan = analyzed
+        .lines()
+        .find(|l| l.contains("GpuScanExec"))
+        .unwrap_or_else(|| panic!("{analyzed}"));
+    assert!(
+        scan.contains("source_rows=") && !scan.contains("source_rows=0,"),
+        "{scan}"
+    );
 }
 
 /// A cached table of files on two devices, one of which is lost in the middle of a query
@@ -688,6 +815,12 @@ async fn lost_device_over_files(set: &str, options: &str) {
     }
     assert!(lost.quarantined().is_some(), "the device was not lost");
     assert!(redone.iter().all(|&n| n > 0), "batches redone: {redone:?}");
+    let plan = plan_of(&gpu, sql).await;
+    rows_of(&gpu, &plan).await;
+    assert!(
+        metric_sum(&plan, "source_rows") > 0,
+        "no row read from the files"
+    );
 }
 
 /// Several queries at once over the same cached tables answer as DataFusion does.
