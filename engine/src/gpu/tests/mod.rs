@@ -28,6 +28,7 @@ use crate::{FulmenConfig, FulmenContext};
 mod aggregate;
 mod build_sides;
 mod cache;
+mod cache_lifecycle;
 mod dictionary;
 mod filter_projection;
 mod fused;
