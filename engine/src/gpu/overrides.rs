@@ -12,7 +12,7 @@ use std::sync::Arc;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode, TreeNodeRecursion};
-use datafusion::error::Result;
+use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::filter::FilterExec;
@@ -263,17 +263,14 @@ pub fn stage_placement_report(
     input: &Arc<dyn ExecutionPlan>,
     config: &ConfigOptions,
 ) -> Result<Vec<String>> {
-    let Some(fulmen) = config.extensions.get::<FulmenConfig>() else {
+    let mut options = config.clone();
+    let Some(planning) = options.extensions.get_mut::<FulmenConfig>() else {
         return Ok(Vec::new());
     };
-    let mut options = config.clone();
-    let planning = options
-        .extensions
-        .get_mut::<FulmenConfig>()
-        .expect("the settings were just read");
+    let sized_at_run = planning.gpu_mode == GpuMode::Auto;
     planning.devices = STAGE_PLANNING_DEVICES
         .parse()
-        .expect("a valid device selection");
+        .map_err(|e| DataFusionError::Internal(format!("{STAGE_PLANNING_DEVICES}: {e}")))?;
     planning.gpu_memory_limit = None;
     let planning = planning.clone();
     let placed = GpuOverrides::new().optimize(Arc::clone(input), &options)?;
@@ -283,7 +280,7 @@ pub fn stage_placement_report(
         &planning,
         &available,
         &|_| "each executor's devices".to_string(),
-        fulmen.gpu_mode == GpuMode::Auto,
+        sized_at_run,
     );
     if lines.is_empty() {
         lines.push("no filter, projection, aggregation or hash join".to_string());
