@@ -49,7 +49,11 @@ use datafusion::physical_plan::joins::{
 };
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{ExecutionPlan, collect};
-use fulmen_engine::streaming::{StreamScope, WindowKind, session_key};
+use fulmen_engine::streaming::{StreamScope, WindowKind, hop_panes, session_key};
+
+mod panes;
+
+use panes::{Panes, bounds_only_grouped};
 
 /// How many state rows the unmerged part may reach (beside the merged part's size) before
 /// the states are merged.
@@ -82,6 +86,8 @@ pub(crate) struct Split {
     end_shift: i64,
     /// `SESSION` windows: where the states' sessions lie, to merge those that overlap.
     sessions: Option<Sessions>,
+    /// `HOP` windows kept as panes: the states are those of panes, not of windows.
+    panes: Option<Panes>,
 }
 
 /// Where a `SESSION` window's states keep their sessions: the group columns holding each
@@ -204,8 +210,33 @@ pub(crate) fn split(
         return Err("its window column is not a timestamp".into());
     }
     let limit = aggregate(&finish).and_then(|a| a.limit_options());
+    let mut lower = Arc::clone(&partial) as Arc<dyn ExecutionPlan>;
+    let mut end_shift = end_shift;
+    let mut panes = None;
+    if let (WindowKind::Hop { slide, size }, Some((pane_plan, pane))) = (kind, hop_panes(window))
+        && limit.is_none()
+        && bounds_only_grouped(&path[at + 1..path.len() - 1], &partial)
+    {
+        let unit = match partial.schema().field(end_column).data_type() {
+            DataType::Timestamp(unit, _) => unit_nanos(*unit),
+            _ => 1,
+        };
+        lower = replace(&lower, window, pane_plan)
+            .map_err(|e| format!("its window cannot be cut into panes: {e}"))?;
+        if named("window_end").is_none() {
+            end_shift = pane / unit;
+        }
+        panes = Some(Panes {
+            slide,
+            size,
+            pane,
+            start_column: named("window_start"),
+            end_column: named("window_end"),
+            unit,
+        });
+    }
     let split = Split {
-        lower: Arc::clone(&partial) as Arc<dyn ExecutionPlan>,
+        lower,
         partial,
         plan,
         finish,
@@ -213,11 +244,17 @@ pub(crate) fn split(
         end_column,
         end_shift,
         sessions,
+        panes,
     };
     Ok(split)
 }
 
 impl Split {
+    /// `HOP` windows kept as panes: the pane's length (nanoseconds).
+    pub fn pane(&self) -> Option<i64> {
+        self.panes.as_ref().map(|p| p.pane)
+    }
+
     /// Whether states must be merged before windows close (`SESSION` windows: sessions that
     /// meet become one), rather than only to keep the open windows' states small.
     pub fn merges_before_closing(&self) -> bool {
@@ -227,15 +264,28 @@ impl Split {
     /// Whether both plans the states go through take them as they are (checked once, when
     /// the sink starts: every tick's plan has the same shape).
     pub fn check(&self) -> std::result::Result<(), String> {
-        self.finished(Vec::new())
+        self.finished(Closing::States(Vec::new()))
             .map_err(|e| format!("its final aggregate cannot take the states: {e}"))?;
+        if let Some(panes) = &self.panes {
+            panes
+                .finish(self, &[], None, 0)
+                .map_err(|e| format!("its panes cannot be finished: {e}"))?;
+        }
         self.merger(Vec::new())
             .map_err(|e| format!("its states cannot be merged: {e}"))?;
         Ok(())
     }
 
-    /// The whole plan, finishing the aggregate over `states` (those of the closing windows).
-    pub fn finished(&self, states: Vec<RecordBatch>) -> Result<Arc<dyn ExecutionPlan>> {
+    /// The whole plan, finishing the closing windows.
+    pub fn finished(&self, closing: Closing) -> Result<Arc<dyn ExecutionPlan>> {
+        let states = match closing {
+            Closing::States(states) => states,
+            Closing::Finished(rows) => {
+                let memory =
+                    MemorySourceConfig::try_new_exec(&[vec![rows]], self.finish.schema(), None)?;
+                return replace(&self.plan, &self.finish, memory);
+            }
+        };
         let last = self
             .over_states(AggregateMode::Final, states, &self.finish.schema())?
             .with_limit_options(self.limit);
@@ -279,6 +329,14 @@ impl Split {
     }
 }
 
+/// What a tick's closing windows are finished from.
+pub(crate) enum Closing {
+    /// Their states, for the final aggregate.
+    States(Vec<RecordBatch>),
+    /// The final aggregate's output itself (`HOP` windows kept as panes).
+    Finished(RecordBatch),
+}
+
 /// The partial states of a sink's open windows.
 #[derive(Default)]
 pub(crate) struct WindowStates {
@@ -292,8 +350,9 @@ pub(crate) struct WindowStates {
 impl WindowStates {
     /// The earliest end of a window held (nanoseconds): when the watermark reaches it, a
     /// window can close.
-    pub fn earliest_end(&self, split: &Split) -> Result<Option<i64>> {
-        earliest_end(self.merged.iter().chain(&self.recent), split)
+    /// Windows ending at or before `after` were emitted.
+    pub fn earliest_end(&self, split: &Split, after: Option<i64>) -> Result<Option<i64>> {
+        earliest_end(self.merged.iter().chain(&self.recent), split, after)
     }
 
     /// State rows held.
@@ -342,15 +401,25 @@ impl WindowStates {
         split: &Split,
         after: Option<i64>,
         up_to: i64,
-    ) -> Result<(Vec<RecordBatch>, WindowStates)> {
+    ) -> Result<(Closing, WindowStates)> {
         let mut closing = Vec::new();
         let mut left = WindowStates::default();
-        for (batch, merged) in self
-            .merged
-            .iter()
-            .map(|b| (b, true))
-            .chain(self.recent.iter().map(|b| (b, false)))
-        {
+        if let Some(panes) = &split.panes {
+            for (batch, merged) in self.batches() {
+                let (closes, open) = panes.closing_and_open(batch, split, after, up_to)?;
+                let closes = BooleanArray::from(closes);
+                if closes.true_count() > 0 {
+                    closing.push(filter_record_batch(batch, &closes)?);
+                }
+                left.keep(
+                    filter_record_batch(batch, &BooleanArray::from(open))?,
+                    merged,
+                );
+            }
+            let finished = panes.finish(split, &closing, after, up_to)?;
+            return Ok((Closing::Finished(finished), left));
+        }
+        for (batch, merged) in self.batches() {
             let ends = window_ends(batch, split)?;
             let mask: BooleanArray = ends
                 .iter()
@@ -363,18 +432,31 @@ impl WindowStates {
                 .iter()
                 .map(|end| Some(end.is_some_and(|e| e > up_to)))
                 .collect();
-            let kept = filter_record_batch(batch, &open)?;
-            if kept.num_rows() > 0 {
-                let (batches, rows) = if merged {
-                    (&mut left.merged, &mut left.merged_rows)
-                } else {
-                    (&mut left.recent, &mut left.recent_rows)
-                };
-                *rows += kept.num_rows();
-                batches.push(kept);
-            }
+            left.keep(filter_record_batch(batch, &open)?, merged);
         }
-        Ok((closing, left))
+        Ok((Closing::States(closing), left))
+    }
+
+    /// Every batch of states, and whether it is among the merged ones.
+    fn batches(&self) -> impl Iterator<Item = (&RecordBatch, bool)> {
+        self.merged
+            .iter()
+            .map(|b| (b, true))
+            .chain(self.recent.iter().map(|b| (b, false)))
+    }
+
+    /// Keeps `states` among the merged ones or the recent ones.
+    fn keep(&mut self, states: RecordBatch, merged: bool) {
+        if states.num_rows() == 0 {
+            return;
+        }
+        let (batches, rows) = if merged {
+            (&mut self.merged, &mut self.merged_rows)
+        } else {
+            (&mut self.recent, &mut self.recent_rows)
+        };
+        *rows += states.num_rows();
+        batches.push(states);
     }
 }
 
@@ -473,14 +555,25 @@ impl Sessions {
     }
 }
 
-/// The earliest window end (nanoseconds) of `states`.
+/// The earliest window end (nanoseconds) of `states`. A pane's windows ending at or before
+/// `after` were emitted and do not count.
 pub(crate) fn earliest_end<'a>(
     states: impl IntoIterator<Item = &'a RecordBatch>,
     split: &Split,
+    after: Option<i64>,
 ) -> Result<Option<i64>> {
     let mut earliest: Option<i64> = None;
     for batch in states {
-        if let Some(end) = window_ends(batch, split)?.into_iter().flatten().min() {
+        let ends = window_ends(batch, split)?.into_iter().flatten();
+        let ends: Box<dyn Iterator<Item = i64>> = match &split.panes {
+            Some(panes) => Box::new(ends.filter_map(|end| {
+                panes
+                    .windows(end, after)
+                    .map(|(first, _)| first + panes.size)
+            })),
+            None => Box::new(ends),
+        };
+        if let Some(end) = ends.min() {
             earliest = Some(earliest.map_or(end, |e| e.min(end)));
         }
     }
@@ -658,157 +751,4 @@ fn replace(
 }
 
 #[cfg(test)]
-mod tests {
-    use datafusion::arrow::array::{StringArray, TimestampNanosecondArray};
-    use datafusion::arrow::datatypes::{Field, Schema};
-    use datafusion::arrow::util::pretty::pretty_format_batches;
-    use datafusion::datasource::MemTable;
-    use fulmen_engine::FulmenContext;
-
-    use super::*;
-    use crate::live::LiveScope;
-    use crate::sink::incremental_session;
-
-    const SECOND: i64 = 1_000_000_000;
-
-    /// `sql`'s plan in an incremental tick's session, over a table `t` of `rows` (card,
-    /// seconds).
-    async fn plan(
-        sql: &str,
-        kind: WindowKind,
-        rows: &[(&str, i64)],
-        emitted: Option<i64>,
-    ) -> (Arc<dyn ExecutionPlan>, Arc<TaskContext>) {
-        let ctx = FulmenContext::new().unwrap();
-        let schema = Arc::new(Schema::new(vec![
-            Field::new("card", DataType::Utf8, false),
-            Field::new("ts", DataType::Timestamp(TimeUnit::Nanosecond, None), false),
-        ]));
-        let batch = RecordBatch::try_new(
-            Arc::clone(&schema),
-            vec![
-                Arc::new(StringArray::from_iter_values(rows.iter().map(|r| r.0))),
-                Arc::new(TimestampNanosecondArray::from_iter_values(
-                    rows.iter().map(|r| r.1 * SECOND),
-                )),
-            ],
-        )
-        .unwrap();
-        let table = MemTable::try_new(schema, vec![vec![batch]]).unwrap();
-        ctx.session_context()
-            .register_table("t", Arc::new(table))
-            .unwrap();
-        let session = incremental_session(
-            &ctx.session_context().state(),
-            Arc::new(tick_scope(kind, emitted)),
-            Arc::new(LiveScope::default()),
-        );
-        session
-            .sql("CREATE VIEW distinct_t AS SELECT DISTINCT card, ts FROM t")
-            .await
-            .unwrap();
-        let frame = session.sql(sql).await.unwrap();
-        (
-            frame.create_physical_plan().await.unwrap(),
-            session.task_ctx(),
-        )
-    }
-
-    /// One tick of an incremental session sink over `rows`, as `Runner::incremental` runs
-    /// it: planned in the tick's scope, the lower plan's states added and merged.
-    async fn tick(states: &mut WindowStates, rows: &[(&str, i64)], emitted: Option<i64>) -> Split {
-        let kind = WindowKind::Session { gap: 10 * SECOND };
-        let sql = "SELECT card, window_start, window_end, count(*) AS n \
-                   FROM SESSION(t, ts, INTERVAL '10 seconds', card) \
-                   GROUP BY card, window_start, window_end";
-        let (plan, task) = plan(sql, kind, rows, emitted).await;
-        let split = split(plan, kind).unwrap_or_else(|why| panic!("not split: {why}"));
-        split.check().unwrap();
-        let new = collect(Arc::clone(&split.lower), Arc::clone(&task))
-            .await
-            .unwrap();
-        states.add(new);
-        states.merge_if_due(&split, task).await.unwrap();
-        split
-    }
-
-    #[tokio::test]
-    async fn queries_whose_rows_do_not_go_through_one_by_one_are_not_split() {
-        let minute = WindowKind::Tumble { size: 60 * SECOND };
-        let why = async |sql: &str| {
-            let (plan, _) = plan(sql, minute, &[("a", 0)], None).await;
-            split(plan, minute)
-                .and_then(|s| s.check())
-                .err()
-                .unwrap_or_default()
-        };
-        let tumble = "TUMBLE(t, ts, INTERVAL '1 minute')";
-        assert_eq!(
-            why(&format!(
-                "SELECT card, window_start, count(*) FROM {tumble} GROUP BY card, window_start"
-            ))
-            .await,
-            ""
-        );
-        for (sql, reason) in [
-            (
-                format!(
-                    "SELECT window_start, count(*) FROM (SELECT * FROM {tumble} \
-                     WHERE card <> 'x' LIMIT 10) GROUP BY window_start"
-                ),
-                "limit",
-            ),
-            (
-                "SELECT window_start, count(*) FROM TUMBLE(distinct_t, ts, INTERVAL '1 minute') \
-                 GROUP BY window_start"
-                    .to_owned(),
-                "AggregateExec",
-            ),
-            (
-                format!(
-                    "SELECT window_start, count(*) FROM (SELECT card, window_start - \
-                     INTERVAL '1 hour' AS window_start FROM {tumble}) GROUP BY window_start"
-                ),
-                "another column window_start",
-            ),
-            (
-                format!("SELECT card, count(*) FROM {tumble} GROUP BY card"),
-                "window_end or window_start",
-            ),
-        ] {
-            let got = why(&sql).await;
-            assert!(got.contains(reason), "{sql}: {got:?}");
-        }
-    }
-
-    #[tokio::test]
-    async fn a_session_replayed_over_ticks_after_a_restart_is_emitted_whole() {
-        // Emitted up to 12 s before the restart; card a's session [0 s, 19 s) was open.
-        // The replay brings its rows in two ticks: the first alone would form [0 s, 10 s),
-        // which ends before 12 s but is a piece of the open session, not an emitted one.
-        // Card b's session [1 s, 11 s) was emitted before the restart: replayed, it is
-        // dropped, not emitted again.
-        let emitted = Some(12 * SECOND);
-        let mut states = WindowStates::default();
-        tick(&mut states, &[("a", 0), ("b", 1)], emitted).await;
-        let split = tick(&mut states, &[("a", 9), ("c", 30)], emitted).await;
-        let (closing, left) = states.closing(&split, emitted, 25 * SECOND).unwrap();
-        let ctx = FulmenContext::new().unwrap();
-        let out = collect(
-            split.finished(closing).unwrap(),
-            ctx.session_context().task_ctx(),
-        )
-        .await
-        .unwrap();
-        assert_eq!(
-            pretty_format_batches(&out).unwrap().to_string(),
-            "+------+---------------------+---------------------+---+\n\
-             | card | window_start        | window_end          | n |\n\
-             +------+---------------------+---------------------+---+\n\
-             | a    | 1970-01-01T00:00:00 | 1970-01-01T00:00:19 | 2 |\n\
-             +------+---------------------+---------------------+---+"
-        );
-        // Card c's session [30 s, 40 s) stays open.
-        assert_eq!(left.rows(), 1);
-    }
-}
+mod tests;

@@ -209,8 +209,17 @@ impl Sink {
                     Arc::new(LiveScope::default()),
                 );
                 let physical = session.sql(query).await?.create_physical_plan().await?;
-                match incremental::split(physical, *kind).and_then(|s| s.check()) {
-                    Ok(()) => Some(*kind),
+                match incremental::split(physical, *kind).and_then(|s| s.check().map(|()| s)) {
+                    Ok(split) => {
+                        if let Some(pane) = split.pane() {
+                            log::info!(
+                                "sink '{name}' keeps its HOP windows' states per pane of {} ms \
+                                 (each row is aggregated once, not once per window)",
+                                pane / 1_000_000
+                            );
+                        }
+                        Some(*kind)
+                    }
                     Err(why) => {
                         log::info!("sink '{name}' re-reads its open windows each tick: {why}");
                         None

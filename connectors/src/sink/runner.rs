@@ -257,7 +257,7 @@ impl Runner {
         })?;
         if fresh {
             let states = runtime.block_on(collect(Arc::clone(&split.lower), session.task_ctx()))?;
-            if let Some(end) = incremental::earliest_end(&states, &split)? {
+            if let Some(end) = incremental::earliest_end(&states, &split, self.emitted_up_to)? {
                 self.next_close = Some(self.next_close.map_or(end, |n| n.min(end)));
             }
             // Taken in: the rows are not read again, whatever happens to the rest of the tick.
@@ -284,7 +284,7 @@ impl Runner {
         if !merge_first {
             runtime.block_on(left.merge_if_due(&split, session.task_ctx()))?;
         }
-        self.next_close = left.earliest_end(&split)?;
+        self.next_close = left.earliest_end(&split, Some(watermark))?;
         let batches = runtime.block_on(collect(split.finished(closing)?, session.task_ctx()))?;
         // Rows are needed again on a restart while a window they lie in is open: one that
         // reaches `span` back from its end, or a session starting at the earliest start held.

@@ -13,7 +13,8 @@ pub mod window;
 use std::sync::Mutex;
 
 pub use window::{
-    WindowKind, fixed_window_columns, fixed_window_over, register_window_functions, session_key,
+    WindowKind, fixed_window_columns, fixed_window_over, hop_panes, register_window_functions,
+    session_key,
 };
 
 /// What a continuous query's tick allows its window functions to emit, and what they report
