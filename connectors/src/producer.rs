@@ -90,9 +90,18 @@ impl Producer {
     /// any message since the last flush failed.
     pub fn flush(&mut self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        self.inner.flush(timeout).map_err(kafka_error)?;
+        // rust-rdkafka's `flush` waits in `poll`s of 100 ms, and its `poll` returns only when
+        // its timeout has run out, however soon the deliveries arrive: every flush with a
+        // message in flight took at least 100 ms, and so did every sink tick that wrote. A
+        // flush without waiting sends what lingers at once; short polls then serve the
+        // delivery reports as they come.
+        let _ = self.inner.flush(Duration::ZERO);
         while self.inner.in_flight_count() > 0 && Instant::now() < deadline {
-            self.inner.poll(Duration::from_millis(10));
+            self.inner.poll(Duration::from_millis(1));
+        }
+        if self.inner.in_flight_count() > 0 {
+            // Out of time: the error librdkafka gives for it.
+            self.inner.flush(Duration::ZERO).map_err(kafka_error)?;
         }
         let context = self.inner.context();
         let failed = context.failed.load(Ordering::Relaxed);
@@ -121,4 +130,62 @@ impl Producer {
 /// A Kafka error as a DataFusion error.
 pub fn kafka_error(e: KafkaError) -> DataFusionError {
     DataFusionError::External(Box::new(e))
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::producer::DefaultProducerContext;
+
+    use super::*;
+
+    #[test]
+    fn a_flush_returns_once_everything_sent_is_delivered() {
+        let cluster = MockCluster::<DefaultProducerContext>::new(1).unwrap();
+        cluster.create_topic("flushed", 1, 1).unwrap();
+        let mut config = rdkafka::ClientConfig::new();
+        config.set("bootstrap.servers", cluster.bootstrap_servers());
+        let mut producer = Producer::new(config.clone(), None).unwrap();
+        for i in 0..3 {
+            producer
+                .send("flushed", None, format!("m{i}").as_bytes(), None)
+                .unwrap();
+        }
+        producer.flush(Duration::from_secs(30)).unwrap();
+        assert_eq!(producer.inner().in_flight_count(), 0);
+        // All three are on the topic.
+        let consumer: BaseConsumer = config.set("group.id", "flush-test").create().unwrap();
+        let (low, high) = consumer
+            .fetch_watermarks("flushed", 0, Duration::from_secs(10))
+            .unwrap();
+        assert_eq!(high - low, 3);
+    }
+
+    #[test]
+    fn a_flush_says_when_messages_were_lost() {
+        // Nothing listens there: the message times out undelivered.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        drop(listener);
+        let mut config = rdkafka::ClientConfig::new();
+        config
+            .set("bootstrap.servers", address.to_string())
+            .set("message.timeout.ms", "300")
+            .set("log_level", "0");
+        let mut producer = Producer::new(config, None).unwrap();
+        producer.send("nowhere", None, b"lost", None).unwrap();
+        let err = producer.flush(Duration::from_secs(30)).unwrap_err();
+        assert!(
+            err.to_string().contains("1 message(s) were not delivered"),
+            "{err}"
+        );
+        // Out of time before the delivery fails: librdkafka's time-out.
+        producer.send("nowhere", None, b"late", None).unwrap();
+        let err = producer.flush(Duration::from_millis(20)).unwrap_err();
+        assert!(
+            err.to_string().to_lowercase().contains("timed out"),
+            "{err}"
+        );
+    }
 }
