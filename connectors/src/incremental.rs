@@ -281,8 +281,7 @@ impl Split {
         let states = match closing {
             Closing::States(states) => states,
             Closing::Finished(rows) => {
-                let memory =
-                    MemorySourceConfig::try_new_exec(&[vec![rows]], self.finish.schema(), None)?;
+                let memory = MemorySourceConfig::try_new_exec(&[rows], self.finish.schema(), None)?;
                 return replace(&self.plan, &self.finish, memory);
             }
         };
@@ -334,7 +333,7 @@ pub(crate) enum Closing {
     /// Their states, for the final aggregate.
     States(Vec<RecordBatch>),
     /// The final aggregate's output itself (`HOP` windows kept as panes).
-    Finished(RecordBatch),
+    Finished(Vec<RecordBatch>),
 }
 
 /// The partial states of a sink's open windows.

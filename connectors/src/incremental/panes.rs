@@ -15,8 +15,8 @@ use std::sync::Arc;
 use datafusion::arrow::array::{ArrayRef, Int64Array, RecordBatch, UInt32Array};
 use datafusion::arrow::compute::{cast, concat_batches, take};
 use datafusion::arrow::row::{RowConverter, SortField};
-use datafusion::common::HashMap;
 use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::{HashMap, internal_datafusion_err};
 use datafusion::error::Result;
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
@@ -46,6 +46,22 @@ pub(super) struct Panes {
 
 /// At most this many (group, window) slots are numbered in a dense table; beyond, in a map.
 const DENSE_SLOTS: usize = 1 << 24;
+
+/// From this many (state, window) pairs on, closing windows are finished on several threads
+/// (in tests, from a few on, so that both ways are checked against the batch answers).
+const PARALLEL_AT: usize = if cfg!(test) { 64 } else { 200_000 };
+
+/// The windows starting in `[from, to]`, to finish from the states of `batch` (numbered by
+/// `key_ids`, lying in the windows starting in `spans`).
+#[derive(Clone, Copy)]
+struct Part<'a> {
+    batch: &'a RecordBatch,
+    key_ids: &'a [u32],
+    key_count: usize,
+    spans: &'a [Option<(i64, i64)>],
+    from: i64,
+    to: i64,
+}
 
 impl Panes {
     /// The first and last start of the windows holding the pane ending at `end` that end
@@ -87,7 +103,7 @@ impl Panes {
         states: &[RecordBatch],
         after: Option<i64>,
         up_to: i64,
-    ) -> Result<RecordBatch> {
+    ) -> Result<Vec<RecordBatch>> {
         let schema = split.partial.schema();
         let batch = concat_batches(&schema, states)?;
         let rows = batch.num_rows();
@@ -129,14 +145,68 @@ impl Panes {
         let earliest = spans.iter().flatten().map(|s| s.0).min().unwrap_or(0);
         let latest = spans.iter().flatten().map(|s| s.1).max().unwrap_or(0);
         let window_count = ((latest - earliest) / self.slide + 1) as usize;
+        let entries: i64 = spans
+            .iter()
+            .flatten()
+            .map(|(first, last)| (last - first) / self.slide + 1)
+            .sum();
+        // A backlog closes many windows at once: they are finished in parts, side by side.
+        let parts = if entries as usize >= PARALLEL_AT {
+            std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(window_count)
+        } else {
+            1
+        };
+        let part = |p: usize| {
+            let per = window_count.div_ceil(parts) as i64;
+            let from = earliest + p as i64 * per * self.slide;
+            let to = (from + (per - 1) * self.slide).min(latest);
+            let part = Part {
+                batch: &batch,
+                key_ids: &key_ids,
+                key_count,
+                spans: &spans,
+                from,
+                to,
+            };
+            self.finish_part(split, part)
+        };
+        if parts <= 1 {
+            return Ok(vec![part(0)?]);
+        }
+        std::thread::scope(|scope| {
+            let running: Vec<_> = (0..parts).map(|p| scope.spawn(move || part(p))).collect();
+            running
+                .into_iter()
+                .map(|r| {
+                    r.join()
+                        .map_err(|_| internal_datafusion_err!("finishing windows panicked"))?
+                })
+                .collect()
+        })
+    }
+
+    /// The final aggregate's output for the windows of `part`.
+    fn finish_part(&self, split: &Split, part: Part<'_>) -> Result<RecordBatch> {
+        let Part {
+            batch,
+            key_ids,
+            key_count,
+            spans,
+            from,
+            to,
+        } = part;
+        let group_columns = split.partial.group_expr().expr().len();
+        let window_count = ((to - from) / self.slide + 1).max(1) as usize;
         let mut slots = Slots::new(key_count, window_count);
         let (mut first_rows, mut starts) = (Vec::new(), Vec::new());
         let (mut take_rows, mut groups) = (Vec::new(), Vec::new());
         for (row, span) in spans.iter().enumerate() {
             let Some((first, last)) = *span else { continue };
-            let mut start = first;
-            while start <= last {
-                let window = ((start - earliest) / self.slide) as usize;
+            let mut start = first.max(from);
+            while start <= last.min(to) {
+                let window = ((start - from) / self.slide) as usize;
                 let group = slots.group(key_ids[row] as usize, window, || {
                     first_rows.push(row as u32);
                     starts.push(start);
