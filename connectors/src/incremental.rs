@@ -190,42 +190,26 @@ pub(crate) fn split(
         }
         _ => None,
     };
-    let (end_column, end_shift) = match (named("window_end"), named("window_start")) {
-        (Some(i), _) => (i, 0),
-        (None, Some(i)) => {
-            let unit = match partial.schema().field(i).data_type() {
-                DataType::Timestamp(unit, _) => unit_nanos(*unit),
-                _ => 1,
-            };
-            (i, size / unit)
-        }
-        (None, None) => {
-            return Err("its aggregation does not group by window_end or window_start".into());
-        }
+    // The group column holding each state's window end, or else its start.
+    let Some(end_column) = named("window_end").or_else(|| named("window_start")) else {
+        return Err("its aggregation does not group by window_end or window_start".into());
     };
-    if !matches!(
-        partial.schema().field(end_column).data_type(),
-        DataType::Timestamp(..)
-    ) {
-        return Err("its window column is not a timestamp".into());
-    }
+    let unit = match partial.schema().field(end_column).data_type() {
+        DataType::Timestamp(unit, _) => unit_nanos(*unit),
+        _ => return Err("its window column is not a timestamp".into()),
+    };
     let limit = aggregate(&finish).and_then(|a| a.limit_options());
     let mut lower = Arc::clone(&partial) as Arc<dyn ExecutionPlan>;
-    let mut end_shift = end_shift;
+    // How far a state's end lies past its start: a window's, or a pane's.
+    let mut length = size;
     let mut panes = None;
     if let (WindowKind::Hop { slide, size }, Some((pane_plan, pane))) = (kind, hop_panes(window))
         && limit.is_none()
         && bounds_only_grouped(&path[at + 1..path.len() - 1], &partial)
     {
-        let unit = match partial.schema().field(end_column).data_type() {
-            DataType::Timestamp(unit, _) => unit_nanos(*unit),
-            _ => 1,
-        };
         lower = replace(&lower, window, pane_plan)
             .map_err(|e| format!("its window cannot be cut into panes: {e}"))?;
-        if named("window_end").is_none() {
-            end_shift = pane / unit;
-        }
+        length = pane;
         panes = Some(Panes {
             slide,
             size,
@@ -235,6 +219,10 @@ pub(crate) fn split(
             unit,
         });
     }
+    let end_shift = match named("window_end") {
+        Some(_) => 0,
+        None => length / unit,
+    };
     let split = Split {
         lower,
         partial,

@@ -33,7 +33,7 @@ use super::StreamScope;
 
 mod exec;
 
-use exec::{WindowExec, window_properties};
+use exec::WindowExec;
 pub use exec::{fixed_window_columns, fixed_window_over, hop_panes, session_key};
 
 /// A window function's shape, with its lengths in nanoseconds.
@@ -333,23 +333,14 @@ impl TableProvider for WindowTable {
             let to_unit = |ns: Option<i64>| ns.map(|v| v.div_euclid(self.per));
             (to_unit(s.emitted_up_to), to_unit(s.emit_up_to))
         });
-        let schema = match projection {
-            Some(p) => Arc::new(self.schema.project(p)?),
-            None => Arc::clone(&self.schema),
-        };
-        let properties = window_properties(&input, &schema, self.kind);
-        Ok(Arc::new(WindowExec {
+        Ok(Arc::new(WindowExec::new(
             input,
-            time_index: self.time_index,
-            key_index: self.key_index,
-            kind: self.kind,
-            nanos_kind: self.nanos_kind,
-            range: range.unwrap_or((None, None)),
-            projection: projection.cloned(),
-            full_schema: Arc::clone(&self.schema),
-            schema,
-            properties,
-        }))
+            (self.time_index, self.key_index),
+            (self.kind, self.nanos_kind),
+            range.unwrap_or((None, None)),
+            projection.cloned(),
+            Arc::clone(&self.schema),
+        )?))
     }
 }
 

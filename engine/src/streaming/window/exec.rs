@@ -27,7 +27,7 @@ use futures::TryStreamExt;
 
 use super::WindowKind;
 
-pub(super) fn window_properties(
+fn window_properties(
     input: &Arc<dyn ExecutionPlan>,
     schema: &SchemaRef,
     kind: WindowKind,
@@ -106,18 +106,17 @@ pub fn fixed_window_over(
         fields.push(bound.as_ref().clone());
     }
     let full_schema = Arc::new(Schema::new(fields));
-    Ok(Arc::new(WindowExec {
-        properties: window_properties(&input, &full_schema, window.kind),
+    Ok(Arc::new(WindowExec::new(
         input,
-        time_index: offset + window.time_index,
-        key_index: window.key_index.map(|k| offset + k),
-        kind: window.kind,
-        nanos_kind: window.nanos_kind,
-        range: window.range,
-        projection: None,
-        schema: Arc::clone(&full_schema),
+        (
+            offset + window.time_index,
+            window.key_index.map(|k| offset + k),
+        ),
+        (window.kind, window.nanos_kind),
+        window.range,
+        None,
         full_schema,
-    }))
+    )?))
 }
 
 /// A `HOP` node of a plan as panes: a `TUMBLE` of the slide and size's greatest common
@@ -145,18 +144,15 @@ pub fn hop_panes(plan: &Arc<dyn ExecutionPlan>) -> Option<(Arc<dyn ExecutionPlan
     let per = slide_ns / slide;
     let kind = WindowKind::Tumble { size: pane };
     debug_assert_eq!(size_ns / size, per);
-    let panes = WindowExec {
-        input: Arc::clone(&window.input),
-        time_index: window.time_index,
-        key_index: None,
-        kind,
-        nanos_kind: WindowKind::Tumble { size: pane * per },
-        range: (None, None),
-        projection: window.projection.clone(),
-        full_schema: Arc::clone(&window.full_schema),
-        schema: Arc::clone(&window.schema),
-        properties: window_properties(&window.input, &window.schema, kind),
-    };
+    let panes = WindowExec::new(
+        Arc::clone(&window.input),
+        (window.time_index, None),
+        (kind, WindowKind::Tumble { size: pane * per }),
+        (None, None),
+        window.projection.clone(),
+        Arc::clone(&window.full_schema),
+    )
+    .ok()?;
     Some((Arc::new(panes), pane * per))
 }
 
@@ -167,18 +163,49 @@ fn gcd(a: i64, b: i64) -> i64 {
 /// Assigns windows to its input's rows (see the module documentation).
 #[derive(Debug)]
 pub(super) struct WindowExec {
-    pub(super) input: Arc<dyn ExecutionPlan>,
-    pub(super) time_index: usize,
-    pub(super) key_index: Option<usize>,
+    input: Arc<dyn ExecutionPlan>,
+    time_index: usize,
+    key_index: Option<usize>,
     /// Lengths in the time column's unit.
-    pub(super) kind: WindowKind,
-    pub(super) nanos_kind: WindowKind,
+    kind: WindowKind,
+    nanos_kind: WindowKind,
     /// Emit only windows ending in `(after, up_to]` (time column units).
-    pub(super) range: (Option<i64>, Option<i64>),
-    pub(super) projection: Option<Vec<usize>>,
-    pub(super) full_schema: SchemaRef,
-    pub(super) schema: SchemaRef,
-    pub(super) properties: Arc<PlanProperties>,
+    range: (Option<i64>, Option<i64>),
+    projection: Option<Vec<usize>>,
+    full_schema: SchemaRef,
+    schema: SchemaRef,
+    properties: Arc<PlanProperties>,
+}
+
+impl WindowExec {
+    /// Windows of `kinds` (in the time column's unit, and in nanoseconds) over `input`, whose
+    /// time column and session key are at `(time_index, key_index)`; it gives `full_schema`'s
+    /// columns (the input's, then the window's bounds), or those in `projection`.
+    pub(super) fn new(
+        input: Arc<dyn ExecutionPlan>,
+        (time_index, key_index): (usize, Option<usize>),
+        (kind, nanos_kind): (WindowKind, WindowKind),
+        range: (Option<i64>, Option<i64>),
+        projection: Option<Vec<usize>>,
+        full_schema: SchemaRef,
+    ) -> Result<Self> {
+        let schema = match &projection {
+            Some(p) => Arc::new(full_schema.project(p)?),
+            None => Arc::clone(&full_schema),
+        };
+        Ok(Self {
+            properties: window_properties(&input, &schema, kind),
+            input,
+            time_index,
+            key_index,
+            kind,
+            nanos_kind,
+            range,
+            projection,
+            full_schema,
+            schema,
+        })
+    }
 }
 
 impl DisplayAs for WindowExec {
@@ -244,19 +271,14 @@ impl ExecutionPlan for WindowExec {
             .pop()
             .filter(|_| children.is_empty())
             .ok_or_else(|| internal_datafusion_err!("WindowExec has one child"))?;
-        let input_for_properties = Arc::clone(&input);
-        Ok(Arc::new(WindowExec {
+        Ok(Arc::new(WindowExec::new(
             input,
-            time_index: self.time_index,
-            key_index: self.key_index,
-            kind: self.kind,
-            nanos_kind: self.nanos_kind,
-            range: self.range,
-            projection: self.projection.clone(),
-            full_schema: Arc::clone(&self.full_schema),
-            schema: Arc::clone(&self.schema),
-            properties: window_properties(&input_for_properties, &self.schema, self.kind),
-        }))
+            (self.time_index, self.key_index),
+            (self.kind, self.nanos_kind),
+            self.range,
+            self.projection.clone(),
+            Arc::clone(&self.full_schema),
+        )?))
     }
 
     fn execute(
