@@ -43,11 +43,26 @@ int launch(void (*kernel)(Args...), const LaunchConfig* cfg, void** params, char
         &call, error, error_len);
 }
 
+// The byte size of each of a kernel's parameters (what a driver reads from a cubin's
+// parameter table to copy the arguments when a launch is queued). Writes at most `cap`
+// sizes; returns how many parameters the kernel has.
+template <typename... Args>
+size_t param_sizes(void (*)(Args...), size_t* sizes, size_t cap) {
+    const size_t all[] = {sizeof(typename std::remove_reference<Args>::type)..., 0};
+    const size_t n = sizeof...(Args);
+    for (size_t i = 0; i < n && i < cap; ++i) sizes[i] = all[i];
+    return n;
+}
+
 }  // namespace fulmen_emu
 
-// Exports kernel `name` to Rust as fulmen_emu_launch_<name>.
+// Exports kernel `name` to Rust as fulmen_emu_launch_<name>, and its parameters' sizes as
+// fulmen_emu_params_<name>.
 #define FULMEN_EMU_EXPORT(name)                                                                    \
     extern "C" int fulmen_emu_launch_##name(const fulmen_emu::LaunchConfig* cfg, void** params,   \
                                             char* error, size_t error_len) {                      \
         return fulmen_emu::launch(name, cfg, params, error, error_len);                           \
+    }                                                                                              \
+    extern "C" size_t fulmen_emu_params_##name(size_t* sizes, size_t cap) {                        \
+        return fulmen_emu::param_sizes(name, sizes, cap);                                          \
     }

@@ -687,6 +687,15 @@ impl Device {
         reached: &[&DeviceBuffer],
     ) -> Result<()> {
         self.usable()?;
+        // A wrong number of arguments would have the kernel read past the parameter array.
+        let takes = kernel.param_sizes().len();
+        if args.len() != takes {
+            return Err(KernelError::LaunchFailed {
+                kernel: kernel.name(),
+                device: self.to_string(),
+                message: format!("it takes {takes} parameters, {} were given", args.len()),
+            });
+        }
         let number = self.inner.counts.launches.fetch_add(1, Ordering::Relaxed) + 1;
         meter(&DeviceCounts {
             launches: 1,

@@ -30,7 +30,7 @@ pub const HEADERS: &[(&str, &str)] = &[
 const _: () = assert!(HEADERS.len() == crate::nvrtc_flags::HEADER_NAMES.len());
 
 macro_rules! kernels {
-    ($($variant:ident => $name:ident in $file:literal,)*) => {
+    ($($variant:ident => $name:ident, $params:ident in $file:literal,)*) => {
         /// Every kernel Fulmen launches.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         #[allow(missing_docs, non_camel_case_types)]
@@ -41,6 +41,7 @@ macro_rules! kernels {
         unsafe extern "C" {
             $(fn $name(cfg: *const crate::emu::EmuLaunchConfig, params: *mut *mut std::ffi::c_void,
                         error: *mut std::ffi::c_char, error_len: usize) -> i32;)*
+            $(fn $params(sizes: *mut usize, cap: usize) -> usize;)*
         }
 
         impl Kernel {
@@ -74,68 +75,94 @@ macro_rules! kernels {
                     $(Kernel::$variant => $name,)*
                 }
             }
+
+            /// The byte size of each of the kernel's parameters, in order, from its C++
+            /// signature (what a driver learns from a cubin's parameter table, and the
+            /// stand-in CUDA driver from this, to copy a launch's arguments when it is
+            /// queued).
+            #[doc(hidden)]
+            pub fn param_sizes(self) -> &'static [usize] {
+                static SIZES: std::sync::OnceLock<Vec<Vec<usize>>> = std::sync::OnceLock::new();
+                let all = SIZES.get_or_init(|| {
+                    Self::ALL
+                        .iter()
+                        .map(|&k| {
+                            let query = match k {
+                                $(Kernel::$variant => $params as unsafe extern "C" fn(*mut usize, usize) -> usize,)*
+                            };
+                            let mut sizes = vec![0usize; 64];
+                            // SAFETY: the export writes at most `cap` sizes into the buffer.
+                            let n = unsafe { query(sizes.as_mut_ptr(), sizes.len()) };
+                            assert!(n <= sizes.len(), "{} has {n} parameters", k.name());
+                            sizes.truncate(n);
+                            sizes
+                        })
+                        .collect()
+                });
+                &all[self as usize]
+            }
         }
     };
 }
 
 kernels! {
-    join_verify => fulmen_emu_launch_join_verify in "join.cu",
-    join_compact => fulmen_emu_launch_join_compact in "join.cu",
-    agg_find_or_insert => fulmen_emu_launch_agg_find_or_insert in "agg.cu",
-    agg_first_rows => fulmen_emu_launch_agg_first_rows in "agg.cu",
-    agg_leader_flags => fulmen_emu_launch_agg_leader_flags in "agg.cu",
-    agg_resolve => fulmen_emu_launch_agg_resolve in "agg.cu",
-    agg_fix_slots => fulmen_emu_launch_agg_fix_slots in "agg.cu",
-    agg_rollback => fulmen_emu_launch_agg_rollback in "agg.cu",
-    agg_rehash => fulmen_emu_launch_agg_rehash in "agg.cu",
-    agg_fill_u64 => fulmen_emu_launch_agg_fill_u64 in "agg.cu",
-    agg_init_state => fulmen_emu_launch_agg_init_state in "agg.cu",
-    agg_update => fulmen_emu_launch_agg_update in "agg.cu",
-    agg_exact_normalize => fulmen_emu_launch_agg_exact_normalize in "agg.cu",
-    agg_exact_finish => fulmen_emu_launch_agg_exact_finish in "agg.cu",
-    agg_fused => fulmen_emu_launch_agg_fused in "fused.cu",
-    agg_merge_delta => fulmen_emu_launch_agg_merge_delta in "fused.cu",
-    select_word_counts => fulmen_emu_launch_select_word_counts in "compact.cu",
-    select_scatter => fulmen_emu_launch_select_scatter in "compact.cu",
-    expr_eval => fulmen_emu_launch_expr_eval in "expr.cu",
-    append_bits => fulmen_emu_launch_append_bits in "concat.cu",
-    append_string_o32 => fulmen_emu_launch_append_string_o32 in "concat.cu",
-    append_string_o64 => fulmen_emu_launch_append_string_o64 in "concat.cu",
-    gather_fixed_1 => fulmen_emu_launch_gather_fixed_1 in "gather.cu",
-    gather_fixed_2 => fulmen_emu_launch_gather_fixed_2 in "gather.cu",
-    gather_fixed_4 => fulmen_emu_launch_gather_fixed_4 in "gather.cu",
-    gather_fixed_8 => fulmen_emu_launch_gather_fixed_8 in "gather.cu",
-    gather_fixed_16 => fulmen_emu_launch_gather_fixed_16 in "gather.cu",
-    gather_validity => fulmen_emu_launch_gather_validity in "gather.cu",
-    gather_string_lengths_o32 => fulmen_emu_launch_gather_string_lengths_o32 in "gather.cu",
-    gather_string_lengths_o64 => fulmen_emu_launch_gather_string_lengths_o64 in "gather.cu",
-    gather_string_lengths_flagged_o32 => fulmen_emu_launch_gather_string_lengths_flagged_o32 in "gather.cu",
-    gather_string_lengths_flagged_o64 => fulmen_emu_launch_gather_string_lengths_flagged_o64 in "gather.cu",
-    gather_string_copy_o32 => fulmen_emu_launch_gather_string_copy_o32 in "gather.cu",
-    gather_string_copy_o64 => fulmen_emu_launch_gather_string_copy_o64 in "gather.cu",
-    hash_fixed_1 => fulmen_emu_launch_hash_fixed_1 in "hash.cu",
-    hash_fixed_2 => fulmen_emu_launch_hash_fixed_2 in "hash.cu",
-    hash_fixed_4 => fulmen_emu_launch_hash_fixed_4 in "hash.cu",
-    hash_fixed_8 => fulmen_emu_launch_hash_fixed_8 in "hash.cu",
-    hash_fixed_16 => fulmen_emu_launch_hash_fixed_16 in "hash.cu",
-    hash_f32 => fulmen_emu_launch_hash_f32 in "hash.cu",
-    hash_f64 => fulmen_emu_launch_hash_f64 in "hash.cu",
-    hash_string_o32 => fulmen_emu_launch_hash_string_o32 in "hash.cu",
-    hash_string_o64 => fulmen_emu_launch_hash_string_o64 in "hash.cu",
-    hash_dict => fulmen_emu_launch_hash_dict in "hash.cu",
-    hash_table_init => fulmen_emu_launch_hash_table_init in "hash_table.cu",
-    hash_table_insert => fulmen_emu_launch_hash_table_insert in "hash_table.cu",
-    hash_table_probe_count => fulmen_emu_launch_hash_table_probe_count in "hash_table.cu",
-    hash_table_probe_emit => fulmen_emu_launch_hash_table_probe_emit in "hash_table.cu",
-    scan_tile_sums => fulmen_emu_launch_scan_tile_sums in "scan.cu",
-    scan_tile_offsets => fulmen_emu_launch_scan_tile_offsets in "scan.cu",
-    scan_tiles => fulmen_emu_launch_scan_tiles in "scan.cu",
-    selftest_block_scan => fulmen_emu_launch_selftest_block_scan in "selftest.cu",
-    selftest_warp => fulmen_emu_launch_selftest_warp in "selftest.cu",
-    selftest_atomics => fulmen_emu_launch_selftest_atomics in "selftest.cu",
-    selftest_racy => fulmen_emu_launch_selftest_racy in "selftest.cu",
-    selftest_oob => fulmen_emu_launch_selftest_oob in "selftest.cu",
-    selftest_divergent => fulmen_emu_launch_selftest_divergent in "selftest.cu",
+    join_verify => fulmen_emu_launch_join_verify, fulmen_emu_params_join_verify in "join.cu",
+    join_compact => fulmen_emu_launch_join_compact, fulmen_emu_params_join_compact in "join.cu",
+    agg_find_or_insert => fulmen_emu_launch_agg_find_or_insert, fulmen_emu_params_agg_find_or_insert in "agg.cu",
+    agg_first_rows => fulmen_emu_launch_agg_first_rows, fulmen_emu_params_agg_first_rows in "agg.cu",
+    agg_leader_flags => fulmen_emu_launch_agg_leader_flags, fulmen_emu_params_agg_leader_flags in "agg.cu",
+    agg_resolve => fulmen_emu_launch_agg_resolve, fulmen_emu_params_agg_resolve in "agg.cu",
+    agg_fix_slots => fulmen_emu_launch_agg_fix_slots, fulmen_emu_params_agg_fix_slots in "agg.cu",
+    agg_rollback => fulmen_emu_launch_agg_rollback, fulmen_emu_params_agg_rollback in "agg.cu",
+    agg_rehash => fulmen_emu_launch_agg_rehash, fulmen_emu_params_agg_rehash in "agg.cu",
+    agg_fill_u64 => fulmen_emu_launch_agg_fill_u64, fulmen_emu_params_agg_fill_u64 in "agg.cu",
+    agg_init_state => fulmen_emu_launch_agg_init_state, fulmen_emu_params_agg_init_state in "agg.cu",
+    agg_update => fulmen_emu_launch_agg_update, fulmen_emu_params_agg_update in "agg.cu",
+    agg_exact_normalize => fulmen_emu_launch_agg_exact_normalize, fulmen_emu_params_agg_exact_normalize in "agg.cu",
+    agg_exact_finish => fulmen_emu_launch_agg_exact_finish, fulmen_emu_params_agg_exact_finish in "agg.cu",
+    agg_fused => fulmen_emu_launch_agg_fused, fulmen_emu_params_agg_fused in "fused.cu",
+    agg_merge_delta => fulmen_emu_launch_agg_merge_delta, fulmen_emu_params_agg_merge_delta in "fused.cu",
+    select_word_counts => fulmen_emu_launch_select_word_counts, fulmen_emu_params_select_word_counts in "compact.cu",
+    select_scatter => fulmen_emu_launch_select_scatter, fulmen_emu_params_select_scatter in "compact.cu",
+    expr_eval => fulmen_emu_launch_expr_eval, fulmen_emu_params_expr_eval in "expr.cu",
+    append_bits => fulmen_emu_launch_append_bits, fulmen_emu_params_append_bits in "concat.cu",
+    append_string_o32 => fulmen_emu_launch_append_string_o32, fulmen_emu_params_append_string_o32 in "concat.cu",
+    append_string_o64 => fulmen_emu_launch_append_string_o64, fulmen_emu_params_append_string_o64 in "concat.cu",
+    gather_fixed_1 => fulmen_emu_launch_gather_fixed_1, fulmen_emu_params_gather_fixed_1 in "gather.cu",
+    gather_fixed_2 => fulmen_emu_launch_gather_fixed_2, fulmen_emu_params_gather_fixed_2 in "gather.cu",
+    gather_fixed_4 => fulmen_emu_launch_gather_fixed_4, fulmen_emu_params_gather_fixed_4 in "gather.cu",
+    gather_fixed_8 => fulmen_emu_launch_gather_fixed_8, fulmen_emu_params_gather_fixed_8 in "gather.cu",
+    gather_fixed_16 => fulmen_emu_launch_gather_fixed_16, fulmen_emu_params_gather_fixed_16 in "gather.cu",
+    gather_validity => fulmen_emu_launch_gather_validity, fulmen_emu_params_gather_validity in "gather.cu",
+    gather_string_lengths_o32 => fulmen_emu_launch_gather_string_lengths_o32, fulmen_emu_params_gather_string_lengths_o32 in "gather.cu",
+    gather_string_lengths_o64 => fulmen_emu_launch_gather_string_lengths_o64, fulmen_emu_params_gather_string_lengths_o64 in "gather.cu",
+    gather_string_lengths_flagged_o32 => fulmen_emu_launch_gather_string_lengths_flagged_o32, fulmen_emu_params_gather_string_lengths_flagged_o32 in "gather.cu",
+    gather_string_lengths_flagged_o64 => fulmen_emu_launch_gather_string_lengths_flagged_o64, fulmen_emu_params_gather_string_lengths_flagged_o64 in "gather.cu",
+    gather_string_copy_o32 => fulmen_emu_launch_gather_string_copy_o32, fulmen_emu_params_gather_string_copy_o32 in "gather.cu",
+    gather_string_copy_o64 => fulmen_emu_launch_gather_string_copy_o64, fulmen_emu_params_gather_string_copy_o64 in "gather.cu",
+    hash_fixed_1 => fulmen_emu_launch_hash_fixed_1, fulmen_emu_params_hash_fixed_1 in "hash.cu",
+    hash_fixed_2 => fulmen_emu_launch_hash_fixed_2, fulmen_emu_params_hash_fixed_2 in "hash.cu",
+    hash_fixed_4 => fulmen_emu_launch_hash_fixed_4, fulmen_emu_params_hash_fixed_4 in "hash.cu",
+    hash_fixed_8 => fulmen_emu_launch_hash_fixed_8, fulmen_emu_params_hash_fixed_8 in "hash.cu",
+    hash_fixed_16 => fulmen_emu_launch_hash_fixed_16, fulmen_emu_params_hash_fixed_16 in "hash.cu",
+    hash_f32 => fulmen_emu_launch_hash_f32, fulmen_emu_params_hash_f32 in "hash.cu",
+    hash_f64 => fulmen_emu_launch_hash_f64, fulmen_emu_params_hash_f64 in "hash.cu",
+    hash_string_o32 => fulmen_emu_launch_hash_string_o32, fulmen_emu_params_hash_string_o32 in "hash.cu",
+    hash_string_o64 => fulmen_emu_launch_hash_string_o64, fulmen_emu_params_hash_string_o64 in "hash.cu",
+    hash_dict => fulmen_emu_launch_hash_dict, fulmen_emu_params_hash_dict in "hash.cu",
+    hash_table_init => fulmen_emu_launch_hash_table_init, fulmen_emu_params_hash_table_init in "hash_table.cu",
+    hash_table_insert => fulmen_emu_launch_hash_table_insert, fulmen_emu_params_hash_table_insert in "hash_table.cu",
+    hash_table_probe_count => fulmen_emu_launch_hash_table_probe_count, fulmen_emu_params_hash_table_probe_count in "hash_table.cu",
+    hash_table_probe_emit => fulmen_emu_launch_hash_table_probe_emit, fulmen_emu_params_hash_table_probe_emit in "hash_table.cu",
+    scan_tile_sums => fulmen_emu_launch_scan_tile_sums, fulmen_emu_params_scan_tile_sums in "scan.cu",
+    scan_tile_offsets => fulmen_emu_launch_scan_tile_offsets, fulmen_emu_params_scan_tile_offsets in "scan.cu",
+    scan_tiles => fulmen_emu_launch_scan_tiles, fulmen_emu_params_scan_tiles in "scan.cu",
+    selftest_block_scan => fulmen_emu_launch_selftest_block_scan, fulmen_emu_params_selftest_block_scan in "selftest.cu",
+    selftest_warp => fulmen_emu_launch_selftest_warp, fulmen_emu_params_selftest_warp in "selftest.cu",
+    selftest_atomics => fulmen_emu_launch_selftest_atomics, fulmen_emu_params_selftest_atomics in "selftest.cu",
+    selftest_racy => fulmen_emu_launch_selftest_racy, fulmen_emu_params_selftest_racy in "selftest.cu",
+    selftest_oob => fulmen_emu_launch_selftest_oob, fulmen_emu_params_selftest_oob in "selftest.cu",
+    selftest_divergent => fulmen_emu_launch_selftest_divergent, fulmen_emu_params_selftest_divergent in "selftest.cu",
 }
 
 #[cfg(test)]
@@ -157,5 +184,22 @@ mod tests {
             assert!(!inlined.contains("#pragma once"), "{file}");
             assert_eq!(inlined.matches("struct KeyCol {").count(), 1, "{file}");
         }
+    }
+
+    /// Every parameter travels in an 8-byte slot (`Device::launch`'s `Arg`), so none may be
+    /// larger; and the sizes come from the kernels' own signatures.
+    #[test]
+    fn every_parameter_fits_an_eight_byte_slot() {
+        for &k in Kernel::ALL {
+            let sizes = k.param_sizes();
+            assert!(!sizes.is_empty(), "{}", k.name());
+            assert!(
+                sizes.iter().all(|&s| s == 4 || s == 8),
+                "{}: {sizes:?}",
+                k.name()
+            );
+        }
+        // `agg_fill_u64(uint64_t* out, uint64_t n, uint64_t value)`.
+        assert_eq!(Kernel::agg_fill_u64.param_sizes(), &[8, 8, 8]);
     }
 }

@@ -20,8 +20,11 @@
 //!              (else CUDA_ERROR_OUT_OF_MEMORY)
 //! ```
 //!
-//! Execution is synchronous (a launch has finished when `cuLaunchKernel` returns), so a
-//! stream synchronisation only counts and reports the context's sticky error.
+//! Work runs late, as on a GPU: launches, `…Async` copies and `cuMemFreeAsync` are checked
+//! and counted when called, queued, and run in order when the host waits (a stream or
+//! context synchronisation, a synchronous copy or free), or when the queue grows long. A
+//! fault found while running them poisons the context and is returned by the call that
+//! waited. Pinned host memory is read and written only when its copy runs. See `queue.rs`.
 //!
 //! Environment (read once, at `cuInit`):
 //!
@@ -32,7 +35,7 @@
 //! | `FULMEN_STANDIN_COMPUTE=M.m` | the compute capability the devices report (default 9.0, an H100/H200's): a cubin loads only on its own major version at its minor or above, PTX on its target or above (else CUDA_ERROR_NO_BINARY_FOR_GPU / CUDA_ERROR_INVALID_PTX, as a driver answers) |
 //! | `FULMEN_STANDIN_FAIL_COPY=N` | the Nth copy fails (CUDA_ERROR_UNKNOWN, not sticky) |
 //! | `FULMEN_STANDIN_FAIL_LAUNCH=N` | the Nth launch fails (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, not sticky) |
-//! | `FULMEN_STANDIN_STICKY_LAUNCH=N` | the Nth launch poisons its context: it and every later call on the context fail with CUDA_ERROR_ILLEGAL_ADDRESS until the context is recreated (its primary context released by every holder, or reset) |
+//! | `FULMEN_STANDIN_STICKY_LAUNCH=N` | the Nth launch faults when it runs: it poisons its context, so the wait that ran it and every later call on the context fail with CUDA_ERROR_ILLEGAL_ADDRESS until the context is recreated (its primary context released by every holder, or reset) |
 //! | `FULMEN_STANDIN_COUNTS=FILE` | at exit, writes the calls it received (launches, syncs, copies and bytes, allocations, modules loaded and how many of them were PTX) to FILE as JSON |
 //!
 //! What it cannot prove: that the kernels' machine code is right (it runs the emulator's
@@ -45,6 +48,7 @@
 #![allow(clippy::missing_safety_doc, clippy::not_unsafe_ptr_arg_deref)]
 
 mod image;
+mod queue;
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -54,6 +58,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 
 use fulmen_kernels::Kernel;
 use fulmen_kernels::emu::{EmuLaunchConfig, EmuMemory};
+
+use queue::{Queue, Source, Work};
 
 /// The driver's result code (a C enum: only codes the CUDA 12.8 headers declare are used).
 pub type CUresult = c_uint;
@@ -192,6 +198,8 @@ struct Context {
     /// Bytes each live allocation asked for, and their sum.
     sizes: Mutex<HashMap<u64, usize>>,
     in_use: AtomicUsize,
+    /// Work queued on the context's streams, not run yet.
+    queue: Queue,
 }
 
 impl Context {
@@ -204,7 +212,14 @@ impl Context {
             memory: RwLock::new(Arc::new(EmuMemory::default())),
             sizes: Mutex::new(HashMap::new()),
             in_use: AtomicUsize::new(0),
+            queue: Queue::default(),
         }
+    }
+
+    /// Runs the context's queued work (a wait for the device), then reports its sticky
+    /// error, if any.
+    fn wait(&self) -> Result<(), CUresult> {
+        self.queue.run(self)
     }
 
     fn check(&self) -> Result<(), CUresult> {
@@ -239,6 +254,7 @@ impl Context {
 
     /// The context made anew: memory freed, sticky error cleared.
     fn reset(&self) {
+        self.queue.clear();
         *self.memory.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(EmuMemory::default());
         lock(&self.sizes).clear();
         self.in_use.store(0, Ordering::Relaxed);
@@ -545,7 +561,7 @@ pub extern "C" fn cuCtxSynchronize() -> CUresult {
         .counts
         .context_syncs
         .fetch_add(1, Ordering::Relaxed);
-    result(current().and_then(Context::check))
+    result(current().and_then(Context::wait))
 }
 
 #[unsafe(no_mangle)]
@@ -582,7 +598,7 @@ pub extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CUresult {
 #[unsafe(no_mangle)]
 pub extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CUresult {
     driver().counts.stream_syncs.fetch_add(1, Ordering::Relaxed);
-    result(stream_context(stream).and_then(Context::check))
+    result(stream_context(stream).and_then(Context::wait))
 }
 
 // ---- memory ----
@@ -604,17 +620,25 @@ fn allocate(context: &'static Context, bytes: usize) -> Result<u64, CUresult> {
     Ok(addr)
 }
 
-fn release(context: &'static Context, addr: u64) -> Result<(), CUresult> {
+/// Frees `addr`: at once after the queue has run (`cuMemFree`), or in stream order
+/// (`cuMemFreeAsync`: the block stays live for the work queued before; its bytes count as
+/// free at once, as the stream-ordered allocator lets later work on the stream reuse them).
+fn release(context: &'static Context, addr: u64, ordered: bool) -> Result<(), CUresult> {
+    // A synchronous free waits for the device first (the block is freed all the same).
+    let waited = if ordered { Ok(()) } else { context.wait() };
     let len = lock(&context.sizes).remove(&addr).ok_or(INVALID_VALUE)?;
     context.in_use.fetch_sub(len, Ordering::AcqRel);
     driver().counts.frees.fetch_add(1, Ordering::Relaxed);
+    if ordered {
+        return context.queue.push(context, Work::Free { addr });
+    }
     if context.memory().free(addr).is_err() {
         return Err(context.poison(
             ILLEGAL_ADDRESS,
             "a freed buffer's guard zone was overwritten",
         ));
     }
-    context.check()
+    waited.and_then(|()| context.check())
 }
 
 #[unsafe(no_mangle)]
@@ -635,12 +659,12 @@ pub extern "C" fn cuMemAllocAsync(dptr: *mut u64, bytes: usize, stream: *mut c_v
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFree_v2(dptr: u64) -> CUresult {
-    result(current().and_then(|c| release(c, dptr)))
+    result(current().and_then(|c| release(c, dptr, false)))
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFreeAsync(dptr: u64, stream: *mut c_void) -> CUresult {
-    result(stream_context(stream).and_then(|c| release(c, dptr)))
+    result(stream_context(stream).and_then(|c| release(c, dptr, true)))
 }
 
 #[unsafe(no_mangle)]
@@ -659,6 +683,8 @@ pub extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytes: usize, _flags: c_u
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
+    // Queued copies may still read or write it: they run first.
+    let _ = queue::run_all();
     match lock(&driver().host).remove(&(p as usize)) {
         // SAFETY: allocated by cuMemHostAlloc with this layout, removed so freed once.
         Some(layout) => unsafe { std::alloc::dealloc(p.cast(), layout) },
@@ -673,16 +699,22 @@ enum Transfer {
     OnDevice { dst: u64, src: u64 },
 }
 
-/// One copy of `len` bytes on `context`; device ranges must lie inside one allocation.
-fn copy(context: &'static Context, what: Transfer, len: usize) -> Result<(), CUresult> {
+/// One copy of `len` bytes on `context`, checked and counted now; device ranges must lie
+/// inside one allocation. `queued`: an `…Async` copy, which runs in stream order (save one
+/// into pageable host memory, which waits for the stream, as a driver's does); otherwise
+/// the device is waited for and the copy made at once.
+fn copy(
+    context: &'static Context,
+    what: Transfer,
+    len: usize,
+    queued: bool,
+) -> Result<(), CUresult> {
     context.check()?;
     let d = driver();
     let number = d.copies.fetch_add(1, Ordering::Relaxed) + 1;
     if d.config.fail_copy == Some(number) {
         return Err(UNKNOWN);
     }
-    let memory = context.memory();
-    let locate = |addr: u64| memory.locate(addr).ok_or(INVALID_VALUE);
     let (counter, bytes) = match &what {
         Transfer::ToDevice { .. } => (&d.counts.h2d_copies, &d.counts.h2d_bytes),
         Transfer::ToHost { .. } => (&d.counts.d2h_copies, &d.counts.d2h_bytes),
@@ -693,6 +725,14 @@ fn copy(context: &'static Context, what: Transfer, len: usize) -> Result<(), CUr
     if len == 0 {
         return Ok(());
     }
+    let memory = context.memory();
+    let fits = |addr: u64| {
+        if memory.holds(addr, len) {
+            Ok(())
+        } else {
+            Err(INVALID_VALUE)
+        }
+    };
     let null_host = match &what {
         Transfer::ToDevice { src, .. } => src.is_null(),
         Transfer::ToHost { dst, .. } => dst.is_null(),
@@ -701,28 +741,41 @@ fn copy(context: &'static Context, what: Transfer, len: usize) -> Result<(), CUr
     if null_host {
         return Err(INVALID_VALUE);
     }
-    match what {
+    let work = match what {
         Transfer::ToDevice { dst, src } => {
-            let (base, offset) = locate(dst)?;
-            // SAFETY: the caller's host buffer holds `len` bytes.
-            let bytes = unsafe { std::slice::from_raw_parts(src, len) };
-            memory.write(base, offset, bytes).map_err(|_| INVALID_VALUE)
+            fits(dst)?;
+            let src = if queued && queue::pinned(src as usize, len) {
+                Source::Pinned(src as usize)
+            } else {
+                // SAFETY: the caller's host buffer holds `len` bytes.
+                Source::Staged(unsafe { std::slice::from_raw_parts(src, len) }.to_vec())
+            };
+            Work::ToDevice { dst, src, len }
         }
         Transfer::ToHost { dst, src } => {
-            let (base, offset) = locate(src)?;
-            // SAFETY: the caller's host buffer holds `len` bytes.
-            let out = unsafe { std::slice::from_raw_parts_mut(dst, len) };
-            memory.read(base, offset, out).map_err(|_| INVALID_VALUE)
+            fits(src)?;
+            if !(queued && queue::pinned(dst as usize, len)) {
+                // Into pageable memory, or a synchronous copy: the stream's work first.
+                context.wait()?;
+                let (block, offset) = memory.locate(src).ok_or(INVALID_VALUE)?;
+                // SAFETY: the caller's host buffer holds `len` bytes.
+                let out = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+                return memory.read(block, offset, out).map_err(|_| INVALID_VALUE);
+            }
+            Work::ToHost {
+                dst: dst as usize,
+                src,
+                len,
+            }
         }
         Transfer::OnDevice { dst, src } => {
-            let ((to, to_offset), (from, from_offset)) = (locate(dst)?, locate(src)?);
-            let mut staged = vec![0u8; len];
-            memory
-                .read(from, from_offset, &mut staged)
-                .and_then(|()| memory.write(to, to_offset, &staged))
-                .map_err(|_| INVALID_VALUE)
+            fits(dst)?;
+            fits(src)?;
+            Work::OnDevice { dst, src, len }
         }
-    }
+    };
+    context.queue.push(context, work)?;
+    if queued { Ok(()) } else { context.wait() }
 }
 
 #[unsafe(no_mangle)]
@@ -736,7 +789,7 @@ pub extern "C" fn cuMemcpyHtoDAsync_v2(
         dst,
         src: src.cast(),
     };
-    result(stream_context(stream).and_then(|c| copy(c, what, len)))
+    result(stream_context(stream).and_then(|c| copy(c, what, len, true)))
 }
 
 #[unsafe(no_mangle)]
@@ -750,7 +803,7 @@ pub extern "C" fn cuMemcpyDtoHAsync_v2(
         dst: dst.cast(),
         src,
     };
-    result(stream_context(stream).and_then(|c| copy(c, what, len)))
+    result(stream_context(stream).and_then(|c| copy(c, what, len, true)))
 }
 
 #[unsafe(no_mangle)]
@@ -761,7 +814,7 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(
     stream: *mut c_void,
 ) -> CUresult {
     let what = Transfer::OnDevice { dst, src };
-    result(stream_context(stream).and_then(|c| copy(c, what, len)))
+    result(stream_context(stream).and_then(|c| copy(c, what, len, true)))
 }
 
 #[unsafe(no_mangle)]
@@ -770,7 +823,7 @@ pub extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usize) -> C
         dst,
         src: src.cast(),
     };
-    result(current().and_then(|c| copy(c, what, len)))
+    result(current().and_then(|c| copy(c, what, len, false)))
 }
 
 #[unsafe(no_mangle)]
@@ -779,7 +832,7 @@ pub extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CUr
         dst: dst.cast(),
         src,
     };
-    result(current().and_then(|c| copy(c, what, len)))
+    result(current().and_then(|c| copy(c, what, len, false)))
 }
 
 // ---- modules and launches ----
@@ -970,12 +1023,6 @@ pub unsafe extern "C" fn cuLaunchKernel(
     if d.config.fail_launch == Some(number) {
         return LAUNCH_OUT_OF_RESOURCES;
     }
-    if d.config.sticky_launch == Some(number) {
-        return context.poison(
-            ILLEGAL_ADDRESS,
-            &format!("launch {number} (FULMEN_STANDIN_STICKY_LAUNCH)"),
-        );
-    }
     let cfg = EmuLaunchConfig {
         grid,
         block,
@@ -983,26 +1030,11 @@ pub unsafe extern "C" fn cuLaunchKernel(
         workers: 0,
         seed: 0x5EED ^ number.wrapping_mul(0x9E37_79B9_7F4A_7C15),
     };
-    let mut error = [0 as c_char; 512];
-    let entry = f.kernel.emu_entry();
-    // Held for the launch: a context reset meanwhile must not free what the kernel uses.
-    let memory = context.memory();
     // SAFETY: `params` is the caller's kernel parameter array, exactly as cuLaunchKernel
-    // receives it; the emulator reads each parameter by the kernel's own C++ signature, as
-    // a GPU reads it by the cubin's parameter table.
-    let rc = unsafe { entry(&cfg, params, error.as_mut_ptr(), error.len()) };
-    if rc != 0 {
-        // SAFETY: the emulator writes a NUL-terminated message.
-        let message = unsafe { CStr::from_ptr(error.as_ptr()) }.to_string_lossy();
-        return context.poison(LAUNCH_FAILED, &format!("{}: {message}", f.kernel.name()));
-    }
-    if let Some(damage) = memory.check_guards() {
-        return context.poison(
-            ILLEGAL_ADDRESS,
-            &format!("{} wrote out of bounds: {damage}", f.kernel.name()),
-        );
-    }
-    SUCCESS
+    // receives it: one pointer per parameter of the kernel, each read by the size of the
+    // kernel's own C++ parameter, as a driver reads them by the cubin's parameter table.
+    let work = unsafe { Work::launch(f.kernel, cfg, params, number) };
+    result(context.queue.push(context, work))
 }
 
 // ---- errors ----

@@ -17,6 +17,7 @@ mod aggregate;
 mod concat;
 mod dictionary;
 mod queued;
+mod standin;
 
 /// Sizes that trip kernels up: empty, one, around a warp, around a block, many blocks.
 const SIZES: &[usize] = &[
@@ -829,6 +830,35 @@ fn a_lost_device_is_quarantined_and_never_touched_again() {
         assert!(e.is_expected() && e.device_gone(), "{e}");
     }
     assert_eq!(d.counters(), before, "a quarantined device was touched");
+}
+
+/// Uploads that go round the two pinned staging halves more than once, with no wait in
+/// between, each keep their own bytes: a half is refilled only once the stream has passed
+/// the copies out of it. (On the test device: through the stand-in driver a queued copy
+/// reads pinned memory when it runs, so refilling a half too soon gives wrong bytes.)
+#[test]
+fn uploads_round_the_staging_halves_keep_their_bytes() {
+    use fulmen_kernels::device::UPLOAD_HALF_BYTES;
+    let d = device();
+    let pattern = |k: usize, len: usize| -> Vec<u8> {
+        (0..len)
+            .map(|i| (i.wrapping_mul(31) ^ (k * 97)) as u8)
+            .collect()
+    };
+    // 0.6 + 0.6 + 0.6 + 0.6 + 1.3 halves: the third refills the first half, the last spans
+    // both.
+    let lens = [6, 6, 6, 6, 13].map(|tenths| UPLOAD_HALF_BYTES / 10 * tenths + tenths);
+    let buffers: Vec<_> = lens
+        .iter()
+        .enumerate()
+        .map(|(k, &len)| d.upload(&pattern(k, len)).unwrap())
+        .collect();
+    for (k, (b, &len)) in buffers.iter().zip(&lens).enumerate() {
+        assert!(
+            b.to_host().unwrap() == pattern(k, len),
+            "upload {k} came back changed"
+        );
+    }
 }
 
 /// A device counts its work as the CUDA backend's driver calls: a copy per upload piece of
