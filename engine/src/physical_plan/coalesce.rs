@@ -9,12 +9,16 @@
 //! A batch whose schema differs from the waiting ones' (DataFusion's streams may vary in
 //! field metadata or nullability) closes the waiting batch first; a device chunk (a GPU
 //! child's output) goes on alone; one host batch larger than the limit is not cut here. A
-//! host batch the device runs out of memory for is split in halves ([`halves`]), down to
-//! [`MIN_SPLIT_ROWS`], by the aggregate and by the filter and projection stream; a join's
-//! probe batch is redone on the CPU.
+//! host batch the device runs out of memory for is split in halves ([`Pieces`]), down to
+//! [`MIN_SPLIT_ROWS`], by every GPU operator (the filter and projection stream, the
+//! aggregate, the join's probe); a piece that still fails goes to the operator's CPU path.
+
+use std::collections::VecDeque;
 
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch};
 use datafusion::arrow::datatypes::{DataType, SchemaRef};
+use datafusion::physical_plan::metrics::Count;
+use fulmen_kernels::KernelError;
 
 use super::gpu_stream::Chunk;
 
@@ -36,6 +40,71 @@ pub fn halves(chunk: &Chunk) -> Option<[Chunk; 2]> {
         _ => None,
     }
 }
+
+/// The pieces of one device batch, in order: the batch itself at first; a host piece the
+/// device had no memory for is replaced by its two halves (see [`halves`]), which run next.
+/// Every GPU operator's batch loop runs through this:
+///
+/// ```text
+/// while let Some(piece) = pieces.next() {
+///     match on_device(&piece) {
+///         Ok(out) => …,
+///         Err(e) if pieces.split(&piece, &e) => continue,  // its halves come next
+///         Err(e) => … the piece on the CPU, or stop and keep pieces.rest(piece)
+///     }
+/// }
+/// ```
+pub struct Pieces {
+    waiting: VecDeque<Chunk>,
+    split: Count,
+}
+
+impl Pieces {
+    /// The pieces of `chunk`; each split is counted in `split` (an operator's
+    /// `split_batches`).
+    pub fn new(chunk: Chunk, split: &Count) -> Self {
+        Self {
+            waiting: VecDeque::from([chunk]),
+            split: split.clone(),
+        }
+    }
+
+    /// After `piece` failed with `error`: when the device ran out of memory and the piece
+    /// is long enough, its halves are the next pieces, and this says true; otherwise the
+    /// failure is the caller's.
+    pub fn split(&mut self, piece: &Chunk, error: &KernelError) -> bool {
+        if !matches!(error, KernelError::OutOfDeviceMemory { .. }) {
+            return false;
+        }
+        let Some([first, second]) = halves(piece) else {
+            return false;
+        };
+        log::debug!(
+            "splitting a device batch of {} rows: {error}",
+            piece.num_rows()
+        );
+        self.split.add(1);
+        self.waiting.push_front(second);
+        self.waiting.push_front(first);
+        true
+    }
+
+    /// `piece` and the pieces not run yet, in order (for a caller that stops at a failure).
+    pub fn rest(mut self, piece: Chunk) -> Vec<Chunk> {
+        self.waiting.push_front(piece);
+        self.waiting.into()
+    }
+}
+
+/// The next piece to run (a split's halves come before the pieces that waited).
+impl Iterator for Pieces {
+    type Item = Chunk;
+
+    fn next(&mut self) -> Option<Chunk> {
+        self.waiting.pop_front()
+    }
+}
+
 use crate::FulmenConfig;
 
 /// The size at which waiting host batches go to the device as one.

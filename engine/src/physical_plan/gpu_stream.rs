@@ -26,7 +26,7 @@ use datafusion::physical_plan::ExecutionPlan;
 use fulmen_kernels::{Device, DeviceBatch, DeviceColumn, KernelError};
 use futures::{Stream, StreamExt};
 
-use super::coalesce::{BatchLimit, Coalescer, halves};
+use super::coalesce::{BatchLimit, Coalescer, Pieces};
 pub use super::gpu_metrics::*;
 use crate::gpu::compile::Reason;
 
@@ -365,23 +365,15 @@ impl<W: BatchWork> GpuStream<W> {
     /// memory for is split in halves, each run on its own (down to `MIN_SPLIT_ROWS`, see
     /// `coalesce::halves`); what is left goes to the CPU.
     fn process(&mut self, chunk: Chunk) -> Result<()> {
-        let mut pieces = VecDeque::from([chunk]);
-        while let Some(piece) = pieces.pop_front() {
+        let mut pieces = Pieces::new(chunk, &self.metrics.split_batches);
+        while let Some(piece) = pieces.next() {
             let timer = self.metrics.baseline.elapsed_compute().timer();
             let out = match self.on_device(&piece) {
                 Ok(Some(out)) => {
                     count_batch(&self.metrics, BatchOn::Device);
                     out
                 }
-                Err(e @ KernelError::OutOfDeviceMemory { .. })
-                    if let Some([first, second]) = halves(&piece) =>
-                {
-                    log::debug!("{}: splitting a batch in halves: {e}", self.device);
-                    self.metrics.split_batches.add(1);
-                    pieces.push_front(second);
-                    pieces.push_front(first);
-                    continue;
-                }
+                Err(e) if pieces.split(&piece, &e) => continue,
                 outcome => {
                     match outcome {
                         Err(e) => {

@@ -328,3 +328,45 @@ async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
         }
     }
 }
+
+/// A join whose probe batch does not fit in device memory probes it in halves, each a
+/// device batch of its own (down to 4096 rows), as a filter or an aggregation does, rather
+/// than redoing all of it on the CPU; the answer is DataFusion's, whether the join matches
+/// on the device and takes its output on the host (its parent is a CPU operator) or keeps
+/// its output on the device (an aggregate above it). 3 MiB holds orders' table but not a
+/// whole lineitem batch's probe (1 MiB does not hold a 4096-row piece's, 8 MiB holds all).
+#[tokio::test]
+async fn a_join_probes_a_batch_the_device_has_no_memory_for_in_halves() {
+    for (k, sql) in [
+        "SELECT l_orderkey, l_linenumber, o_orderdate FROM lineitem \
+         JOIN orders ON l_orderkey = o_orderkey ORDER BY l_orderkey, l_linenumber",
+        "SELECT o_orderpriority, count(*), sum(l_quantity) FROM lineitem \
+         JOIN orders ON l_orderkey = o_orderkey GROUP BY o_orderpriority ORDER BY 1",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let devices = format!("emulated:1/join-split-{k}");
+        let (gpu, cpu) = super::tpch_contexts(&devices, 1, Some(3 << 20));
+        let want = super::rows_of(&cpu, &super::plan_of(&cpu, sql).await).await;
+        let plan = super::plan_of(&gpu, sql).await;
+        let got = super::rows_of(&gpu, &plan).await;
+        assert_eq!(got, want, "{sql}");
+        let mut join = None;
+        let _ = plan.apply(|node| {
+            if node.name() == "GpuHashJoinExec" {
+                join = node.metrics();
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
+        let join = join.unwrap_or_else(|| panic!("{sql}: no GPU join in the plan"));
+        let of = |name: &str| join.sum_by_name(name).map_or(0, |v| v.as_usize());
+        let (split, on_device) = (of("split_batches"), of("gpu_batches"));
+        assert!(
+            split > 0 && on_device > split,
+            "{sql}: {split} splits, {on_device} batches"
+        );
+        let work = super::Work::of(&plan);
+        assert!(work.nothing_fell_back(), "{sql}: {work:?}");
+    }
+}

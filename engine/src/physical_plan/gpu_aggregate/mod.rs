@@ -68,7 +68,7 @@ use fulmen_kernels::ops::aggregate::GroupTable;
 use fulmen_kernels::{Device, KernelError};
 use futures::{StreamExt, TryStreamExt};
 
-use super::coalesce::{BatchLimit, Coalescer, halves};
+use super::coalesce::{BatchLimit, Coalescer, Pieces};
 use super::gpu_stream::{
     BatchOn, Chunk, ChunkStream, GpuMetrics, OperatorKind, count_batch, count_operator,
     device_error, device_for, input_chunks,
@@ -476,8 +476,8 @@ impl Run {
             }
         };
         pending.take();
-        let mut pieces = std::collections::VecDeque::from([chunk]);
-        while let Some(piece) = pieces.pop_front() {
+        let mut pieces = Pieces::new(chunk, &self.metrics.split_batches);
+        while let Some(piece) = pieces.next() {
             let timer = self.metrics.baseline.elapsed_compute().timer();
             let outcome = self.work.update(table, &self.device, &piece, &self.metrics);
             timer.done();
@@ -493,19 +493,9 @@ impl Run {
                         lock(retained).push(piece.clone());
                     }
                 }
+                Err(UpdateError::Device(e)) if pieces.split(&piece, &e) => continue,
                 Err(e) => {
-                    if let (
-                        UpdateError::Device(KernelError::OutOfDeviceMemory { .. }),
-                        Some([first, second]),
-                    ) = (&e, halves(&piece))
-                    {
-                        self.metrics.split_batches.add(1);
-                        pieces.push_front(second);
-                        pieces.push_front(first);
-                        continue;
-                    }
-                    pieces.push_front(piece);
-                    pending.put_back(pieces.into_iter().collect());
+                    pending.put_back(pieces.rest(piece));
                     return Err(e);
                 }
             }

@@ -56,7 +56,7 @@ use fulmen_kernels::ops::join::{JoinTable, Matches};
 use fulmen_kernels::{Device, DeviceBuffer, DeviceColumn, KernelError};
 use futures::StreamExt;
 
-use super::coalesce::{BatchLimit, Coalescer, PartlyUploaded};
+use super::coalesce::{BatchLimit, Coalescer, PartlyUploaded, Pieces};
 use super::gpu_stream::{
     BatchOn, Chunk, ChunkStream, Col, DeviceResident, DeviceWork, GpuMetrics, OperatorKind, Output,
     Redo, count_batch, count_operator, device_for, input_chunks,

@@ -233,14 +233,20 @@ impl JoinRun {
             pending,
             held: None,
             to_host,
+            ready: std::collections::VecDeque::new(),
         };
         Ok(Box::pin(futures::stream::try_unfold(
             state,
             |mut state| async move {
-                while let Some(chunk) = state.next_batch().await? {
-                    if let Some(out) = state.step(chunk)? {
+                loop {
+                    if let Some(out) = state.ready.pop_front() {
                         return Ok(Some((out, state)));
                     }
+                    let Some(chunk) = state.next_batch().await? else {
+                        break;
+                    };
+                    let out = state.step(chunk)?;
+                    state.ready.extend(out);
                 }
                 state.run.metrics.baseline.done();
                 Ok(None)
@@ -340,24 +346,49 @@ impl Probing {
         Ok(out)
     }
 
+    /// The (build, probe) row pairs of a probe batch whose keys match. A batch the device
+    /// has no memory for is matched in halves (see `coalesce::Pieces`); a piece the device
+    /// cannot match is matched on the host.
     pub(super) fn matches(&mut self, probe: &RecordBatch) -> Result<Matches> {
+        let mut all = Matches::default();
         if self.build.num_rows() == 0 || probe.num_rows() == 0 {
-            return Ok(Matches::default());
+            return Ok(all);
         }
-        if let Some(table) = &self.table {
-            match self.run.device_matches(table, probe) {
-                Ok(m) => {
+        let mut pieces = Pieces::new(Chunk::Host(probe.clone()), &self.run.metrics.split_batches);
+        // Pieces run in row order, so each starts where the last one ended.
+        let mut at = 0u32;
+        while let Some(piece) = pieces.next() {
+            let Chunk::Host(batch) = &piece else {
+                return Err(internal_datafusion_err!("a probe piece left the host"));
+            };
+            let on_device = match self.table.clone() {
+                Some(table) => match self.run.device_matches(&table, batch) {
+                    Ok(m) => Some(m),
+                    Err(e) if pieces.split(&piece, &e) => continue,
+                    Err(e) => {
+                        self.run
+                            .metrics
+                            .recover(&e, "matching a batch on the host")?;
+                        None
+                    }
+                },
+                None => None,
+            };
+            let m = match on_device {
+                Some(m) => {
                     count_batch(&self.run.metrics, BatchOn::Device);
-                    return Ok(m);
+                    m
                 }
-                Err(e) => self
-                    .run
-                    .metrics
-                    .recover(&e, "matching a batch on the host")?,
-            }
+                None => {
+                    count_batch(&self.run.metrics, BatchOn::Fallback);
+                    host_matches(&mut self.host, &self.run.work, &self.build, batch)?
+                }
+            };
+            all.build.extend(m.build);
+            all.probe.extend(m.probe.iter().map(|&p| p + at));
+            at += batch.num_rows() as u32;
         }
-        count_batch(&self.run.metrics, BatchOn::Fallback);
-        host_matches(&mut self.host, &self.run.work, &self.build, probe)
+        Ok(all)
     }
 
     /// The build rows the join type emits once this partition (or, for CollectLeft, the
@@ -409,6 +440,8 @@ pub(super) struct DeviceProbing {
     pub(super) held: Option<Chunk>,
     /// The output goes to the host (the join's parent is a CPU operator).
     pub(super) to_host: bool,
+    /// Output of a probe chunk that was split, not emitted yet.
+    pub(super) ready: std::collections::VecDeque<Chunk>,
 }
 
 impl DeviceProbing {
@@ -451,36 +484,44 @@ impl DeviceProbing {
         Ok(Some(Chunk::Host(probe)))
     }
 
-    /// The output for one probe chunk (`None`: nothing matched).
-    pub(super) fn step(&mut self, chunk: Chunk) -> Result<Option<Chunk>> {
+    /// The output for one probe chunk, in order (empty: nothing matched). A host chunk the
+    /// device has no memory for is probed in halves (see `coalesce::Pieces`), each with
+    /// output of its own; a piece the device cannot probe is probed on the host.
+    pub(super) fn step(&mut self, chunk: Chunk) -> Result<Vec<Chunk>> {
+        let mut outputs = Vec::new();
         if self.build.num_rows() == 0 || chunk.num_rows() == 0 {
-            return Ok(None);
+            return Ok(outputs);
         }
         let elapsed = self.run.metrics.baseline.elapsed_compute().clone();
         let _timer = elapsed.timer();
-        if let Some(table) = &self.table {
-            match self.on_device(table, &chunk) {
-                Ok(out) => {
-                    count_batch(&self.run.metrics, BatchOn::Device);
-                    if let Some(out) = &out {
-                        self.run.metrics.record_chunk(out);
+        let mut pieces = Pieces::new(chunk, &self.run.metrics.split_batches);
+        while let Some(piece) = pieces.next() {
+            if let Some(table) = self.table.clone() {
+                match self.on_device(&table, &piece) {
+                    Ok(out) => {
+                        count_batch(&self.run.metrics, BatchOn::Device);
+                        if let Some(out) = out {
+                            self.run.metrics.record_chunk(&out);
+                            outputs.push(out);
+                        }
+                        continue;
                     }
-                    return Ok(out);
+                    Err(e) if pieces.split(&piece, &e) => continue,
+                    Err(e) => self
+                        .run
+                        .metrics
+                        .recover(&e, "matching a batch on the host")?,
                 }
-                Err(e) => self
-                    .run
-                    .metrics
-                    .recover(&e, "matching a batch on the host")?,
+            }
+            count_batch(&self.run.metrics, BatchOn::Fallback);
+            let probe = piece.host_for_cpu(&self.run.metrics)?;
+            let build = self.build.host(&self.run.metrics)?;
+            if let Some(out) = host_probe(&mut self.host, &self.run.work, &build, &probe)? {
+                self.run.metrics.record_batch(&out);
+                outputs.push(Chunk::Host(out));
             }
         }
-        count_batch(&self.run.metrics, BatchOn::Fallback);
-        let probe = chunk.host_for_cpu(&self.run.metrics)?;
-        let build = self.build.host(&self.run.metrics)?;
-        let out = host_probe(&mut self.host, &self.run.work, &build, &probe)?;
-        if let Some(out) = &out {
-            self.run.metrics.record_batch(out);
-        }
-        Ok(out.map(Chunk::Host))
+        Ok(outputs)
     }
 
     pub(super) fn on_device(
