@@ -1,0 +1,142 @@
+//! How a group table grows: new accumulator, hash and lock buffers for a larger capacity
+//! (the groups so far copied, the rest at their identity), the slots rebuilt for them, and
+//! a failed batch's new groups rolled back.
+
+use super::*;
+
+impl GroupTable {
+    pub(super) fn grown(&self, capacity: usize) -> Result<Grown> {
+        let device = &self.device;
+        let keep = self.groups.min(self.group_capacity);
+        let mut accs = Vec::with_capacity(self.accs.len());
+        for acc in &self.accs {
+            let counts = device.alloc(capacity * 8)?;
+            fill_u64(device, &counts, capacity, 0)?;
+            if keep > 0 {
+                copy_prefix(device, &counts, &acc.counts, keep * 8)?;
+            }
+            let words = acc.op.words();
+            let state = if words > 0 {
+                let state = device.alloc(capacity * words * 8)?;
+                // SAFETY: `state` holds `capacity` groups of `words` words.
+                unsafe {
+                    device.launch(
+                        Kernel::agg_init_state,
+                        LaunchConfig::for_items(device, capacity as u64, BLOCK),
+                        &[
+                            Arg::buf(&state),
+                            Arg::U64(acc.op.code()),
+                            Arg::U64(0),
+                            Arg::U64(capacity as u64),
+                        ],
+                    )?;
+                }
+                if let (Some(old), true) = (&acc.state, keep > 0) {
+                    copy_prefix(device, &state, old, keep * words * 8)?;
+                }
+                Some(state)
+            } else {
+                None
+            };
+            accs.push(Acc {
+                op: acc.op,
+                state,
+                counts,
+            });
+        }
+        let group_hashes = if self.keyed {
+            let buffer = device.alloc(capacity * 8)?;
+            if let (Some(old), true) = (&self.group_hashes, keep > 0) {
+                copy_prefix(device, &buffer, old, keep * 8)?;
+            }
+            Some(buffer)
+        } else {
+            None
+        };
+        let locks = if self.accs.iter().any(|a| a.op.locked()) {
+            let buffer = device.alloc(capacity.div_ceil(2) * 8)?;
+            fill_u64(device, &buffer, capacity.div_ceil(2), 0)?;
+            Some(buffer)
+        } else {
+            None
+        };
+        Ok(Grown {
+            accs,
+            group_hashes,
+            locks,
+            capacity,
+        })
+    }
+
+    pub(super) fn install(&mut self, grown: Grown) {
+        self.accs = grown.accs;
+        self.group_hashes = grown.group_hashes;
+        self.locks = grown.locks;
+        self.group_capacity = grown.capacity;
+    }
+
+    /// New, empty slots for `capacity` entries with the committed groups inserted.
+    pub(super) fn rebuilt_slots(&self, capacity: u64) -> Result<DeviceBuffer> {
+        let device = &self.device;
+        let slots = device.alloc(capacity as usize * 8)?;
+        fill_u64(device, &slots, capacity as usize, EMPTY_SLOT)?;
+        if self.groups > 0 {
+            let hashes = self
+                .group_hashes
+                .as_ref()
+                .ok_or_else(|| KernelError::InvalidData("a keyed table without hashes".into()))?;
+            // SAFETY: `slots` holds `capacity` (a power of two above twice the groups)
+            // empty slots, so every insert finds one; `hashes` holds `groups` u64.
+            unsafe {
+                device.launch(
+                    Kernel::agg_rehash,
+                    LaunchConfig::for_items(device, self.groups as u64, BLOCK),
+                    &[
+                        Arg::buf(&slots),
+                        Arg::U64(capacity - 1),
+                        Arg::buf(hashes),
+                        Arg::U64(self.groups as u64),
+                    ],
+                )?;
+            }
+        }
+        Ok(slots)
+    }
+
+    /// Removes the slots of groups numbered `g0` and above (and pending ones), retrying
+    /// once: the table is only consistent again once this has run.
+    pub(super) fn rollback(&self, g0: usize) -> Result<()> {
+        let (Some(slots), device) = (&self.slots, &self.device) else {
+            return Ok(());
+        };
+        let run = || {
+            // SAFETY: `slots` holds `capacity` u64.
+            unsafe {
+                device.launch(
+                    Kernel::agg_rollback,
+                    LaunchConfig::for_items(device, self.capacity, BLOCK),
+                    &[
+                        Arg::buf(slots),
+                        Arg::U64(self.capacity),
+                        Arg::U64(g0 as u64),
+                    ],
+                )
+            }
+        };
+        run().or_else(|_| run())
+    }
+}
+
+/// Copies the first `len` bytes of `src` into `dst`.
+fn copy_prefix(device: &Device, dst: &DeviceBuffer, src: &DeviceBuffer, len: usize) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    // The pool rounds sizes up, so `src` may be longer than `len`; copy through a view of
+    // exactly `len` bytes when it is.
+    if src.len() <= dst.len() {
+        return device.copy(dst, src);
+    }
+    let bytes = src.to_host()?;
+    dst.write(0, &bytes[..len])
+}

@@ -1,0 +1,582 @@
+//! How a group table takes a batch: its keys found or inserted (new groups numbered and
+//! their keys gathered), then every accumulator updated, all or nothing.
+
+use super::*;
+
+impl GroupTable {
+    /// Adds a batch of `n` rows: its key columns (in the table's key types) and each
+    /// accumulator's input, in the order of the table's accumulators.
+    pub fn update(
+        &mut self,
+        keys: &[&DeviceColumn],
+        inputs: &[AccInput<'_>],
+        n: usize,
+    ) -> Result<()> {
+        self.update_with(keys, inputs, n, UpdateWith::default())
+            .map(|_| ())
+    }
+
+    /// [`update`](Self::update), taking only the rows `with.rows` selects and, when
+    /// `with.status` is given, first checking in the same host wait as its own that the
+    /// upstream work it names succeeded. `Ok(false)`: the status word was set, and the table
+    /// is as it was.
+    pub fn update_with(
+        &mut self,
+        keys: &[&DeviceColumn],
+        inputs: &[AccInput<'_>],
+        n: usize,
+        with: UpdateWith<'_>,
+    ) -> Result<bool> {
+        self.add_batch(keys, Some(inputs), n, with)
+    }
+
+    /// Inserts the groups of a batch's keys (of the rows `with.rows` selects) that the
+    /// table does not have yet, and updates no accumulator: what a batch with new keys
+    /// does before [`update_fused`](Self::update_fused) adds its values. With
+    /// `with.status`, `Ok(false)`: the upstream work failed, and the table is as it was.
+    pub fn insert_groups(
+        &mut self,
+        keys: &[&DeviceColumn],
+        n: usize,
+        with: UpdateWith<'_>,
+    ) -> Result<bool> {
+        if !self.keyed {
+            return Err(KernelError::Unsupported(
+                "inserting groups into a table without keys".into(),
+            ));
+        }
+        self.add_batch(keys, None, n, with)
+    }
+
+    /// Adds a batch: inserts its new groups and, with `inputs`, updates the accumulators.
+    pub(super) fn add_batch(
+        &mut self,
+        keys: &[&DeviceColumn],
+        inputs: Option<&[AccInput<'_>]>,
+        n: usize,
+        with: UpdateWith<'_>,
+    ) -> Result<bool> {
+        if inputs.is_some() {
+            // An ordinary batch: one fewer to go before the next fused try.
+            self.fused_skips = self.fused_skips.saturating_sub(1);
+        }
+        check_rows(n)?;
+        self.rows_seen += n as u64;
+        if let Some(rows) = with.rows
+            && (rows.layout() != Layout::Bits || rows.len() != n || rows.device() != &self.device)
+        {
+            return Err(KernelError::Unsupported(
+                "a row selection that is not a boolean column of the batch's rows".into(),
+            ));
+        }
+        if with.status.is_some_and(|s| s.len() < STATUS_BYTES) {
+            return Err(KernelError::Unsupported(format!(
+                "a status buffer of fewer than {STATUS_BYTES} bytes"
+            )));
+        }
+        if inputs.is_some_and(|inputs| inputs.len() != self.accs.len()) {
+            return Err(KernelError::Unsupported(format!(
+                "{} accumulator inputs for {} accumulators",
+                inputs.map_or(0, <[_]>::len),
+                self.accs.len()
+            )));
+        }
+        for input in inputs.unwrap_or_default() {
+            for column in input.values.iter().chain(input.filter.iter()) {
+                if column.len() != n || column.device() != &self.device {
+                    return Err(KernelError::Unsupported(
+                        "an aggregate input of another length or device".into(),
+                    ));
+                }
+            }
+            if input.filter.is_some_and(|f| f.layout() != Layout::Bits) {
+                return Err(KernelError::Unsupported("a non-boolean filter".into()));
+            }
+        }
+        if n == 0 {
+            return Ok(true);
+        }
+        if !self.keyed {
+            if with.rows.is_some() {
+                return Err(KernelError::Unsupported(
+                    "a row selection for an aggregation without keys".into(),
+                ));
+            }
+            if let Some(status) = with.status
+                && status.read_u64(1)? != 0
+            {
+                return Ok(false);
+            }
+            let inputs = inputs.unwrap_or_default();
+            self.carry_exact_sums(n)?;
+            let descriptors = self.accumulator_descriptors(&self.accs, inputs)?;
+            let reached = reached_by(&self.accs, inputs);
+            let shared =
+                self.launch_update(&descriptors, &reached, None, n, 1, self.locks.as_ref())?;
+            self.count_update(shared);
+            return Ok(true);
+        }
+        if n >= MAX_KEYED_ROWS {
+            return Err(KernelError::Unsupported(format!(
+                "keyed batches of {n} rows (fewer than 2^31 - 1 rows fit)"
+            )));
+        }
+        if keys.len() != self.key_types.len()
+            || keys
+                .iter()
+                .zip(&self.key_types)
+                .any(|(k, t)| k.value_type() != t || k.len() != n || k.device() != &self.device)
+        {
+            return Err(KernelError::Unsupported(
+                "group keys of other types, lengths or devices than the table's".into(),
+            ));
+        }
+        if self.groups + n > MAX_GROUPS {
+            return Err(KernelError::Unsupported(format!(
+                "more than {MAX_GROUPS} groups"
+            )));
+        }
+        let device = self.device.clone();
+        let g0 = self.groups;
+        let cfg = LaunchConfig::for_items(&device, n as u64, BLOCK);
+        let hashes = hash::hash_columns(&device, keys)?;
+        let batch_desc = key_descriptors(&device, keys)?;
+        let mut store_desc = Vec::new();
+        for chunk in &self.chunks {
+            for key in chunk {
+                store_desc.extend(super::super::key_descriptor(key)?);
+            }
+        }
+        let store_desc = upload_words(&device, &store_desc)?;
+        let mut starts = self.starts.clone();
+        starts.push(g0 as u64);
+        let starts = upload_words(&device, &starts)?;
+        // Carrying changes no sum, so it goes first: nothing is pending yet should it fail.
+        self.carry_exact_sums(n)?;
+        let refs = device.alloc(n * 4)?;
+        // The count of new groups (word 0, zeroed here before every attempt, so that no
+        // caller's value can pass for "no new group"), and word 1, the upstream status the
+        // caller zeroed.
+        let own_status;
+        let inserted = match with.status {
+            Some(status) => status,
+            None => {
+                own_status = device.alloc(8)?;
+                &own_status
+            }
+        };
+        let wait_count = || -> Result<Option<u64>> {
+            if with.status.is_none() {
+                return inserted.read_u64(0).map(Some);
+            }
+            super::super::read_status(inserted)
+        };
+        // Room for the groups there are and, with an eighth to spare, as many new ones per
+        // row as the last batch brought: a batch that brings more than there is room for
+        // is undone and done again, which costs another wait.
+        let expected = (n as u64).saturating_mul(self.new_per_row) / 1024;
+        let expected = (expected + expected / 8).min(n as u64);
+        let inserted_count = loop {
+            let wanted = ((g0 as u64 + expected) * 2).max(2048).next_power_of_two();
+            if self.slots.is_none() || self.capacity < wanted {
+                let slots = self.rebuilt_slots(wanted)?;
+                self.slots = Some(slots);
+                self.capacity = wanted;
+            }
+            let slots = self.slots.as_ref().expect("slots were just built");
+            let limit = self.capacity / 2 - g0 as u64;
+            inserted.write(0, &0u64.to_le_bytes())?;
+            // SAFETY: `slots` holds `capacity` u64 (mask capacity - 1) with fewer than
+            // capacity / 2 used, and inserts stop at `limit` more, so a free slot always
+            // remains; `hashes` and `refs` hold n rows; the descriptors point at key
+            // columns of n rows (batch) and of the committed chunks, whose `starts` give
+            // every committed group id a chunk; `inserted` holds one u64 (zeroed just
+            // before); `rows`, when given, is a boolean column of n rows (checked), its
+            // values and validity ceil(n/8) bytes or more.
+            unsafe {
+                device.launch(
+                    Kernel::agg_find_or_insert,
+                    cfg,
+                    &[
+                        Arg::buf(slots),
+                        Arg::U64(self.capacity - 1),
+                        Arg::buf(&hashes),
+                        Arg::U64(n as u64),
+                        Arg::buf(&batch_desc),
+                        Arg::buf(&store_desc),
+                        Arg::buf(&starts),
+                        Arg::U32(self.chunks.len() as u32),
+                        Arg::U32(keys.len() as u32),
+                        Arg::U64(limit),
+                        Arg::buf(inserted),
+                        Arg::buf(&refs),
+                        Arg::opt(with.rows.map(DeviceColumn::values)),
+                        Arg::opt(with.rows.and_then(DeviceColumn::validity)),
+                    ],
+                )
+            }
+            .inspect_err(|_| {
+                let _ = self.rollback(g0);
+            })?;
+            let count = match wait_count() {
+                Ok(Some(count)) => count,
+                Ok(None) => {
+                    // The upstream work failed: its outputs (these keys) are not to be used.
+                    self.rollback(g0)?;
+                    return Ok(false);
+                }
+                Err(e) => {
+                    let _ = self.rollback(g0);
+                    return Err(e);
+                }
+            };
+            if count <= limit {
+                break count;
+            }
+            // Too many new keys for the table: undo, grow for the worst case, retry.
+            self.rollback(g0)?;
+            let grown = ((g0 + n) as u64 * 2).next_power_of_two();
+            let slots = self.rebuilt_slots(grown)?;
+            self.slots = Some(slots);
+            self.capacity = grown;
+        };
+        self.new_per_row = (inserted_count.saturating_mul(1024)).div_ceil(n.max(1) as u64);
+        if inserted_count == 0 {
+            // No new group: every ref is a committed group id (or SKIP), the table's slots
+            // are unchanged, and the accumulators are updated by the refs at once.
+            let Some(inputs) = inputs else {
+                return Ok(true);
+            };
+            let descriptors = self.accumulator_descriptors(&self.accs, inputs)?;
+            let reached = reached_by(&self.accs, inputs);
+            let shared = self.launch_update(
+                &descriptors,
+                &reached,
+                Some(&refs),
+                n,
+                g0,
+                self.locks.as_ref(),
+            )?;
+            self.count_update(shared);
+            return Ok(true);
+        }
+        // From here until the commit the table holds pending slots: any failure rolls
+        // them back before returning.
+        let result = self.commit_batch(keys, inputs, n, &hashes, &refs);
+        if let Err(e) = result {
+            // A failed rollback is the error to report (the table is no longer as it was),
+            // unless the device is gone: then the rollback fails only for that, and the
+            // first error says why.
+            return Err(match self.rollback(g0) {
+                Err(rollback) if !e.device_gone() => rollback,
+                _ => e,
+            });
+        }
+        result.map(|()| true)
+    }
+
+    pub(super) fn commit_batch(
+        &mut self,
+        keys: &[&DeviceColumn],
+        inputs: Option<&[AccInput<'_>]>,
+        n: usize,
+        hashes: &DeviceBuffer,
+        refs: &DeviceBuffer,
+    ) -> Result<()> {
+        let device = self.device.clone();
+        let g0 = self.groups;
+        let cfg = LaunchConfig::for_items(&device, n as u64, BLOCK);
+        let first = device.alloc(n.div_ceil(2) * 8)?;
+        fill_u64(&device, &first, n.div_ceil(2), u64::MAX)?;
+        let flags = device.alloc(n * 8)?;
+        // SAFETY: `refs` holds n u32 ids, each committed or PENDING | row < n; `first`
+        // holds n u32 and `flags` n u64.
+        unsafe {
+            device.launch(
+                Kernel::agg_first_rows,
+                cfg,
+                &[Arg::buf(refs), Arg::U64(n as u64), Arg::buf(&first)],
+            )?;
+            device.launch(
+                Kernel::agg_leader_flags,
+                cfg,
+                &[
+                    Arg::buf(refs),
+                    Arg::buf(&first),
+                    Arg::U64(n as u64),
+                    Arg::buf(&flags),
+                ],
+            )?;
+        }
+        // One wait for the count of new groups and the byte totals of their string keys
+        // together: the keys' lengths at the leader rows are queued over the flags.
+        let strings: Vec<usize> = (0..keys.len())
+            .filter(|&k| keys[k].offsets().is_some())
+            .collect();
+        // n > 0 here (a batch adds groups), so every scan writes its total: no zeroing.
+        let totals = device.alloc(8 * (1 + strings.len()))?;
+        let ranks = scan::exclusive_scan_queued(&device, &flags, n, Word::of(&totals, 0)?)?;
+        let mut starts: Vec<Option<gather::QueuedStarts>> = (0..keys.len()).map(|_| None).collect();
+        for (w, &k) in strings.iter().enumerate() {
+            starts[k] = Some(gather::queue_flagged_string_starts(
+                keys[k],
+                &flags,
+                Word::of(&totals, 1 + w)?,
+            )?);
+        }
+        let words: Vec<u64> = totals
+            .to_host()?
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+            .collect();
+        if words.len() != 1 + strings.len() {
+            return Err(KernelError::InvalidData(
+                "a short read of new groups".into(),
+            ));
+        }
+        let word = |w: usize| words[w];
+        let new = word(0) as usize;
+        if new > n {
+            return Err(KernelError::InvalidData(format!(
+                "{new} new groups in a batch of {n} rows"
+            )));
+        }
+        let mut byte_totals = vec![0u64; keys.len()];
+        for (w, &k) in strings.iter().enumerate() {
+            byte_totals[k] = word(1 + w);
+        }
+        let total = g0 + new;
+        let grown = if total > self.group_capacity {
+            Some(self.grown(total.max(self.group_capacity * 2))?)
+        } else {
+            None
+        };
+        let group_hashes = grown
+            .as_ref()
+            .map_or(self.group_hashes.as_ref(), |g| g.group_hashes.as_ref())
+            .ok_or_else(|| KernelError::InvalidData("a keyed table without hashes".into()))?;
+        let gids = device.alloc(n * 4)?;
+        let leaders = device.alloc(new.max(1) * 4)?;
+        // SAFETY: ranks are the exclusive scan of the 0/1 flags, so leader ranks are
+        // below `new`, and g0 + rank < total <= the hashes' capacity; every pending id's
+        // `first` row is a leader (it set its own flag).
+        unsafe {
+            device.launch(
+                Kernel::agg_resolve,
+                cfg,
+                &[
+                    Arg::buf(refs),
+                    Arg::buf(&first),
+                    Arg::buf(&ranks),
+                    Arg::buf(&flags),
+                    Arg::buf(hashes),
+                    Arg::U64(n as u64),
+                    Arg::U64(g0 as u64),
+                    Arg::buf(&gids),
+                    Arg::buf(&leaders),
+                    Arg::buf(group_hashes),
+                ],
+            )?;
+        }
+        let leaders = RowIndices::new(leaders, new, n, false);
+        let chunk = keys
+            .iter()
+            .zip(starts)
+            .zip(byte_totals)
+            .map(|((k, started), total)| match started {
+                Some(started) => gather::gather_column_started(k, &leaders, started, total),
+                None => gather::gather_column(k, &leaders),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let accs = grown.as_ref().map_or(&self.accs, |g| &g.accs);
+        let descriptors = inputs
+            .map(|inputs| self.accumulator_descriptors(accs, inputs))
+            .transpose()?;
+        let slots = self
+            .slots
+            .as_ref()
+            .ok_or_else(|| KernelError::InvalidData("a keyed table without slots".into()))?;
+        // The changes: slots first (undone by a rollback), then the accumulators in one
+        // launch (which either runs or not; grown accumulators are copies until installed).
+        // SAFETY: `slots` holds `capacity` u64; pending ids index `first` (n rows).
+        unsafe {
+            device.launch(
+                Kernel::agg_fix_slots,
+                LaunchConfig::for_items(&device, self.capacity, BLOCK),
+                &[
+                    Arg::buf(slots),
+                    Arg::U64(self.capacity),
+                    Arg::buf(&first),
+                    Arg::buf(&ranks),
+                    Arg::U64(g0 as u64),
+                ],
+            )?;
+        }
+        if let (Some(descriptors), Some(inputs)) = (&descriptors, inputs) {
+            let locks = grown
+                .as_ref()
+                .map_or(self.locks.as_ref(), |g| g.locks.as_ref());
+            let reached = reached_by(grown.as_ref().map_or(&self.accs, |g| &g.accs), inputs);
+            let shared = self.launch_update(descriptors, &reached, Some(&gids), n, total, locks)?;
+            self.count_update(shared);
+        }
+        if let Some(grown) = grown {
+            self.install(grown);
+        }
+        if new > 0 {
+            self.chunks.push(chunk);
+            self.starts.push(g0 as u64);
+        }
+        self.groups = total;
+        Ok(())
+    }
+
+    pub(super) fn accumulator_descriptors(
+        &self,
+        accs: &[Acc],
+        inputs: &[AccInput<'_>],
+    ) -> Result<DeviceBuffer> {
+        let mut words = Vec::with_capacity(accs.len() * 8);
+        for (acc, input) in accs.iter().zip(inputs) {
+            let kind = match input.values {
+                // A count reads only the validity, whatever the type.
+                Some(_) if acc.op == AccOp::Count => INPUT_NONE,
+                Some(values) => input_kind(values)?,
+                None if acc.op == AccOp::Count => INPUT_NONE,
+                None => {
+                    return Err(KernelError::Unsupported(
+                        "an accumulator other than count without values".into(),
+                    ));
+                }
+            };
+            let decimal_op = matches!(
+                acc.op,
+                AccOp::SumDecimal | AccOp::MinDecimal | AccOp::MaxDecimal
+            );
+            let decimal = input
+                .values
+                .is_some_and(|v| matches!(v.data_type(), DataType::Decimal128(..)));
+            if decimal && !decimal_op && acc.op != AccOp::Count {
+                return Err(KernelError::Unsupported(format!(
+                    "{:?} of decimal values",
+                    acc.op
+                )));
+            }
+            words.extend([
+                acc.op.code(),
+                kind,
+                input.values.map_or(0, |c| c.values().addr()),
+                input
+                    .values
+                    .and_then(DeviceColumn::validity)
+                    .map_or(0, DeviceBuffer::addr),
+                input.filter.map_or(0, |c| c.values().addr()),
+                input
+                    .filter
+                    .and_then(DeviceColumn::validity)
+                    .map_or(0, DeviceBuffer::addr),
+                acc.state.as_ref().map_or(0, DeviceBuffer::addr),
+                acc.counts.addr(),
+            ]);
+        }
+        upload_words(&self.device, &words)
+    }
+
+    /// Runs `agg_update`; says whether it used per-block shared-memory tables.
+    pub(super) fn launch_update(
+        &self,
+        descriptors: &DeviceBuffer,
+        reached: &[&DeviceBuffer],
+        gids: Option<&DeviceBuffer>,
+        n: usize,
+        groups: usize,
+        locks: Option<&DeviceBuffer>,
+    ) -> Result<bool> {
+        let device = &self.device;
+        let per_group: usize = self.accs.iter().map(|a| (1 + a.op.words()) * 8).sum();
+        let shared = groups * per_group;
+        let use_shared =
+            !self.accs.iter().any(|a| a.op.locked()) && shared <= SHARED_BYTES && groups <= 4096;
+        let mut cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
+        if use_shared {
+            cfg.shared_bytes = shared.max(8) as u32;
+        }
+        // SAFETY: every descriptor's input columns hold n rows of its input kind (checked
+        // by the caller) and its state and counts hold at least `groups` groups; every gid
+        // is below `groups` or SKIP (a row the kernel leaves out); `locks` holds a u32 per
+        // group when a locked op is present; the shared tables of `shared` bytes fit the launch's dynamic shared memory.
+        unsafe {
+            device.launch_reaching(
+                Kernel::agg_update,
+                cfg,
+                &[
+                    Arg::buf(descriptors),
+                    Arg::U32(self.accs.len() as u32),
+                    Arg::opt(gids),
+                    Arg::U64(n as u64),
+                    Arg::opt(locks),
+                    Arg::U64(groups as u64),
+                    Arg::U32(u32::from(use_shared)),
+                ],
+                reached,
+            )?;
+        }
+        Ok(use_shared)
+    }
+
+    /// Carries the limbs of the exact float sums when `n` more rows could overflow one.
+    /// Carrying changes no sum, so a table stays as it was should the update then fail.
+    pub(super) fn carry_exact_sums(&mut self, n: usize) -> Result<()> {
+        if !self.accs.iter().any(|a| a.op == AccOp::SumFloat) {
+            return Ok(());
+        }
+        if self.uncarried_rows + n as u64 > self.carry_interval {
+            for acc in self.accs.iter().filter(|a| a.op == AccOp::SumFloat) {
+                let state = acc.state.as_ref().ok_or_else(|| {
+                    KernelError::InvalidData("an exact sum without a state".into())
+                })?;
+                // SAFETY: `state` holds EXACT_WORDS words for each of `group_capacity` groups.
+                unsafe {
+                    self.device.launch(
+                        Kernel::agg_exact_normalize,
+                        LaunchConfig::for_items(&self.device, self.group_capacity as u64, BLOCK),
+                        &[Arg::buf(state), Arg::U64(self.group_capacity as u64)],
+                    )?;
+                }
+            }
+            self.uncarried_rows = 0;
+        }
+        self.uncarried_rows += n as u64;
+        Ok(())
+    }
+
+    /// Carries the exact sums' limbs before any update that would take them past `rows`
+    /// uncarried rows (for tests: the real interval is 2^32 rows).
+    #[doc(hidden)]
+    pub fn carry_exact_sums_every(&mut self, rows: u64) {
+        self.carry_interval = rows.min(EXACT_PIECES);
+    }
+
+    pub(super) fn count_update(&mut self, shared: bool) {
+        if shared {
+            self.shared_updates += 1;
+        } else {
+            self.global_updates += 1;
+        }
+    }
+}
+
+/// The buffers `agg_update` reaches through the accumulator descriptors of `accs` over
+/// `inputs`: each input's values, validity and filter, each accumulator's state and counts.
+fn reached_by<'a>(accs: &'a [Acc], inputs: &'a [AccInput<'a>]) -> Vec<&'a DeviceBuffer> {
+    let mut reached = Vec::new();
+    for (acc, input) in accs.iter().zip(inputs) {
+        for column in input.values.iter().chain(&input.filter) {
+            reached.push(column.values());
+            reached.extend(column.validity());
+        }
+        reached.extend(acc.state.as_ref());
+        reached.push(&acc.counts);
+    }
+    reached
+}
