@@ -815,6 +815,31 @@ fn a_fused_batch_waits_once_and_changes_nothing_unless_added() {
     );
     assert_eq!(states_now, before);
     assert_eq!(keys_now[0].len(), 40);
+    // A count(DISTINCT)'s tables of (group, value) pairs come up in the same wait.
+    let pairs: Vec<GroupTable> = [7, 13]
+        .iter()
+        .map(|&m| {
+            let mut t = GroupTable::new(&d, &[DataType::Int64, DataType::Int64], &[]).unwrap();
+            let values: Int64Array = (0..3000).map(|i| Some(i % m)).collect();
+            let values = DeviceColumn::upload(&d, &values).unwrap();
+            t.update(&[&few, &values], &[], 3000).unwrap();
+            t
+        })
+        .collect();
+    let counts = d.counts();
+    let refs: Vec<&GroupTable> = pairs.iter().collect();
+    let (keys_with, states_with, pair_keys) = table.download_with(&refs).unwrap();
+    let after = d.counts();
+    assert_eq!(
+        after.syncs - counts.syncs,
+        1,
+        "download_with: one host wait"
+    );
+    assert_eq!((keys_with, states_with), (keys_now.clone(), before.clone()));
+    for (t, got) in pairs.iter().zip(&pair_keys) {
+        assert_eq!(got, &t.keys().unwrap(), "a pair table's keys");
+        assert!(got[0].len() > 40, "{}", got[0].len());
+    }
     assert!(
         !table.fused_ready(),
         "after new keys, a batch goes the ordinary way"

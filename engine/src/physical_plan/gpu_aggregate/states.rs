@@ -47,14 +47,10 @@ impl AggregateWork {
     ) -> Result<(Vec<ArrayRef>, Vec<Vec<ArrayRef>>)> {
         let table = &tables.groups;
         let start = std::time::Instant::now();
-        // The keys and every accumulator's state come up in one wait.
-        let (keys, accs) = table.download().map_err(kernel_err)?;
-        let pairs: Vec<Vec<ArrayRef>> = tables
-            .distinct
-            .iter()
-            .map(GroupTable::keys)
-            .collect::<Result<_, _>>()
-            .map_err(kernel_err)?;
+        // The keys, every accumulator's state and the distinct counts' (group, value)
+        // pairs come up in one wait.
+        let distinct: Vec<&GroupTable> = tables.distinct.iter().collect();
+        let (keys, accs, pairs) = table.download_with(&distinct).map_err(kernel_err)?;
         metrics.d2h_time.add_duration(start.elapsed());
         let lists = pairs
             .into_iter()

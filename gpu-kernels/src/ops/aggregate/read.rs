@@ -6,12 +6,12 @@ use super::*;
 impl GroupTable {
     /// The key columns of the groups, in group order (first seen first).
     pub fn keys(&self) -> Result<Vec<ArrayRef>> {
-        Ok(self.read(true, &[])?.0)
+        Ok(self.read(true, &[], &[])?.0)
     }
 
     /// Accumulator `k`'s state for every group.
     pub fn state(&self, k: usize) -> Result<AccState> {
-        let mut states = self.read(false, &[k])?.1;
+        let mut states = self.read(false, &[k], &[])?.1;
         Ok(states.remove(0))
     }
 
@@ -19,16 +19,31 @@ impl GroupTable {
     /// 16 MiB of staging past that): what a finished aggregation brings up.
     pub fn download(&self) -> Result<(Vec<ArrayRef>, Vec<AccState>)> {
         let all: Vec<usize> = (0..self.accs.len()).collect();
-        self.read(true, &all)
+        let (keys, states, _) = self.read(true, &all, &[])?;
+        Ok((keys, states))
     }
 
-    /// The key columns (when `with_keys`) and the states of accumulators `ks`, read in one
-    /// wait. Only the groups' part of each buffer comes down, not its spare capacity.
+    /// [`Self::download`], and the key columns of each of `others` (such as a
+    /// count(DISTINCT)'s tables of (group, value) pairs) in the same wait.
+    #[allow(clippy::type_complexity)]
+    pub fn download_with(
+        &self,
+        others: &[&GroupTable],
+    ) -> Result<(Vec<ArrayRef>, Vec<AccState>, Vec<Vec<ArrayRef>>)> {
+        let all: Vec<usize> = (0..self.accs.len()).collect();
+        self.read(true, &all, others)
+    }
+
+    /// The key columns (when `with_keys`), the states of accumulators `ks` and the key
+    /// columns of `others`, read in one wait. Only the groups' part of each buffer comes
+    /// down, not its spare capacity.
+    #[allow(clippy::type_complexity)]
     pub(super) fn read(
         &self,
         with_keys: bool,
         ks: &[usize],
-    ) -> Result<(Vec<ArrayRef>, Vec<AccState>)> {
+        others: &[&GroupTable],
+    ) -> Result<(Vec<ArrayRef>, Vec<AccState>, Vec<Vec<ArrayRef>>)> {
         let g = self.groups;
         let accs = ks
             .iter()
@@ -79,13 +94,14 @@ impl GroupTable {
             .iter()
             .map(|s| vec![0u8; s.map_or(0, |(_, len)| len)])
             .collect();
-        let columns: Vec<&DeviceColumn> = if with_keys {
-            (0..self.key_types.len())
-                .flat_map(|k| self.chunks.iter().map(move |chunk| &chunk[k]))
-                .collect()
+        let mut columns: Vec<&DeviceColumn> = if with_keys {
+            self.key_chunks().collect()
         } else {
             Vec::new()
         };
+        for other in others {
+            columns.extend(other.key_chunks());
+        }
         let arrays = {
             let mut extra: Vec<(&DeviceBuffer, &mut [u8])> = Vec::new();
             for ((acc, source), (counts, words)) in accs
@@ -102,33 +118,15 @@ impl GroupTable {
             }
             crate::column::download_columns_with(&self.device, &columns, &mut extra)?
         };
-        let keys = if with_keys {
-            let mut arrays = arrays.into_iter();
-            (0..self.key_types.len())
-                .map(|k| {
-                    let parts: Vec<ArrayRef> = arrays.by_ref().take(self.chunks.len()).collect();
-                    if parts.is_empty() {
-                        return Ok(new_empty_array(&self.key_types[k]));
-                    }
-                    // Chunks of dictionary-encoded keys come down as dictionaries: every
-                    // chunk in the table's key type.
-                    let parts = parts
-                        .into_iter()
-                        .map(|a| match a.data_type() == &self.key_types[k] {
-                            true => Ok(a),
-                            false => arrow::compute::cast(&a, &self.key_types[k])
-                                .map_err(|e| KernelError::InvalidData(e.to_string())),
-                        })
-                        .collect::<Result<Vec<ArrayRef>>>()?;
-                    let refs: Vec<&dyn arrow::array::Array> =
-                        parts.iter().map(|a| a.as_ref()).collect();
-                    arrow::compute::concat(&refs)
-                        .map_err(|e| KernelError::InvalidData(e.to_string()))
-                })
-                .collect::<Result<Vec<_>>>()?
-        } else {
-            Vec::new()
+        let mut arrays = arrays.into_iter();
+        let keys = match with_keys {
+            true => self.keys_from(&mut arrays)?,
+            false => Vec::new(),
         };
+        let other_keys = others
+            .iter()
+            .map(|other| other.keys_from(&mut arrays))
+            .collect::<Result<Vec<_>>>()?;
         let states = accs
             .iter()
             .zip(counts.iter().zip(&words))
@@ -137,7 +135,37 @@ impl GroupTable {
                 values: acc_values(acc, words, g),
             })
             .collect();
-        Ok((keys, states))
+        Ok((keys, states, other_keys))
+    }
+
+    /// Every chunk of every key column, key by key.
+    fn key_chunks(&self) -> impl Iterator<Item = &DeviceColumn> {
+        (0..self.key_types.len()).flat_map(|k| self.chunks.iter().map(move |chunk| &chunk[k]))
+    }
+
+    /// The key columns from the arrays of [`Self::key_chunks`], taken from `arrays`.
+    fn keys_from(&self, arrays: &mut impl Iterator<Item = ArrayRef>) -> Result<Vec<ArrayRef>> {
+        (0..self.key_types.len())
+            .map(|k| {
+                let parts: Vec<ArrayRef> = arrays.by_ref().take(self.chunks.len()).collect();
+                if parts.is_empty() {
+                    return Ok(new_empty_array(&self.key_types[k]));
+                }
+                // Chunks of dictionary-encoded keys come down as dictionaries: every
+                // chunk in the table's key type.
+                let parts = parts
+                    .into_iter()
+                    .map(|a| match a.data_type() == &self.key_types[k] {
+                        true => Ok(a),
+                        false => arrow::compute::cast(&a, &self.key_types[k])
+                            .map_err(|e| KernelError::InvalidData(e.to_string())),
+                    })
+                    .collect::<Result<Vec<ArrayRef>>>()?;
+                let refs: Vec<&dyn arrow::array::Array> =
+                    parts.iter().map(|a| a.as_ref()).collect();
+                arrow::compute::concat(&refs).map_err(|e| KernelError::InvalidData(e.to_string()))
+            })
+            .collect()
     }
 }
 
