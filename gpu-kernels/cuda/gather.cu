@@ -14,6 +14,16 @@
 //                                                            byte length of each row's string
 //                                                            where flags[row] (a u64) is
 //                                                            non-zero, else 0
+//   gather_many              (idx, n, kinds, in0, out0, validity_in0, validity_out0, …
+//                             in5, out5, validity_in5, validity_out5)
+//                                                            up to GATHER_MANY columns in one
+//                                                            launch: byte k of kinds is column
+//                                                            k's value width (1, 2, 4, 8, 16),
+//                                                            GATHER_BITS for a bitmap of
+//                                                            values, or 0 for no column; a
+//                                                            column's output validity (when
+//                                                            validity_out is not null) is
+//                                                            gathered as gather_validity does
 //   — scan.cu turns lengths into exclusive starts —
 //   gather_string_copy_o32/o64 (offsets, bytes, idx, n, starts, by_source, out_offsets,
 //                               out_bytes, out_cap)
@@ -41,17 +51,66 @@ GATHER_FIXED(gather_fixed_4, uint32_t)
 GATHER_FIXED(gather_fixed_8, uint64_t)
 GATHER_FIXED(gather_fixed_16, Word128)
 
+
+// Bits of a gathered bitmap's output byte `b` (bitmap null: every row valid; a NULL index
+// gives a clear bit).
+__device__ __forceinline__ uint8_t gathered_bits(const uint8_t* bits, const uint32_t* idx, uint64_t n,
+                                                 uint64_t b) {
+    uint8_t out = 0;
+    for (unsigned k = 0; k < 8; ++k) {
+        uint64_t i = b * 8 + k;
+        if (i >= n) break;
+        uint32_t j = idx[i];
+        if (j != NULL_INDEX && bit_is_set(bits, j)) out |= (uint8_t)(1u << k);
+    }
+    return out;
+}
+
 FULMEN_KERNEL gather_validity(const uint8_t* in_validity, const uint32_t* idx, uint64_t n, uint8_t* out) {
     uint64_t bytes = (n + 7) / 8;
-    for (uint64_t b = GRID_START; b < bytes; b += GRID_STRIDE) {
-        uint8_t bits = 0;
-        for (unsigned k = 0; k < 8; ++k) {
-            uint64_t i = b * 8 + k;
-            if (i >= n) break;
-            uint32_t j = idx[i];
-            if (j != NULL_INDEX && bit_is_set(in_validity, j)) bits |= (uint8_t)(1u << k);
+    for (uint64_t b = GRID_START; b < bytes; b += GRID_STRIDE) out[b] = gathered_bits(in_validity, idx, n, b);
+}
+
+#define GATHER_MANY 6
+#define GATHER_BITS 0x80u
+
+template <typename T>
+__device__ __forceinline__ void gather_one(const uint8_t* in, uint8_t* out, uint32_t j, uint64_t i) {
+    reinterpret_cast<T*>(out)[i] = j == NULL_INDEX ? T{} : reinterpret_cast<const T*>(in)[j];
+}
+
+FULMEN_KERNEL gather_many(const uint32_t* idx, uint64_t n, uint64_t kinds,
+                          const uint8_t* in0, uint8_t* out0, const uint8_t* vin0, uint8_t* vout0,
+                          const uint8_t* in1, uint8_t* out1, const uint8_t* vin1, uint8_t* vout1,
+                          const uint8_t* in2, uint8_t* out2, const uint8_t* vin2, uint8_t* vout2,
+                          const uint8_t* in3, uint8_t* out3, const uint8_t* vin3, uint8_t* vout3,
+                          const uint8_t* in4, uint8_t* out4, const uint8_t* vin4, uint8_t* vout4,
+                          const uint8_t* in5, uint8_t* out5, const uint8_t* vin5, uint8_t* vout5) {
+    const uint8_t* ins[GATHER_MANY] = {in0, in1, in2, in3, in4, in5};
+    uint8_t* outs[GATHER_MANY] = {out0, out1, out2, out3, out4, out5};
+    const uint8_t* vins[GATHER_MANY] = {vin0, vin1, vin2, vin3, vin4, vin5};
+    uint8_t* vouts[GATHER_MANY] = {vout0, vout1, vout2, vout3, vout4, vout5};
+    // Values: one thread per row, every column.
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        uint32_t j = idx[i];
+        for (unsigned c = 0; c < GATHER_MANY; ++c) {
+            switch ((kinds >> (8 * c)) & 0xFF) {
+                case 1: gather_one<uint8_t>(ins[c], outs[c], j, i); break;
+                case 2: gather_one<uint16_t>(ins[c], outs[c], j, i); break;
+                case 4: gather_one<uint32_t>(ins[c], outs[c], j, i); break;
+                case 8: gather_one<uint64_t>(ins[c], outs[c], j, i); break;
+                case 16: gather_one<Word128>(ins[c], outs[c], j, i); break;
+                default: break;
+            }
         }
-        out[b] = bits;
+    }
+    // Bitmaps (boolean values and validity): one thread per output byte, every column.
+    uint64_t bytes = (n + 7) / 8;
+    for (uint64_t b = GRID_START; b < bytes; b += GRID_STRIDE) {
+        for (unsigned c = 0; c < GATHER_MANY; ++c) {
+            if (((kinds >> (8 * c)) & 0xFF) == GATHER_BITS) outs[c][b] = gathered_bits(ins[c], idx, n, b);
+            if (vouts[c] != nullptr) vouts[c][b] = gathered_bits(vins[c], idx, n, b);
+        }
     }
 }
 
@@ -96,6 +155,7 @@ FULMEN_EMU_EXPORT(gather_fixed_4)
 FULMEN_EMU_EXPORT(gather_fixed_8)
 FULMEN_EMU_EXPORT(gather_fixed_16)
 FULMEN_EMU_EXPORT(gather_validity)
+FULMEN_EMU_EXPORT(gather_many)
 FULMEN_EMU_EXPORT(gather_string_lengths_o32)
 FULMEN_EMU_EXPORT(gather_string_lengths_o64)
 FULMEN_EMU_EXPORT(gather_string_lengths_flagged_o32)

@@ -134,6 +134,7 @@ kernels! {
     gather_fixed_8 => fulmen_emu_launch_gather_fixed_8, fulmen_emu_params_gather_fixed_8 in "gather.cu",
     gather_fixed_16 => fulmen_emu_launch_gather_fixed_16, fulmen_emu_params_gather_fixed_16 in "gather.cu",
     gather_validity => fulmen_emu_launch_gather_validity, fulmen_emu_params_gather_validity in "gather.cu",
+    gather_many => fulmen_emu_launch_gather_many, fulmen_emu_params_gather_many in "gather.cu",
     gather_string_lengths_o32 => fulmen_emu_launch_gather_string_lengths_o32, fulmen_emu_params_gather_string_lengths_o32 in "gather.cu",
     gather_string_lengths_o64 => fulmen_emu_launch_gather_string_lengths_o64, fulmen_emu_params_gather_string_lengths_o64 in "gather.cu",
     gather_string_lengths_flagged_o32 => fulmen_emu_launch_gather_string_lengths_flagged_o32, fulmen_emu_params_gather_string_lengths_flagged_o32 in "gather.cu",

@@ -127,22 +127,34 @@ impl BatchWork for FilterWork {
             };
             let totals: HashMap<usize, u64> = strings.iter().copied().zip(totals).collect();
             let indices = selection.with_count(count)?;
-            // Each input column is gathered once, whatever the times it is output.
-            let mut gathered: HashMap<usize, DeviceColumn> = HashMap::new();
-            let mut columns = Vec::with_capacity(self.outputs.len());
+            // Each input column is gathered once, whatever the times it is output: the
+            // strings from their queued starts, the others together (gather_columns).
+            let mut unique: Vec<usize> = Vec::with_capacity(self.outputs.len());
             for &c in &self.outputs {
-                if let std::collections::hash_map::Entry::Vacant(slot) = gathered.entry(c) {
-                    let column = &on_device[&c];
-                    let out = match starts.remove(&c) {
-                        Some(started) => {
-                            gather::gather_column_started(column, &indices, started, totals[&c])?
-                        }
-                        None => gather::gather_column(column, &indices)?,
-                    };
-                    slot.insert(out);
+                if !unique.contains(&c) {
+                    unique.push(c);
                 }
-                columns.push(Col::Device(gathered[&c].clone()));
             }
+            let (started, together): (Vec<usize>, Vec<usize>) =
+                unique.into_iter().partition(|c| starts.contains_key(c));
+            let sources: Vec<&DeviceColumn> = together.iter().map(|c| &on_device[c]).collect();
+            let mut gathered: HashMap<usize, DeviceColumn> = together
+                .iter()
+                .copied()
+                .zip(gather::gather_columns(&sources, &indices)?)
+                .collect();
+            for c in started {
+                if let Some(queued) = starts.remove(&c) {
+                    let column = &on_device[&c];
+                    let out = gather::gather_column_started(column, &indices, queued, totals[&c])?;
+                    gathered.insert(c, out);
+                }
+            }
+            let columns = self
+                .outputs
+                .iter()
+                .map(|c| Col::Device(gathered[c].clone()))
+                .collect();
             Ok(Some(Output {
                 columns,
                 rows: indices.len(),

@@ -183,10 +183,7 @@ pub fn filter_batch(batch: &DeviceBatch, predicate: &DeviceColumn) -> Result<Dev
         predicate.validity(),
         predicate.len(),
     )?;
-    let columns = batch
-        .columns()
-        .iter()
-        .map(|c| gather::gather_column(c, &indices))
-        .collect::<Result<Vec<_>>>()?;
+    let columns: Vec<&DeviceColumn> = batch.columns().iter().collect();
+    let columns = gather::gather_columns(&columns, &indices)?;
     DeviceBatch::try_new(batch.schema().clone(), columns, indices.len())
 }

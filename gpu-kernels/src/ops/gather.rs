@@ -20,6 +20,116 @@ pub fn gather_column(column: &DeviceColumn, indices: &RowIndices) -> Result<Devi
     gather(column, indices, None)
 }
 
+/// Columns one `gather_many` launch gathers (`GATHER_MANY` in `cuda/gather.cu`).
+pub const GATHER_MANY: usize = 6;
+/// `gather_many`'s kind of a bitmap of values (a boolean column).
+const GATHER_BITS: u64 = 0x80;
+
+/// Gathers each of `columns` at `indices`, as [`gather_column`] does one by one: the
+/// fixed-width and boolean columns, validity included, up to [`GATHER_MANY`] in one launch
+/// (one kernel per batch of columns, instead of one for each column's values and one for
+/// its validity); strings and dictionaries one by one.
+pub fn gather_columns(
+    columns: &[&DeviceColumn],
+    indices: &RowIndices,
+) -> Result<Vec<DeviceColumn>> {
+    let many = |c: &DeviceColumn| {
+        c.dictionary().is_none()
+            && matches!(c.layout(), Layout::Bits | Layout::Fixed(1 | 2 | 4 | 8 | 16))
+    };
+    let together: Vec<usize> = (0..columns.len()).filter(|&i| many(columns[i])).collect();
+    let mut out: Vec<Option<DeviceColumn>> = vec![None; columns.len()];
+    for group in together.chunks(GATHER_MANY) {
+        let these: Vec<&DeviceColumn> = group.iter().map(|&i| columns[i]).collect();
+        for (&i, gathered) in group.iter().zip(gather_many(&these, indices)?) {
+            out[i] = Some(gathered);
+        }
+    }
+    out.into_iter()
+        .zip(columns)
+        .map(|(done, column)| match done {
+            Some(gathered) => Ok(gathered),
+            None => gather_column(column, indices),
+        })
+        .collect()
+}
+
+/// Gathers up to [`GATHER_MANY`] fixed-width or boolean columns of one device at
+/// `indices` in one launch.
+fn gather_many(columns: &[&DeviceColumn], indices: &RowIndices) -> Result<Vec<DeviceColumn>> {
+    let Some(first) = columns.first() else {
+        return Ok(Vec::new());
+    };
+    let device = first.device();
+    if columns.len() > GATHER_MANY || columns.iter().any(|c| c.device() != device) {
+        return Err(KernelError::Unsupported(format!(
+            "gathering {} columns of several devices, or more than {GATHER_MANY}, in one launch",
+            columns.len()
+        )));
+    }
+    let count = indices.len();
+    let null_indices = indices.nullable();
+    let bitmap = count.div_ceil(8);
+    let mut kinds = 0u64;
+    let mut outputs = Vec::with_capacity(columns.len());
+    for (k, column) in columns.iter().enumerate() {
+        check_bound(indices.bound(), column)?;
+        let (kind, bytes) = match column.layout() {
+            Layout::Fixed(width @ (1 | 2 | 4 | 8 | 16)) => (width as u64, count * width),
+            Layout::Bits => (GATHER_BITS, bitmap),
+            other => {
+                return Err(KernelError::Unsupported(format!(
+                    "gathering a {other:?} column with others"
+                )));
+            }
+        };
+        kinds |= kind << (8 * k);
+        let values = device.alloc(bytes)?;
+        let validity = match column.validity().is_some() || null_indices {
+            true => Some(device.alloc(bitmap)?),
+            false => None,
+        };
+        outputs.push((values, validity));
+    }
+    let mut args = vec![
+        Arg::buf(indices.buffer()),
+        Arg::U64(count as u64),
+        Arg::U64(kinds),
+    ];
+    for k in 0..GATHER_MANY {
+        match (columns.get(k), outputs.get(k)) {
+            (Some(column), Some((values, validity))) => args.extend([
+                Arg::buf(column.values()),
+                Arg::buf(values),
+                Arg::opt(column.validity()),
+                Arg::opt(validity.as_ref()),
+            ]),
+            _ => args.extend([Arg::Ptr(0); 4]),
+        }
+    }
+    if count > 0 {
+        // SAFETY: every index is below each column's length or NULL_INDEX (RowIndices
+        // guarantees it; the bound was checked above); each column's values hold its
+        // length of values of its kind's width (or bits), each output `count` of them (or
+        // ceil(count/8) bytes), each validity bitmap (or null) its rows; slots past the
+        // columns are null and their kind 0.
+        unsafe {
+            device.launch(
+                Kernel::gather_many,
+                LaunchConfig::for_items(device, count as u64, BLOCK),
+                &args,
+            )?;
+        }
+    }
+    Ok(columns
+        .iter()
+        .zip(outputs)
+        .map(|(column, (values, validity))| {
+            DeviceColumn::from_parts(column.data_type().clone(), count, values, None, validity)
+        })
+        .collect())
+}
+
 /// Gathers a string column (32-bit offsets) at `indices` without a host wait, into a byte
 /// buffer of `bound` bytes, which must hold the gathered strings (the caller knows the
 /// longest): their total is not read. A dictionary's decoding, whose longest string the

@@ -428,6 +428,42 @@ proptest! {
         }
     }
 
+    /// Every column of a batch gathered together (fixed-width and boolean columns six to a
+    /// launch, strings one by one) is what arrow's take gives each, and the launches are
+    /// one per six such columns plus the strings' own.
+    #[test]
+    fn gathering_columns_together_matches_arrow_take(n in 1usize..2000, out_n in 0usize..3000, seed in any::<u64>(), null_idx in 0u64..30) {
+        let d = device();
+        let mut r = Lcg(seed);
+        let idx: Vec<u32> = (0..out_n).map(|_| if r.chance(null_idx) { NULL_INDEX } else { (r.next() % n as u64) as u32 }).collect();
+        let take_idx: UInt32Array = idx.iter().map(|&i| (i != NULL_INDEX).then_some(i)).collect();
+        let indices = RowIndices::upload(&d, &idx, n).unwrap();
+        // Without nulls half the time: columns without a validity bitmap.
+        let columns = random_columns(n, seed, if seed % 2 == 0 { 0 } else { 15 });
+        let on_device: Vec<DeviceColumn> = columns.iter().map(|c| DeviceColumn::upload(&d, c.as_ref()).unwrap()).collect();
+        let refs: Vec<&DeviceColumn> = on_device.iter().collect();
+        let got = gather::gather_columns(&refs, &indices).unwrap();
+        // The fixed-width and boolean columns take one launch per six (counted on an
+        // emulated device of the test's own).
+        let e = emulated();
+        let fixed: Vec<DeviceColumn> = columns
+            .iter()
+            .filter(|c| !matches!(c.data_type(), DataType::Utf8 | DataType::LargeUtf8))
+            .map(|c| DeviceColumn::upload(&e, c.as_ref()).unwrap())
+            .collect();
+        let e_indices = RowIndices::upload(&e, &idx, n).unwrap();
+        let before = e.counts().launches;
+        gather::gather_columns(&fixed.iter().collect::<Vec<_>>(), &e_indices).unwrap();
+        let want = if out_n == 0 { 0 } else { fixed.len().div_ceil(gather::GATHER_MANY) as u64 };
+        prop_assert_eq!(e.counts().launches - before, want, "{} columns", fixed.len());
+        prop_assert_eq!(got.len(), columns.len());
+        for (column, got) in columns.iter().zip(&got) {
+            let got = got.to_arrow().unwrap();
+            let expected = take(column.as_ref(), &take_idx, None).unwrap();
+            prop_assert_eq!(got.as_ref(), expected.as_ref(), "{}", column.data_type());
+        }
+    }
+
     #[test]
     fn scan_matches_a_host_prefix_sum(values in proptest::collection::vec(0u64..1_000_000, 0..5000)) {
         let d = device();

@@ -10,7 +10,7 @@ use datafusion::error::{DataFusionError, Result};
 use fulmen_kernels::ops::aggregate::{AccInput, Fused, GroupTable, STATUS_BYTES, UpdateWith};
 use fulmen_kernels::ops::compact::selection_indices;
 use fulmen_kernels::ops::expr;
-use fulmen_kernels::ops::gather::gather_column;
+use fulmen_kernels::ops::gather::gather_columns;
 use fulmen_kernels::{Device, DeviceColumn, KernelError};
 
 use super::super::gpu_stream::{Chunk, GpuMetrics};
@@ -346,10 +346,7 @@ fn insert_pairs(
     match rows {
         None => pairs.update(&columns, &[], n),
         Some(rows) => {
-            let kept = columns
-                .iter()
-                .map(|c| gather_column(c, &rows))
-                .collect::<Result<Vec<_>, _>>()?;
+            let kept = gather_columns(&columns, &rows)?;
             let kept: Vec<&DeviceColumn> = kept.iter().collect();
             pairs.update(&kept, &[], rows.len())
         }

@@ -614,29 +614,56 @@ impl DeviceProbing {
             run.extra.host_takes.add(1);
             return Ok(Some(out));
         }
-        let mut columns = Vec::new();
-        for (i, &(from_build, c)) in sources.iter().enumerate() {
+        for &(from_build, c) in &sources {
             if !from_build
                 && let std::collections::hash_map::Entry::Vacant(slot) = probe_columns.entry(c)
             {
                 slot.insert(chunk.device_column(c, device, metrics)?);
             }
-            let source = match from_build {
+        }
+        let source = |i: usize| -> Result<&DeviceColumn, KernelError> {
+            let (from_build, c) = sources[i];
+            match from_build {
                 true => self.build_columns.get(&c),
                 false => probe_columns.get(&c),
             }
             .ok_or_else(|| {
                 KernelError::InvalidData(format!("output column {c} is not on the device"))
-            })?;
-            let indices = if from_build { &build_rows } else { &probe_rows };
-            let column = metrics.kernel(|| match started.remove(&i) {
-                Some((starts, total)) => {
-                    gather::gather_column_started(source, indices, starts, total)
+            })
+        };
+        // Each side's output: strings from the starts queued with the probe, the other
+        // columns together (gather_columns: six fixed-width columns to a launch).
+        let mut gathered: Vec<Option<DeviceColumn>> = vec![None; sources.len()];
+        for (side, indices) in [(true, &build_rows), (false, &probe_rows)] {
+            let mut together = Vec::new();
+            for i in (0..sources.len()).filter(|&i| sources[i].0 == side) {
+                match started.remove(&i) {
+                    Some((starts, total)) => {
+                        let column = metrics.kernel(|| {
+                            gather::gather_column_started(source(i)?, indices, starts, total)
+                        })?;
+                        gathered[i] = Some(column);
+                    }
+                    None => together.push(i),
                 }
-                None => gather::gather_column(source, indices),
-            })?;
-            columns.push(Col::Device(column));
+            }
+            let columns = together
+                .iter()
+                .map(|&i| source(i))
+                .collect::<Result<Vec<_>, _>>()?;
+            let columns = metrics.kernel(|| gather::gather_columns(&columns, indices))?;
+            for (i, column) in together.into_iter().zip(columns) {
+                gathered[i] = Some(column);
+            }
         }
+        let columns = gathered
+            .into_iter()
+            .map(|c| {
+                c.map(Col::Device).ok_or_else(|| {
+                    KernelError::InvalidData("an output column was not gathered".into())
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let (work, build, probe) = (Arc::clone(&run.work), self.build.lineage(), chunk.lineage());
         let redo = Redo::new(move || {
             let (build, probe) = (build.run()?, probe.run()?);

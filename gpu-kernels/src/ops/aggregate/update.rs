@@ -379,15 +379,31 @@ impl GroupTable {
             )?;
         }
         let leaders = RowIndices::new(leaders, new, n, false);
-        let chunk = keys
-            .iter()
-            .zip(starts)
-            .zip(byte_totals)
-            .map(|((k, started), total)| match started {
-                Some(started) => gather::gather_column_started(k, &leaders, started, total),
-                None => gather::gather_column(k, &leaders),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        // Strings from their queued starts; the other keys together (six to a launch).
+        let mut chunk: Vec<Option<DeviceColumn>> = vec![None; keys.len()];
+        let mut together = Vec::new();
+        for (k, (started, total)) in starts.into_iter().zip(byte_totals).enumerate() {
+            match started {
+                Some(started) => {
+                    let column = gather::gather_column_started(keys[k], &leaders, started, total)?;
+                    chunk[k] = Some(column);
+                }
+                None => together.push(k),
+            }
+        }
+        let columns: Vec<&DeviceColumn> = together.iter().map(|&k| keys[k]).collect();
+        for (k, column) in together
+            .into_iter()
+            .zip(gather::gather_columns(&columns, &leaders)?)
+        {
+            chunk[k] = Some(column);
+        }
+        let chunk: Vec<DeviceColumn> = chunk.into_iter().flatten().collect();
+        if chunk.len() != keys.len() {
+            return Err(KernelError::InvalidData(
+                "a key column was not gathered".into(),
+            ));
+        }
         let accs = grown.as_ref().map_or(&self.accs, |g| &g.accs);
         let descriptors = inputs
             .map(|inputs| self.accumulator_descriptors(accs, inputs))
