@@ -151,11 +151,22 @@ impl GpuMetrics {
         &self,
         columns: &[(&DeviceColumn, &datafusion::arrow::datatypes::DataType)],
     ) -> Result<Vec<ArrayRef>, KernelError> {
+        Ok(self.download_with_indices(&[], columns)?.1)
+    }
+
+    /// [`Self::download`], and the index lists `lists` brought to the host in the same wait
+    /// (a join's pairs with the probe rows they index).
+    #[allow(clippy::type_complexity)]
+    pub fn download_with_indices(
+        &self,
+        lists: &[&fulmen_kernels::ops::RowIndices],
+        columns: &[(&DeviceColumn, &datafusion::arrow::datatypes::DataType)],
+    ) -> Result<(Vec<Vec<u32>>, Vec<ArrayRef>), KernelError> {
         let start = Instant::now();
         let device: Vec<&DeviceColumn> = columns.iter().map(|(c, _)| *c).collect();
-        let arrays = fulmen_kernels::column::download_columns(&device)?;
+        let (lists, arrays) = fulmen_kernels::ops::RowIndices::all_to_host_with(lists, &device)?;
         self.d2h_time.add_duration(start.elapsed());
-        arrays
+        let arrays = arrays
             .into_iter()
             .zip(columns)
             .map(|(array, (_, data_type))| {
@@ -165,7 +176,8 @@ impl GpuMetrics {
                     cast(&array, data_type).map_err(|e| KernelError::Unsupported(e.to_string()))
                 }
             })
-            .collect()
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((lists, arrays))
     }
 
     /// Counts an output chunk as DataFusion's operators count a batch: its rows, one

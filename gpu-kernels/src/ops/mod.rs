@@ -13,6 +13,7 @@ pub mod join;
 pub mod scan;
 pub mod selftest;
 
+use arrow::array::ArrayRef;
 use arrow::datatypes::DataType;
 
 use crate::column::{DeviceColumn, Layout};
@@ -231,30 +232,48 @@ impl RowIndices {
 
     /// Copies several index lists to the host in one host wait.
     pub fn all_to_host(lists: &[&RowIndices]) -> Result<Vec<Vec<u32>>> {
+        Ok(Self::all_to_host_with(lists, &[])?.0)
+    }
+
+    /// [`Self::all_to_host`], and `columns` of the same device downloaded in the same wait
+    /// (a join's pairs and the probe rows they index).
+    pub fn all_to_host_with(
+        lists: &[&RowIndices],
+        columns: &[&DeviceColumn],
+    ) -> Result<(Vec<Vec<u32>>, Vec<ArrayRef>)> {
         let Some(first) = lists.first() else {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), crate::column::download_columns(columns)?));
         };
         let device = first.buffer.device();
         if lists.iter().any(|l| l.buffer.device() != device) {
-            return lists.iter().map(|l| l.to_host()).collect();
+            let lists = lists.iter().map(|l| l.to_host()).collect::<Result<_>>()?;
+            return Ok((lists, crate::column::download_columns(columns)?));
         }
         let mut bytes: Vec<Vec<u8>> = lists.iter().map(|l| vec![0u8; l.count * 4]).collect();
+        let arrays;
         {
             let mut reads: Vec<(&DeviceBuffer, &mut [u8])> = lists
                 .iter()
                 .zip(bytes.iter_mut())
                 .map(|(l, b)| (&*l.buffer, b.as_mut_slice()))
                 .collect();
-            device.read_many(&mut reads)?;
+            arrays = match columns.is_empty() {
+                true => {
+                    device.read_many(&mut reads)?;
+                    Vec::new()
+                }
+                false => crate::column::download_columns_with(device, columns, &mut reads)?,
+            };
         }
-        Ok(bytes
+        let lists = bytes
             .iter()
             .map(|b| {
                 b.chunks_exact(4)
                     .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect()
             })
-            .collect())
+            .collect();
+        Ok((lists, arrays))
     }
 }
 

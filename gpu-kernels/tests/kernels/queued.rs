@@ -200,3 +200,30 @@ fn probe_strings(d: &Device, count_waits: bool) {
         assert_eq!(got_probe.to_arrow().unwrap().as_ref(), want_probe.as_ref());
     }
 }
+
+/// A join's pairs and the probe columns they index come down in one wait (what a join whose
+/// output goes to the host takes there), equal to reading them apart.
+#[test]
+fn index_lists_and_columns_come_down_in_one_wait() {
+    let d = emulated();
+    let n = 5000;
+    let columns = random_columns(n, 42, 15);
+    let on_device: Vec<DeviceColumn> = columns
+        .iter()
+        .map(|c| DeviceColumn::upload(&d, c.as_ref()).unwrap())
+        .collect();
+    let refs: Vec<&DeviceColumn> = on_device.iter().collect();
+    let a: Vec<u32> = (0..3000).map(|i| (i * 7 % n) as u32).collect();
+    let b: Vec<u32> = (0..3000).map(|i| (i * 13 % n) as u32).collect();
+    let (a_dev, b_dev) = (
+        RowIndices::upload(&d, &a, n).unwrap(),
+        RowIndices::upload(&d, &b, n).unwrap(),
+    );
+    let before = d.counts().syncs;
+    let (lists, arrays) = RowIndices::all_to_host_with(&[&a_dev, &b_dev], &refs).unwrap();
+    assert_eq!(d.counts().syncs - before, 1, "one wait");
+    assert_eq!(lists, vec![a, b]);
+    for (array, column) in arrays.iter().zip(&columns) {
+        assert_eq!(array.as_ref(), column.as_ref(), "{}", column.data_type());
+    }
+}

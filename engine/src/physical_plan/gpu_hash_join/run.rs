@@ -749,18 +749,15 @@ impl DeviceProbing {
     ) -> Result<Chunk, KernelError> {
         let metrics = &self.run.metrics;
         let lists = [build_rows, probe_rows];
-        let mut pairs = metrics
-            .kernel(|| fulmen_kernels::ops::RowIndices::all_to_host(&lists))?
-            .into_iter()
-            .map(UInt32Array::from);
-        let (Some(build_rows), Some(probe_rows)) = (pairs.next(), pairs.next()) else {
-            return Err(KernelError::InvalidData("a probe without pairs".into()));
-        };
         let wanted = self.run.work.probe_outputs();
-        let probe: HashMap<usize, ArrayRef> = match chunk {
-            Chunk::Host(batch) => (wanted.iter())
-                .map(|&c| (c, Arc::clone(batch.column(c))))
-                .collect(),
+        // The pairs, and a device chunk's probe columns, come down in one wait.
+        let (pairs, probe): (Vec<Vec<u32>>, HashMap<usize, ArrayRef>) = match chunk {
+            Chunk::Host(batch) => (
+                metrics.kernel(|| fulmen_kernels::ops::RowIndices::all_to_host(&lists))?,
+                (wanted.iter())
+                    .map(|&c| (c, Arc::clone(batch.column(c))))
+                    .collect(),
+            ),
             Chunk::Device(batch, schema, _) => {
                 let columns = (wanted.iter())
                     .map(|&c| {
@@ -770,12 +767,13 @@ impl DeviceProbing {
                         Ok((column, schema.field(c).data_type()))
                     })
                     .collect::<Result<Vec<_>, KernelError>>()?;
-                wanted
-                    .iter()
-                    .copied()
-                    .zip(metrics.download(&columns)?)
-                    .collect()
+                let (pairs, arrays) = metrics.download_with_indices(&lists, &columns)?;
+                (pairs, wanted.iter().copied().zip(arrays).collect())
             }
+        };
+        let mut pairs = pairs.into_iter().map(UInt32Array::from);
+        let (Some(build_rows), Some(probe_rows)) = (pairs.next(), pairs.next()) else {
+            return Err(KernelError::InvalidData("a probe without pairs".into()));
         };
         let host = |e: DataFusionError| KernelError::InvalidData(e.to_string());
         let build = self.build.host(metrics).map_err(host)?;
