@@ -86,6 +86,14 @@ impl Chunk {
         }
     }
 
+    /// Whether every column is already on `device` (a device chunk there).
+    pub fn on(&self, device: &Device) -> bool {
+        match self {
+            Self::Host(_) => false,
+            Self::Device(b, ..) => b.columns().iter().all(|c| c.device() == device),
+        }
+    }
+
     /// Column `i` on `device`: uploaded from the host (counted), or the device column
     /// itself (shared, not copied).
     pub fn device_column(

@@ -155,7 +155,8 @@ async fn a_filter_join_aggregate_chain_stays_on_the_device() {
 /// narrow rows), or brings down the pairs and the probe chunk and takes the rows on the
 /// host (a few rows of five strings out of a small filtered chunk: five gathers would
 /// cost more launches and waits), as the cost model finds; the answers are DataFusion's
-/// either way. On one device over a filtered build side built where it lies, and on two
+/// either way. A string among gathered output costs no wait of its own: its lengths are
+/// queued with the probe, whose one wait brings its byte total up. On one device over a filtered build side built where it lies, and on two
 /// devices over a replicated one.
 #[tokio::test]
 async fn a_join_whose_output_goes_to_the_host_probes_on_the_device() {
@@ -163,6 +164,8 @@ async fn a_join_whose_output_goes_to_the_host_probes_on_the_device() {
     use super::cache::{CONTROL_BYTES, shown, text};
     let narrow = "SELECT l_orderkey, l_quantity, p_retailprice FROM lineitem \
                   JOIN part ON l_partkey = p_partkey WHERE p_size = 15 ORDER BY 3, 1, 2";
+    let one_string = "SELECT l_orderkey, l_quantity, p_retailprice, l_comment FROM lineitem \
+                      JOIN part ON l_partkey = p_partkey WHERE p_size = 15 ORDER BY 3, 1, 2, 4";
     let strings = "SELECT l_returnflag, l_linestatus, l_shipinstruct, l_shipmode, l_comment, \
                    p_retailprice FROM lineitem JOIN part ON l_partkey = p_partkey \
                    WHERE p_size = 15 AND l_quantity < 5 ORDER BY 6, 1, 2, 3, 4, 5";
@@ -174,8 +177,13 @@ async fn a_join_whose_output_goes_to_the_host_probes_on_the_device() {
         // The probe side's dynamic filter would bring the build keys down too.
         let off = "SET datafusion.optimizer.enable_join_dynamic_filter_pushdown = false";
         text(&gpu, off).await;
-        for (sql, gathered) in [(narrow, true), (strings, false)] {
-            let what = format!("{set}, {}", if gathered { "narrow" } else { "strings" });
+        let mut narrow_syncs = None;
+        for (name, sql, gathered) in [
+            ("narrow", narrow, true),
+            ("one string", one_string, true),
+            ("strings", strings, false),
+        ] {
+            let what = format!("{set}, {name}");
             let plan = plan_of(&gpu, sql).await;
             let got = rows_of(&gpu, &plan).await;
             assert_eq!(got, run(&cpu, sql).await.1, "{what}");
@@ -198,14 +206,16 @@ async fn a_join_whose_output_goes_to_the_host_probes_on_the_device() {
             });
             let shown = shown(&plan);
             let join = join.unwrap_or_else(|| panic!("{what}: no GPU join\n{shown}"));
-            let (up, down, rows, takes) = (
+            let (up, down, rows, takes, syncs) = (
                 metric(&join, "h2d_bytes"),
                 metric(&join, "d2h_bytes"),
                 output_rows(&join),
                 metric(&join, "host_takes"),
+                metric(&join, "syncs"),
             );
             println!(
-                "{what}: the join moved {up} B up, {down} B down, {rows} rows, {takes} taken on the host"
+                "{what}: the join moved {up} B up, {down} B down, {rows} rows, {takes} taken on \
+                 the host, {syncs} host syncs"
             );
             assert!(rows > 10, "{what}: {rows} rows\n{shown}");
             let scan_down =
@@ -219,12 +229,18 @@ async fn a_join_whose_output_goes_to_the_host_probes_on_the_device() {
                 "{what}: the join uploaded {up} bytes\n{shown}"
             );
             if gathered {
-                // Three 8-byte numbers a row, and nothing else.
+                // Three 8-byte numbers a row (and a comment, at most 43 bytes), and nothing else.
+                let width = if name == "narrow" { 24 } else { 24 + 4 + 43 };
                 assert_eq!(takes, 0, "{what}\n{shown}");
                 assert!(
-                    down > 0 && down < 24 * rows + CONTROL_BYTES,
+                    down > 0 && down < width * rows + CONTROL_BYTES,
                     "{what}: the join downloaded {down} bytes for {rows} rows\n{shown}"
                 );
+                // The same batches as the narrow query's, and no more waits.
+                match narrow_syncs {
+                    None => narrow_syncs = Some(syncs),
+                    Some(narrow) => assert_eq!(syncs, narrow, "{what}\n{shown}"),
+                }
             } else {
                 assert!(takes > 0, "{what}: every batch was gathered\n{shown}");
             }

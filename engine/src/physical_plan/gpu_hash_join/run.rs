@@ -536,11 +536,12 @@ impl DeviceProbing {
         // The probe's keys, and the string columns it outputs, go up before the probe: the
         // strings' lengths are queued over the pending matches, so that their byte totals
         // come up in the probe's one wait. Other probe columns go up once something matched.
-        // (Output that goes to the host may be taken there instead of gathered, so its
-        // strings' lengths wait until it is gathered: see `gather_pays`.)
+        // Output that goes to the host is gathered on the device only out of a chunk already
+        // there (see `gather_pays`): only then are its strings' lengths queued (a launch
+        // each, wasted if the host takes the batch after all).
         let mut probe_columns: HashMap<usize, DeviceColumn> = HashMap::new();
         let schema = chunk.schema();
-        let queue_strings = !self.to_host;
+        let queue_strings = !self.to_host || chunk.on(device);
         let probe_strings = sources
             .iter()
             .filter(|&&(from_build, c)| !from_build && held_as_bytes(schema.field(c).data_type()))
