@@ -135,21 +135,15 @@ impl BatchWork for FilterWork {
                     unique.push(c);
                 }
             }
-            let (started, together): (Vec<usize>, Vec<usize>) =
-                unique.into_iter().partition(|c| starts.contains_key(c));
-            let sources: Vec<&DeviceColumn> = together.iter().map(|c| &on_device[c]).collect();
-            let mut gathered: HashMap<usize, DeviceColumn> = together
+            let sources: Vec<&DeviceColumn> = unique.iter().map(|c| &on_device[c]).collect();
+            let started = (unique.iter())
+                .map(|c| starts.remove(c).map(|queued| (queued, totals[c])))
+                .collect();
+            let gathered: HashMap<usize, DeviceColumn> = unique
                 .iter()
                 .copied()
-                .zip(gather::gather_columns(&sources, &indices)?)
+                .zip(gather::gather_columns_started(&sources, &indices, started)?)
                 .collect();
-            for c in started {
-                if let Some(queued) = starts.remove(&c) {
-                    let column = &on_device[&c];
-                    let out = gather::gather_column_started(column, &indices, queued, totals[&c])?;
-                    gathered.insert(c, out);
-                }
-            }
             let columns = self
                 .outputs
                 .iter()

@@ -54,6 +54,38 @@ pub fn gather_columns(
         .collect()
 }
 
+/// Gathers each of `columns` at `indices`, as [`gather_columns`] does, except that a column
+/// with starts queued for these indices (and the byte total the host read: see
+/// [`gather_column_started`]) is gathered from them, with no wait.
+pub fn gather_columns_started(
+    columns: &[&DeviceColumn],
+    indices: &RowIndices,
+    started: Vec<Option<(QueuedStarts, u64)>>,
+) -> Result<Vec<DeviceColumn>> {
+    if started.len() != columns.len() {
+        return Err(KernelError::InvalidData(format!(
+            "{} queued starts for {} columns",
+            started.len(),
+            columns.len()
+        )));
+    }
+    let mut out: Vec<Option<DeviceColumn>> = vec![None; columns.len()];
+    let mut together = Vec::new();
+    for (i, started) in started.into_iter().enumerate() {
+        match started {
+            Some((starts, total)) => {
+                out[i] = Some(gather_column_started(columns[i], indices, starts, total)?);
+            }
+            None => together.push(i),
+        }
+    }
+    let rest: Vec<&DeviceColumn> = together.iter().map(|&i| columns[i]).collect();
+    for (i, column) in together.into_iter().zip(gather_columns(&rest, indices)?) {
+        out[i] = Some(column);
+    }
+    Ok(out.into_iter().flatten().collect())
+}
+
 /// Gathers up to [`GATHER_MANY`] fixed-width or boolean columns of one device at
 /// `indices` in one launch.
 fn gather_many(columns: &[&DeviceColumn], indices: &RowIndices) -> Result<Vec<DeviceColumn>> {

@@ -636,24 +636,17 @@ impl DeviceProbing {
         // columns together (gather_columns: six fixed-width columns to a launch).
         let mut gathered: Vec<Option<DeviceColumn>> = vec![None; sources.len()];
         for (side, indices) in [(true, &build_rows), (false, &probe_rows)] {
-            let mut together = Vec::new();
-            for i in (0..sources.len()).filter(|&i| sources[i].0 == side) {
-                match started.remove(&i) {
-                    Some((starts, total)) => {
-                        let column = metrics.kernel(|| {
-                            gather::gather_column_started(source(i)?, indices, starts, total)
-                        })?;
-                        gathered[i] = Some(column);
-                    }
-                    None => together.push(i),
-                }
-            }
-            let columns = together
+            let these: Vec<usize> = (0..sources.len())
+                .filter(|&i| sources[i].0 == side)
+                .collect();
+            let columns = these
                 .iter()
                 .map(|&i| source(i))
                 .collect::<Result<Vec<_>, _>>()?;
-            let columns = metrics.kernel(|| gather::gather_columns(&columns, indices))?;
-            for (i, column) in together.into_iter().zip(columns) {
+            let queued = these.iter().map(|i| started.remove(i)).collect();
+            let columns =
+                metrics.kernel(|| gather::gather_columns_started(&columns, indices, queued))?;
+            for (i, column) in these.into_iter().zip(columns) {
                 gathered[i] = Some(column);
             }
         }

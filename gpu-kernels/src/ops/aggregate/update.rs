@@ -380,30 +380,9 @@ impl GroupTable {
         }
         let leaders = RowIndices::new(leaders, new, n, false);
         // Strings from their queued starts; the other keys together (six to a launch).
-        let mut chunk: Vec<Option<DeviceColumn>> = vec![None; keys.len()];
-        let mut together = Vec::new();
-        for (k, (started, total)) in starts.into_iter().zip(byte_totals).enumerate() {
-            match started {
-                Some(started) => {
-                    let column = gather::gather_column_started(keys[k], &leaders, started, total)?;
-                    chunk[k] = Some(column);
-                }
-                None => together.push(k),
-            }
-        }
-        let columns: Vec<&DeviceColumn> = together.iter().map(|&k| keys[k]).collect();
-        for (k, column) in together
-            .into_iter()
-            .zip(gather::gather_columns(&columns, &leaders)?)
-        {
-            chunk[k] = Some(column);
-        }
-        let chunk: Vec<DeviceColumn> = chunk.into_iter().flatten().collect();
-        if chunk.len() != keys.len() {
-            return Err(KernelError::InvalidData(
-                "a key column was not gathered".into(),
-            ));
-        }
+        let started = starts.into_iter().zip(byte_totals);
+        let started = started.map(|(s, total)| s.map(|s| (s, total))).collect();
+        let chunk = gather::gather_columns_started(keys, &leaders, started)?;
         let accs = grown.as_ref().map_or(&self.accs, |g| &g.accs);
         let descriptors = inputs
             .map(|inputs| self.accumulator_descriptors(accs, inputs))
