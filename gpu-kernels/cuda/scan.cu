@@ -1,9 +1,14 @@
-// Exclusive prefix sums of uint64_t values, in three launches:
-//   scan_tile_sums    (in, n, tile_sums):  sum of each tile of SCAN_TILE values
-//   scan_tile_offsets (tile_sums, tiles, total_out):  one block turns tile sums into exclusive
-//                                          offsets (in place) and writes the total at
-//                                          tile_sums[tiles] (and at *total_out, when not null)
-//   scan_tiles        (in, n, tile_sums, out): each tile scanned in shared memory, plus its offset
+// Exclusive prefix sums of uint64_t values, in three launches, over `segments` independent
+// segments of `n` values each (one scan per segment: a string column's lengths each, say).
+// Segment s starts at value s * stride, stride = tiles_per_segment * SCAN_TILE with
+// tiles_per_segment = ceil(n / SCAN_TILE); values past n in a segment are neither read nor
+// written. Segment s owns tile sums s * (tiles_per_segment + 1) .. + tiles_per_segment.
+//   scan_tile_sums    (in, n, segments, tile_sums):  sum of each tile of SCAN_TILE values
+//   scan_tile_offsets (tile_sums, n, segments, total_out):  a block per segment turns its
+//                     tile sums into exclusive offsets (in place) and writes the segment's
+//                     total after them (and at total_out[s], when not null)
+//   scan_tiles        (in, n, segments, tile_sums, out): each tile scanned in shared memory,
+//                     plus its offset
 // Launch scan_tile_sums and scan_tiles with blockDim.x == SCAN_THREADS; any grid size works.
 #include "fulmen.cuh"
 
@@ -27,55 +32,77 @@ __device__ uint64_t block_inclusive_scan(uint64_t value, uint64_t* buf) {
     return result;
 }
 
-FULMEN_KERNEL scan_tile_sums(const uint64_t* in, uint64_t n, uint64_t* tile_sums) {
+// Where tile `tile` (of all segments' tiles, in order) lies: its first value's index in
+// `in`/`out`, the index within its segment of this thread's first value, and its tile sum's.
+struct ScanTile {
+    uint64_t base, first, sum_at;
+};
+
+__device__ __forceinline__ ScanTile scan_tile(uint64_t tile, uint64_t per_segment) {
+    uint64_t segment = tile / per_segment, local = tile % per_segment;
+    ScanTile t;
+    t.base = segment * per_segment * SCAN_TILE;
+    t.first = local * SCAN_TILE + (uint64_t)threadIdx.x * SCAN_ITEMS;
+    t.sum_at = segment * (per_segment + 1) + local;
+    return t;
+}
+
+FULMEN_KERNEL scan_tile_sums(const uint64_t* in, uint64_t n, uint64_t segments, uint64_t* tile_sums) {
     __shared__ uint64_t buf[SCAN_THREADS];
-    uint64_t tiles = (n + SCAN_TILE - 1) / SCAN_TILE;
+    uint64_t per_segment = (n + SCAN_TILE - 1) / SCAN_TILE;
+    uint64_t tiles = per_segment * segments;
     for (uint64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        uint64_t first = tile * SCAN_TILE + (uint64_t)threadIdx.x * SCAN_ITEMS;
+        ScanTile t = scan_tile(tile, per_segment);
         uint64_t sum = 0;
         for (unsigned k = 0; k < SCAN_ITEMS; ++k)
-            if (first + k < n) sum += in[first + k];
+            if (t.first + k < n) sum += in[t.base + t.first + k];
         uint64_t inclusive = block_inclusive_scan(sum, buf);
-        if (threadIdx.x == blockDim.x - 1) tile_sums[tile] = inclusive;
+        if (threadIdx.x == blockDim.x - 1) tile_sums[t.sum_at] = inclusive;
     }
 }
 
-FULMEN_KERNEL scan_tile_offsets(uint64_t* tile_sums, uint64_t tiles, uint64_t* total_out) {
+FULMEN_KERNEL scan_tile_offsets(uint64_t* tile_sums, uint64_t n, uint64_t segments, uint64_t* total_out) {
     __shared__ uint64_t buf[SCAN_THREADS];
     __shared__ uint64_t carry;
-    if (blockIdx.x != 0) return;
-    if (threadIdx.x == 0) carry = 0;
-    __syncthreads();
-    for (uint64_t base = 0; base < tiles; base += blockDim.x) {
-        uint64_t i = base + threadIdx.x;
-        uint64_t value = i < tiles ? tile_sums[i] : 0;
-        uint64_t inclusive = block_inclusive_scan(value, buf);
-        uint64_t start = carry;
-        if (i < tiles) tile_sums[i] = start + inclusive - value;
+    uint64_t tiles = (n + SCAN_TILE - 1) / SCAN_TILE;
+    for (uint64_t segment = blockIdx.x; segment < segments; segment += gridDim.x) {
+        uint64_t* sums = tile_sums + segment * (tiles + 1);
+        if (threadIdx.x == 0) carry = 0;
         __syncthreads();
-        if (threadIdx.x == blockDim.x - 1) carry = start + inclusive;
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        tile_sums[tiles] = carry;
-        if (total_out) *total_out = carry;
+        for (uint64_t base = 0; base < tiles; base += blockDim.x) {
+            uint64_t i = base + threadIdx.x;
+            uint64_t value = i < tiles ? sums[i] : 0;
+            uint64_t inclusive = block_inclusive_scan(value, buf);
+            uint64_t start = carry;
+            if (i < tiles) sums[i] = start + inclusive - value;
+            __syncthreads();
+            if (threadIdx.x == blockDim.x - 1) carry = start + inclusive;
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            sums[tiles] = carry;
+            if (total_out) total_out[segment] = carry;
+        }
+        __syncthreads();  // carry is reset for the block's next segment
     }
 }
 
-FULMEN_KERNEL scan_tiles(const uint64_t* in, uint64_t n, const uint64_t* tile_offsets, uint64_t* out) {
+FULMEN_KERNEL scan_tiles(const uint64_t* in, uint64_t n, uint64_t segments, const uint64_t* tile_offsets,
+                         uint64_t* out) {
     __shared__ uint64_t buf[SCAN_THREADS];
-    uint64_t tiles = (n + SCAN_TILE - 1) / SCAN_TILE;
+    uint64_t per_segment = (n + SCAN_TILE - 1) / SCAN_TILE;
+    uint64_t tiles = per_segment * segments;
     for (uint64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        uint64_t first = tile * SCAN_TILE + (uint64_t)threadIdx.x * SCAN_ITEMS;
+        ScanTile t = scan_tile(tile, per_segment);
         uint64_t items[SCAN_ITEMS];
         uint64_t sum = 0;
         for (unsigned k = 0; k < SCAN_ITEMS; ++k) {
-            items[k] = first + k < n ? in[first + k] : 0;
+            items[k] = t.first + k < n ? in[t.base + t.first + k] : 0;
             sum += items[k];
         }
-        uint64_t running = tile_offsets[tile] + block_inclusive_scan(sum, buf) - sum;
+        uint64_t running = tile_offsets[t.sum_at] + block_inclusive_scan(sum, buf) - sum;
         for (unsigned k = 0; k < SCAN_ITEMS; ++k) {
-            if (first + k < n) out[first + k] = running;
+            if (t.first + k < n) out[t.base + t.first + k] = running;
             running += items[k];
         }
     }

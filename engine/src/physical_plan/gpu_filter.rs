@@ -108,14 +108,13 @@ impl BatchWork for FilterWork {
                 n,
                 &status,
             )?;
-            let mut starts = HashMap::new();
-            for (k, &c) in strings.iter().enumerate() {
-                let started = gather::queue_string_starts(
-                    &on_device[&c],
-                    selection.pending(&status)?,
-                    Word::of(&status, 2 + k)?,
-                )?;
-                starts.insert(c, started);
+            let mut starts: HashMap<usize, gather::QueuedStarts> = HashMap::new();
+            if !strings.is_empty() {
+                let columns: Vec<&DeviceColumn> = strings.iter().map(|c| &on_device[c]).collect();
+                let pending = selection.pending(&status)?;
+                let queued =
+                    gather::queue_strings_starts(&columns, pending, Word::of(&status, 2)?)?;
+                starts.extend(strings.iter().copied().zip(queued));
             }
             // Over no rows nothing was launched: nothing to wait for.
             let (count, totals) = match n {

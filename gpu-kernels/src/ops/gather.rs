@@ -3,7 +3,7 @@
 //!
 //! A string column's gather needs its byte total before it can allocate the bytes: either
 //! the host waits for it ([`gather_column`]), or the lengths and their scan are queued
-//! before the host knows even how many indices there are ([`queue_string_starts`]), the
+//! before the host knows even how many indices there are ([`queue_strings_starts`]), the
 //! total goes to a word the stage reads in its one wait, and the copy follows
 //! ([`gather_column_started`]).
 
@@ -13,6 +13,7 @@ use crate::device::{Arg, LaunchConfig};
 use crate::kernels::Kernel;
 use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
+use std::sync::Arc;
 
 /// Gathers the rows of `column` at `indices`; NULL_INDEX gives NULL (outer joins), and the
 /// result then has a validity bitmap. A string column's gather waits for its byte total.
@@ -197,14 +198,21 @@ pub(crate) fn gather_strings_within(
     // The total goes to a word nobody reads: the caller's bound sizes the bytes.
     let total = device.alloc(8)?;
     let starts = scan::exclusive_scan_queued(device, &lengths, count, Word::of(&total, 0)?)?;
-    gather(column, indices, Some((starts, bound.max(1) as u64, false)))
+    gather(
+        column,
+        indices,
+        Some((Arc::new(starts), 0, bound.max(1) as u64, false)),
+    )
 }
 
 /// The output starts of a string column's gather, queued over indices whose count the host
-/// has not read ([`queue_string_starts`]); the byte total is in the word it was given.
+/// has not read ([`queue_strings_starts`]); the byte total is in the word it was given.
 #[derive(Debug)]
 pub struct QueuedStarts {
-    starts: DeviceBuffer,
+    /// The scan the starts are part of (shared by the columns queued together), and where
+    /// they begin in it (in values).
+    starts: Arc<DeviceBuffer>,
+    at: usize,
     slots: usize,
     /// What they were computed from: the index buffer (`None`: starts by source row, of
     /// flagged rows) and the column's offsets.
@@ -212,18 +220,17 @@ pub struct QueuedStarts {
     offsets: u64,
 }
 
-/// Queues the lengths of the strings of `column` at `indices` and their exclusive scan,
-/// without a host wait: the output starts, and the byte total written to `total_to` (which
-/// the caller zeroed) for the host to read with the indices' count, in one wait. Work over
-/// all the indices' slots, of which only the real ones count.
-pub fn queue_string_starts(
-    column: &DeviceColumn,
+/// Queues the lengths of the strings of each of `columns` (of one device) at `indices`
+/// and their exclusive scans, without a host wait: each column's output starts, and its
+/// byte total written to the word `k` words after `totals_to` for column `k` (the caller
+/// zeroed them) for the host to read with the indices' count, in one wait. Work over all
+/// the indices' slots, of which only the real ones count. A length launch per column,
+/// and the columns' scans in the three launches of one (`scan::segments_queued`).
+pub fn queue_strings_starts(
+    columns: &[&DeviceColumn],
     indices: PendingIndices<'_>,
-    total_to: Word<'_>,
-) -> Result<QueuedStarts> {
-    let (width, offsets) = string_offsets(column)?;
-    check_bound(indices.bound(), column)?;
-    let device = column.device();
+    totals_to: Word<'_>,
+) -> Result<Vec<QueuedStarts>> {
     let slots = indices.slots();
     if indices.buffer.len() < slots * 4 {
         return Err(KernelError::Unsupported(format!(
@@ -231,60 +238,65 @@ pub fn queue_string_starts(
             indices.buffer.len()
         )));
     }
-    let lengths = device.alloc((slots * 8).max(1))?;
-    if slots > 0 {
-        let kernel = if width == 4 {
-            Kernel::gather_string_lengths_o32
-        } else {
-            Kernel::gather_string_lengths_o64
-        };
-        // SAFETY: `offsets` holds column.len() + 1 offsets of `width` bytes; the kernel
-        // reads only the first min(*count, slots) indices, which the producer of the
-        // pending indices wrote before its count, each below the bound ≤ column.len() (or
-        // NULL_INDEX); `lengths` holds `slots` u64.
-        unsafe {
-            device.launch(
-                kernel,
-                LaunchConfig::for_items(device, slots as u64, BLOCK),
-                &[
-                    Arg::buf(offsets),
-                    Arg::buf(indices.buffer),
-                    Arg::U64(slots as u64),
-                    indices.count.arg(),
-                    Arg::buf(&lengths),
-                ],
-            )?;
-        }
-    }
-    starts_from(
-        &lengths,
+    queue_starts(
+        columns,
         slots,
-        total_to,
+        totals_to,
         Some(indices.buffer.addr()),
-        offsets,
+        |column, lengths| {
+            let (width, offsets) = string_offsets(column)?;
+            check_bound(indices.bound(), column)?;
+            let kernel = if width == 4 {
+                Kernel::gather_string_lengths_o32
+            } else {
+                Kernel::gather_string_lengths_o64
+            };
+            // SAFETY: `offsets` holds column.len() + 1 offsets of `width` bytes; the kernel
+            // reads only the first min(*count, slots) indices, which the producer of the
+            // pending indices wrote before its count, each below the bound ≤ column.len() (or
+            // NULL_INDEX); `lengths` holds `slots` u64.
+            unsafe {
+                column.device().launch(
+                    kernel,
+                    LaunchConfig::for_items(column.device(), slots as u64, BLOCK),
+                    &[
+                        Arg::buf(offsets),
+                        Arg::buf(indices.buffer),
+                        Arg::U64(slots as u64),
+                        indices.count.arg(),
+                        lengths,
+                    ],
+                )
+            }
+        },
     )
 }
 
-/// Queues, without a host wait, the starts of the strings of the rows of `column` that
-/// `flags` marks (one u64 per row, non-zero for a marked row), by row: for gathering the
-/// marked rows in row order (the indices a compaction of the flags gives), each at the sum
-/// of the lengths of the marked rows before it. The byte total goes to `total_to`.
-pub fn queue_flagged_string_starts(
-    column: &DeviceColumn,
+/// Queues, without a host wait, the starts of the strings of the rows of each of `columns`
+/// (of one device and length) that `flags` marks (one u64 per row, non-zero for a marked
+/// row), by row: for gathering the marked rows in row order (the indices a compaction of
+/// the flags gives), each at the sum of the lengths of the marked rows before it. Column
+/// `k`'s byte total goes to the word `k` words after `totals_to`.
+pub fn queue_flagged_strings_starts(
+    columns: &[&DeviceColumn],
     flags: &DeviceBuffer,
-    total_to: Word<'_>,
-) -> Result<QueuedStarts> {
-    let (width, offsets) = string_offsets(column)?;
-    let n = column.len();
+    totals_to: Word<'_>,
+) -> Result<Vec<QueuedStarts>> {
+    let n = columns.first().map_or(0, |c| c.len());
     if flags.len() < n * 8 {
         return Err(KernelError::Unsupported(format!(
             "flags of {n} rows in a {}-byte buffer",
             flags.len()
         )));
     }
-    let device = column.device();
-    let lengths = device.alloc((n * 8).max(1))?;
-    if n > 0 {
+    queue_starts(columns, n, totals_to, None, |column, lengths| {
+        let (width, offsets) = string_offsets(column)?;
+        if column.len() != n {
+            return Err(KernelError::Unsupported(format!(
+                "flagged string starts of columns of {n} and {} rows",
+                column.len()
+            )));
+        }
         let kernel = if width == 4 {
             Kernel::gather_string_lengths_flagged_o32
         } else {
@@ -293,19 +305,68 @@ pub fn queue_flagged_string_starts(
         // SAFETY: `offsets` holds n + 1 offsets of `width` bytes, `flags` and `lengths`
         // n u64 (checked).
         unsafe {
-            device.launch(
+            column.device().launch(
                 kernel,
-                LaunchConfig::for_items(device, n as u64, BLOCK),
+                LaunchConfig::for_items(column.device(), n as u64, BLOCK),
                 &[
                     Arg::buf(offsets),
                     Arg::buf(flags),
                     Arg::U64(n as u64),
-                    Arg::buf(&lengths),
+                    lengths,
                 ],
+            )
+        }
+    })
+}
+
+/// Queues each column's lengths (`lengths(column, into)` launches the kernel that writes
+/// `slots` of them into `into`), one column's after another's at the scan's segment
+/// stride, and their scans.
+fn queue_starts(
+    columns: &[&DeviceColumn],
+    slots: usize,
+    totals_to: Word<'_>,
+    indices: Option<u64>,
+    lengths: impl Fn(&DeviceColumn, Arg) -> Result<()>,
+) -> Result<Vec<QueuedStarts>> {
+    let Some(first) = columns.first() else {
+        return Ok(Vec::new());
+    };
+    let device = first.device();
+    if let Some(other) = columns.iter().find(|c| c.device() != device) {
+        return Err(KernelError::Unsupported(format!(
+            "string starts of columns on {device} and {}",
+            other.device()
+        )));
+    }
+    let stride = match columns.len() {
+        1 => slots,
+        _ => scan::segment_stride(slots),
+    };
+    let all = device.alloc((columns.len() * stride * 8).max(1))?;
+    if slots > 0 {
+        for (k, column) in columns.iter().enumerate() {
+            lengths(
+                column,
+                Arg::Buf(all.addr() + (8 * k * stride) as u64, 8 * slots),
             )?;
         }
     }
-    starts_from(&lengths, n, total_to, None, offsets)
+    let starts = scan::segments_queued(device, &all, slots, columns.len(), totals_to)?;
+    let starts = Arc::new(starts);
+    columns
+        .iter()
+        .enumerate()
+        .map(|(k, column)| {
+            Ok(QueuedStarts {
+                starts: Arc::clone(&starts),
+                at: k * stride,
+                slots,
+                indices,
+                offsets: string_offsets(column)?.1.addr(),
+            })
+        })
+        .collect()
 }
 
 /// Checks that indices below `bound` address rows of `column`.
@@ -330,25 +391,8 @@ fn string_offsets(column: &DeviceColumn) -> Result<(usize, &DeviceBuffer)> {
     }
 }
 
-/// Queues the scan of `slots` lengths into starts, their total to `total_to`.
-fn starts_from(
-    lengths: &DeviceBuffer,
-    slots: usize,
-    total_to: Word<'_>,
-    indices: Option<u64>,
-    offsets: &DeviceBuffer,
-) -> Result<QueuedStarts> {
-    let starts = scan::exclusive_scan_queued(lengths.device(), lengths, slots, total_to)?;
-    Ok(QueuedStarts {
-        starts,
-        slots,
-        indices,
-        offsets: offsets.addr(),
-    })
-}
-
-/// Gathers a string column with starts queued by [`queue_string_starts`] over the same
-/// indices (now counted), or by [`queue_flagged_string_starts`] over the flags these
+/// Gathers a string column with starts queued by [`queue_strings_starts`] over the same
+/// indices (now counted), or by [`queue_flagged_strings_starts`] over the flags these
 /// indices are the compaction of (in row order, no NULL index), and the byte total the
 /// host read: no wait. The check that the starts were queued for these indices and this
 /// column compares buffer addresses: it catches a mix-up, not a buffer freed and its
@@ -369,11 +413,16 @@ pub fn gather_column_started(
         ));
     }
     let by_source = started.indices.is_none();
-    gather(column, indices, Some((started.starts, total, by_source)))
+    gather(
+        column,
+        indices,
+        Some((started.starts, started.at, total, by_source)),
+    )
 }
 
-/// Starts queued before, their byte total, and whether they are by source row.
-type Started = (DeviceBuffer, u64, bool);
+/// Starts queued before (a scan, and where in it they begin), their byte total, and
+/// whether they are by source row.
+type Started = (Arc<DeviceBuffer>, usize, u64, bool);
 
 fn gather(
     column: &DeviceColumn,
@@ -478,7 +527,7 @@ fn gather(
                     Kernel::gather_string_copy_o64,
                 )
             };
-            let (starts, total, by_source) = match started {
+            let (starts, at, total, by_source) = match started {
                 Some(started) => started,
                 None => {
                     let lengths = device.alloc(count * 8)?;
@@ -498,7 +547,7 @@ fn gather(
                         )?;
                     }
                     let (starts, total) = scan::exclusive_scan(device, &lengths, count)?;
-                    (starts, total, false)
+                    (Arc::new(starts), 0, total, false)
                 }
             };
             if width == 4 && total > i32::MAX as u64 {
@@ -525,7 +574,7 @@ fn gather(
                         Arg::buf(column.values()),
                         Arg::buf(indices),
                         n,
-                        Arg::buf(&starts),
+                        Arg::Buf(starts.addr() + 8 * at as u64, starts.len() - 8 * at),
                         Arg::U32(u32::from(by_source)),
                         Arg::buf(&out_offsets),
                         Arg::buf(&out_bytes),

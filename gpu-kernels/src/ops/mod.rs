@@ -89,7 +89,17 @@ impl<'a> Word<'a> {
 
     /// The word as a kernel argument: its own 8 bytes inside the buffer.
     pub(crate) fn arg(self) -> Arg {
-        Arg::Buf(self.buffer.addr() + 8 * self.index as u64, 8)
+        Arg::Buf(self.addr(), 8)
+    }
+
+    /// The word's device address.
+    pub(crate) fn addr(&self) -> u64 {
+        self.buffer.addr() + 8 * self.index as u64
+    }
+
+    /// The word `k` words after this one, which the buffer must hold.
+    pub fn nth(&self, k: usize) -> Result<Word<'a>> {
+        Word::of(self.buffer, self.index + k)
     }
 }
 

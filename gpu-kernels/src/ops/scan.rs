@@ -16,7 +16,7 @@ pub fn exclusive_scan(
     input: &DeviceBuffer,
     n: usize,
 ) -> Result<(DeviceBuffer, u64)> {
-    let (out, sums) = queue(device, input, n, None)?;
+    let (out, sums) = queue(device, input, n, 1, None)?;
     let total = match sums {
         Some((sums, tiles)) => sums.read_u64(tiles)?,
         None => 0,
@@ -33,58 +33,97 @@ pub fn exclusive_scan_queued(
     n: usize,
     total_to: Word<'_>,
 ) -> Result<DeviceBuffer> {
-    queue(device, input, n, Some(total_to)).map(|(out, _)| out)
+    queue(device, input, n, 1, Some(total_to)).map(|(out, _)| out)
 }
 
-/// Launches the scan; the tile sums (and their count: the total is at that index) unless
-/// there were no values.
+/// Values from one segment's start to the next's, for segments of `n` values (see
+/// [`segments_queued`]): `n` rounded up to whole tiles.
+pub fn segment_stride(n: usize) -> usize {
+    n.div_ceil(TILE as usize) * TILE as usize
+}
+
+/// Queues, in the launches of one scan, the exclusive prefix sums of `segments` segments
+/// of `n` u64 values each, segment `s` at value `s * segment_stride(n)` of `input`: the
+/// offsets, laid out alike (the values past `n` in a segment are neither read nor
+/// written), and segment `s`'s total written to the word `segments` words after
+/// `totals_to`'s own (over no values nothing is written: the caller zeroes the words).
+pub fn segments_queued(
+    device: &Device,
+    input: &DeviceBuffer,
+    n: usize,
+    segments: usize,
+    totals_to: Word<'_>,
+) -> Result<DeviceBuffer> {
+    // Every segment's word must lie inside the buffer.
+    totals_to.nth(segments.saturating_sub(1))?;
+    queue(device, input, n, segments, Some(totals_to)).map(|(out, _)| out)
+}
+
+/// Launches the scan of `segments` segments; the tile sums (and their count: the first
+/// segment's total is at that index) unless there were no values.
 fn queue(
     device: &Device,
     input: &DeviceBuffer,
     n: usize,
+    segments: usize,
     total_to: Option<Word<'_>>,
 ) -> Result<(DeviceBuffer, Option<(DeviceBuffer, usize)>)> {
-    if input.len() < n * 8 {
+    let stride = if segments > 1 { segment_stride(n) } else { n };
+    let values = segments * stride;
+    if input.len() < values * 8 {
         return Err(KernelError::Unsupported(format!(
-            "scan of {n} values from a {} byte buffer",
+            "scan of {segments} segments of {n} values from a {} byte buffer",
             input.len()
         )));
     }
-    let out = device.alloc(n * 8)?;
-    if n == 0 {
+    let out = device.alloc(values * 8)?;
+    if n == 0 || segments == 0 {
         return Ok((out, None));
     }
     let tiles = (n as u64).div_ceil(TILE);
-    let sums = device.alloc((tiles as usize + 1) * 8)?;
+    let sums = device.alloc((tiles as usize + 1) * segments * 8)?;
     // A block per tile, as many as the device holds at once (a grid-stride over tiles).
-    let grid = LaunchConfig::for_items(device, tiles * BLOCK as u64, BLOCK).grid;
+    let all_tiles = tiles * segments as u64;
+    let grid = LaunchConfig::for_items(device, all_tiles * BLOCK as u64, BLOCK).grid;
     let tiled = LaunchConfig {
         grid,
         block: BLOCK,
         shared_bytes: 0,
     };
-    let single = LaunchConfig {
-        grid: 1,
+    // A block per segment.
+    let per_segment = LaunchConfig {
+        grid: segments as u32,
         block: BLOCK,
         shared_bytes: 0,
     };
-    // SAFETY: `input` holds n u64 (checked above), `sums` tiles + 1 u64 and `out` n u64,
-    // `total_to` (when given) one u64 (a `Word` holds one), all on `device`;
-    // the kernels are launched with blockDim.x == SCAN_THREADS (256) as scan.cu requires,
-    // and the argument lists follow its signatures.
+    let total_to = match total_to {
+        Some(word) => Arg::Buf(word.addr(), 8 * segments),
+        None => Arg::Ptr(0),
+    };
+    // SAFETY: `input` holds segments × stride u64 (checked above), of which the kernels
+    // read the first n of each segment; `sums` holds (tiles + 1) × segments u64 and `out`
+    // segments × stride u64; `total_to` (when given) `segments` u64 (checked by the
+    // callers: `Word::nth`), all on `device`; the kernels are launched with blockDim.x ==
+    // SCAN_THREADS (256) as scan.cu requires, and the argument lists follow its signatures.
     unsafe {
         device.launch(
             Kernel::scan_tile_sums,
             tiled,
-            &[Arg::buf(input), Arg::U64(n as u64), Arg::buf(&sums)],
+            &[
+                Arg::buf(input),
+                Arg::U64(n as u64),
+                Arg::U64(segments as u64),
+                Arg::buf(&sums),
+            ],
         )?;
         device.launch(
             Kernel::scan_tile_offsets,
-            single,
+            per_segment,
             &[
                 Arg::buf(&sums),
-                Arg::U64(tiles),
-                total_to.map_or(Arg::Ptr(0), Word::arg),
+                Arg::U64(n as u64),
+                Arg::U64(segments as u64),
+                total_to,
             ],
         )?;
         device.launch(
@@ -93,6 +132,7 @@ fn queue(
             &[
                 Arg::buf(input),
                 Arg::U64(n as u64),
+                Arg::U64(segments as u64),
                 Arg::buf(&sums),
                 Arg::buf(&out),
             ],

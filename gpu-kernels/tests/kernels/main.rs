@@ -8,7 +8,7 @@ use arrow::array::*;
 use arrow::compute::{filter, take};
 use arrow::datatypes::*;
 use fulmen_kernels::ops::{
-    NULL_INDEX, RowIndices, compact, gather, hash, hash_table, scan, selftest,
+    NULL_INDEX, RowIndices, Word, compact, gather, hash, hash_table, scan, selftest,
 };
 use fulmen_kernels::{Device, DeviceColumn, EmulatorOptions, FaultPlan, Kernel, KernelError};
 use proptest::prelude::*;
@@ -477,6 +477,51 @@ proptest! {
             running += v;
         }
         prop_assert_eq!(total, running);
+    }
+
+    /// Segments scanned together each scan as if alone, from zero; the values in a
+    /// segment's padding are neither read nor written, and each total goes to its own word.
+    #[test]
+    fn segments_scan_as_if_alone(n in 0usize..3000, segments in 1usize..5, seed in any::<u64>()) {
+        let d = device();
+        let stride = if segments > 1 { scan::segment_stride(n) } else { n };
+        let mut state = seed | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        // Padding holds a marker the scan must not add in.
+        let values: Vec<u64> = (0..segments * stride)
+            .map(|i| if i % stride.max(1) < n { next() % 1000 } else { 1 << 40 })
+            .collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let input = d.upload(&bytes).unwrap();
+        let words = d.upload(&vec![0u8; 8 * (segments + 1)]).unwrap();
+        let out = scan::segments_queued(&d, &input, n, segments, Word::of(&words, 1).unwrap())
+            .unwrap();
+        let host = out.to_host().unwrap();
+        let totals = words.to_host().unwrap();
+        let word = |b: &[u8], i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
+        prop_assert_eq!(word(&totals, 0), 0, "the word before the first is not written");
+        for s in 0..segments {
+            let mut running = 0u64;
+            for i in 0..n {
+                prop_assert_eq!(word(&host, s * stride + i), running, "segment {} value {}", s, i);
+                running += values[s * stride + i];
+            }
+            prop_assert_eq!(word(&totals, 1 + s), running, "segment {}'s total", s);
+        }
+        if segments > 1 {
+            // Words 1 ..= segments of a buffer of `segments` words.
+            let short = d.upload(&vec![0u8; 8 * segments]).unwrap();
+            let first = Word::of(&short, 1).unwrap();
+            prop_assert!(
+                scan::segments_queued(&d, &input, n, segments, first).is_err(),
+                "totals past the buffer"
+            );
+        }
     }
 }
 

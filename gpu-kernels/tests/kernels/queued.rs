@@ -41,18 +41,18 @@ fn selection_strings(d: &Device, count_waits: bool) {
             let queued =
                 compact::selection_indices_queued(&d, p.values(), p.validity(), n, &status)
                     .unwrap();
-            let starts: Vec<_> = on_device
-                .iter()
-                .enumerate()
-                .map(|(k, c)| {
-                    gather::queue_string_starts(
-                        c,
-                        queued.pending(&status).unwrap(),
-                        Word::of(&status, 2 + k).unwrap(),
-                    )
-                    .unwrap()
-                })
-                .collect();
+            let launches = d.counts().launches;
+            let both: Vec<&DeviceColumn> = on_device.iter().collect();
+            let starts = gather::queue_strings_starts(
+                &both,
+                queued.pending(&status).unwrap(),
+                Word::of(&status, 2).unwrap(),
+            )
+            .unwrap();
+            if count_waits && n > 0 {
+                // A lengths launch each, and one scan's three for both.
+                assert_eq!(d.counts().launches - launches, 2 + 3, "n={n}");
+            }
             waits(before, 0, "queueing waits for nothing");
             let (count, totals) = read_status_words(&status, 2).unwrap().unwrap();
             let indices = queued.with_count(count).unwrap();
@@ -87,8 +87,18 @@ fn selection_strings(d: &Device, count_waits: bool) {
     }
 }
 
+/// Starts queued for one string column (of those queued together).
+fn queue_one(
+    column: &DeviceColumn,
+    indices: fulmen_kernels::ops::PendingIndices<'_>,
+    total_to: Word<'_>,
+) -> fulmen_kernels::Result<gather::QueuedStarts> {
+    gather::queue_strings_starts(&[column], indices, total_to).map(|mut one| one.remove(0))
+}
+
 /// Starts queued for one column or index list are refused for another, and a selection's
-/// pending indices are refused with another status buffer than the one its count goes to.
+/// pending indices are refused with another status buffer than the one its count goes to;
+/// columns queued together need a word each.
 #[test]
 fn queued_string_starts_are_only_used_where_they_were_queued() {
     let d = device();
@@ -105,15 +115,20 @@ fn queued_string_starts_are_only_used_where_they_were_queued() {
     assert!(queued.pending(&other).is_err());
     let word = Word::of(&status, 2).unwrap();
     assert!(Word::of(&status, 3).is_err(), "a word past the buffer");
-    assert!(gather::queue_string_starts(&numbers, queued.pending(&status).unwrap(), word).is_err());
-    let starts = gather::queue_string_starts(&a, queued.pending(&status).unwrap(), word).unwrap();
+    assert!(queue_one(&numbers, queued.pending(&status).unwrap(), word).is_err());
+    let two = gather::queue_strings_starts(&[&a, &b], queued.pending(&status).unwrap(), word);
+    assert!(
+        two.is_err(),
+        "two columns' totals in a buffer with one word for them"
+    );
+    let starts = queue_one(&a, queued.pending(&status).unwrap(), word).unwrap();
     let (count, totals) = read_status_words(&status, 1).unwrap().unwrap();
     let indices = queued.with_count(count).unwrap();
     let err = gather::gather_column_started(&b, &indices, starts, totals[0]).unwrap_err();
     assert!(err.to_string().contains("another column"), "{err}");
     // Starts over the selection's indices are refused for other indices.
     let again = compact::selection_indices_queued(&d, p.values(), p.validity(), n, &other).unwrap();
-    let starts = gather::queue_string_starts(
+    let starts = queue_one(
         &a,
         again.pending(&other).unwrap(),
         Word::of(&other, 2).unwrap(),
@@ -159,11 +174,9 @@ fn probe_strings(d: &Device, count_waits: bool) {
             .unwrap()
             .unwrap();
         let build_starts =
-            gather::queue_string_starts(&bs, queued.pending_build(), queued.extra_word(0).unwrap())
-                .unwrap();
+            queue_one(&bs, queued.pending_build(), queued.extra_word(0).unwrap()).unwrap();
         let probe_starts =
-            gather::queue_string_starts(&ps, queued.pending_probe(), queued.extra_word(1).unwrap())
-                .unwrap();
+            queue_one(&ps, queued.pending_probe(), queued.extra_word(1).unwrap()).unwrap();
         assert!(queued.extra_word(2).is_err());
         waits(before, 0, "queueing waits for nothing");
         let probed = queued.finish().unwrap();

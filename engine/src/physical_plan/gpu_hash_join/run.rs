@@ -558,14 +558,16 @@ impl DeviceProbing {
                 false => probe_columns.get(&c),
             }
         };
-        // Each string output (by position in `sources`) and its word among the probe's.
-        let strings: Vec<usize> = (0..sources.len())
+        // Each string output (by position in `sources`), the build side's first, and its
+        // word among the probe's.
+        let mut strings: Vec<usize> = (0..sources.len())
             .filter(|_| queue_strings)
             .filter(|&i| {
                 let (from_build, c) = sources[i];
                 source_of(from_build, c).is_some_and(|col| col.offsets().is_some())
             })
             .collect();
+        strings.sort_by_key(|&i| !sources[i].0);
         let keys: Vec<&DeviceColumn> = run
             .work
             .right_keys
@@ -577,21 +579,34 @@ impl DeviceProbing {
             let Some(queued) = table.probe_queued(&keys, None, n, strings.len())? else {
                 return Ok(None);
             };
+            // The build side's strings, then the probe side's (`strings` is in that order),
+            // each side's queued together.
             let mut starts = Vec::with_capacity(strings.len());
-            for (k, &i) in strings.iter().enumerate() {
-                let (from_build, c) = sources[i];
+            let build_strings = strings.iter().filter(|&&i| sources[i].0).count();
+            for (from_build, these) in [
+                (true, &strings[..build_strings]),
+                (false, &strings[build_strings..]),
+            ] {
+                if these.is_empty() {
+                    continue;
+                }
                 let pending = match from_build {
                     true => queued.pending_build(),
                     false => queued.pending_probe(),
                 };
-                let column = source_of(from_build, c).ok_or_else(|| {
-                    KernelError::InvalidData(format!("string column {c} is not on the device"))
-                })?;
-                starts.push(gather::queue_string_starts(
-                    column,
-                    pending,
-                    queued.extra_word(k)?,
-                )?);
+                let columns = these
+                    .iter()
+                    .map(|&i| {
+                        let c = sources[i].1;
+                        source_of(from_build, c).ok_or_else(|| {
+                            KernelError::InvalidData(format!(
+                                "string column {c} is not on the device"
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let first = queued.extra_word(starts.len())?;
+                starts.extend(gather::queue_strings_starts(&columns, pending, first)?);
             }
             let probed = queued.finish()?;
             // After a probe that ran again with exact sizes the queued starts are void.

@@ -317,12 +317,13 @@ impl GroupTable {
         let totals = device.alloc(8 * (1 + strings.len()))?;
         let ranks = scan::exclusive_scan_queued(&device, &flags, n, Word::of(&totals, 0)?)?;
         let mut starts: Vec<Option<gather::QueuedStarts>> = (0..keys.len()).map(|_| None).collect();
-        for (w, &k) in strings.iter().enumerate() {
-            starts[k] = Some(gather::queue_flagged_string_starts(
-                keys[k],
-                &flags,
-                Word::of(&totals, 1 + w)?,
-            )?);
+        if !strings.is_empty() {
+            let string_keys: Vec<&DeviceColumn> = strings.iter().map(|&k| keys[k]).collect();
+            let totals_to = Word::of(&totals, 1)?;
+            let queued = gather::queue_flagged_strings_starts(&string_keys, &flags, totals_to)?;
+            for (&k, started) in strings.iter().zip(queued) {
+                starts[k] = Some(started);
+            }
         }
         let words: Vec<u64> = totals
             .to_host()?
