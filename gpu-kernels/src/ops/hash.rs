@@ -149,7 +149,17 @@ fn value_hash(column: &dyn Array, data: &arrow::array::ArrayData, i: usize) -> R
     })
 }
 
-/// The row hashes of `columns` (all on one device, of equal length), one u64 per row.
+/// Columns one `hash_many` launch hashes (`HASH_MANY` in `cuda/hash.cu`), and its kinds of
+/// column besides the fixed widths (1, 2, 4, 8, 16).
+const HASH_MANY: usize = 6;
+const KIND_F32: u64 = 0x20;
+const KIND_F64: u64 = 0x21;
+const KIND_STR32: u64 = 0x40;
+const KIND_STR64: u64 = 0x41;
+const KIND_DICT: u64 = 0x50;
+
+/// The row hashes of `columns` (all on one device, of equal length), one u64 per row:
+/// up to six columns a launch.
 pub fn hash_columns(device: &Device, columns: &[&DeviceColumn]) -> Result<DeviceBuffer> {
     let n = columns.first().map_or(0, |c| c.len());
     check_rows(n)?;
@@ -160,47 +170,54 @@ pub fn hash_columns(device: &Device, columns: &[&DeviceColumn]) -> Result<Device
     }
     let hashes = device.alloc(n * 8)?;
     let cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
-    for (k, column) in columns.iter().enumerate() {
-        let combine = Arg::U32(u32::from(k > 0));
-        let kernel = match (column.layout(), column.data_type()) {
-            (_, DataType::Float32) => Kernel::hash_f32,
-            (_, DataType::Float64) => Kernel::hash_f64,
-            (Layout::Fixed(1), _) => Kernel::hash_fixed_1,
-            (Layout::Fixed(2), _) => Kernel::hash_fixed_2,
-            (Layout::Fixed(4), _) => Kernel::hash_fixed_4,
-            (Layout::Fixed(8), _) => Kernel::hash_fixed_8,
-            (Layout::Fixed(16), _) => Kernel::hash_fixed_16,
-            (Layout::Var(4), _) => Kernel::hash_string_o32,
-            (Layout::Var(8), _) => Kernel::hash_string_o64,
-            (Layout::Dict, _) => Kernel::hash_dict,
-            (_, other) => return Err(KernelError::Unsupported(format!("hashing {other} columns"))),
-        };
-        // hash_string_*(offsets, bytes, validity, n, hashes, combine) or
-        // hash_fixed_* / hash_f*(values, validity, n, hashes, combine)
-        // hash_dict(codes, dictionary header, validity, n, hashes, combine)
-        let mut args = Vec::with_capacity(6);
-        if let Some(offsets) = column.offsets() {
-            args.push(Arg::buf(offsets));
-        }
-        args.push(Arg::buf(column.values()));
-        if let Some(dictionary) = column.dictionary() {
-            args.push(Arg::buf(dictionary.header()));
-        }
-        args.extend([
-            Arg::opt(column.validity()),
+    for (group, these) in columns.chunks(HASH_MANY).enumerate() {
+        // hash_many(n, hashes, combine, kinds, (a, b, validity) × HASH_MANY)
+        let mut kinds = 0u64;
+        let mut args = vec![
             Arg::U64(n as u64),
             Arg::buf(&hashes),
-            combine,
-        ]);
-        let reached: Vec<&DeviceBuffer> = column
-            .dictionary()
-            .map(|d| d.buffers().to_vec())
-            .unwrap_or_default();
-        // SAFETY: every column has n rows (checked) in the layout the chosen kernel reads
-        // (values of the kernel's width, or offsets + bytes, or codes below the length of
-        // the dictionary whose header is passed: `DeviceColumn::with_dictionary`'s
-        // contract); `hashes` holds n u64.
-        unsafe { device.launch_reaching(kernel, cfg, &args, &reached)? };
+            Arg::U32(u32::from(group > 0)),
+        ];
+        let mut per_column = Vec::with_capacity(3 * HASH_MANY);
+        let mut reached: Vec<&DeviceBuffer> = Vec::new();
+        for (k, column) in these.iter().enumerate() {
+            if column.device() != device {
+                return Err(KernelError::Unsupported(format!(
+                    "hashing a column of {} on {device}",
+                    column.device()
+                )));
+            }
+            let kind = match (column.layout(), column.data_type()) {
+                (_, DataType::Float32) => KIND_F32,
+                (_, DataType::Float64) => KIND_F64,
+                (Layout::Fixed(width @ (1 | 2 | 4 | 8 | 16)), _) => width as u64,
+                (Layout::Var(4), _) => KIND_STR32,
+                (Layout::Var(8), _) => KIND_STR64,
+                (Layout::Dict, _) => KIND_DICT,
+                (_, other) => {
+                    return Err(KernelError::Unsupported(format!("hashing {other} columns")));
+                }
+            };
+            kinds |= kind << (8 * k);
+            let (a, b) = match (column.offsets(), column.dictionary()) {
+                (Some(offsets), _) => (Arg::buf(offsets), Arg::buf(column.values())),
+                (None, Some(dictionary)) => {
+                    reached.extend(dictionary.buffers());
+                    (Arg::buf(column.values()), Arg::buf(dictionary.header()))
+                }
+                (None, None) => (Arg::buf(column.values()), Arg::Ptr(0)),
+            };
+            per_column.extend([a, b, Arg::opt(column.validity())]);
+        }
+        per_column.resize(3 * HASH_MANY, Arg::Ptr(0));
+        args.push(Arg::U64(kinds));
+        args.extend(per_column);
+        // SAFETY: every column has n rows (checked) in the layout its kind reads (values
+        // of the kind's width, or offsets + bytes, or codes below the length of the
+        // dictionary whose header is passed: `DeviceColumn::with_dictionary`'s contract),
+        // each validity bitmap (or null) n bits; slots past the columns are null and their
+        // kind 0; `hashes` holds n u64 (read first when combining).
+        unsafe { device.launch_reaching(Kernel::hash_many, cfg, &args, &reached)? };
     }
     Ok(hashes)
 }
