@@ -108,7 +108,57 @@ FULMEN_KERNEL scan_tiles(const uint64_t* in, uint64_t n, uint64_t segments, cons
     }
 }
 
+// Two launches instead of three, for segments of at most SCAN_SUMMED_TILES tiles:
+//   scan_tile_sums, then
+//   scan_tiles_summed (in, n, segments, tile_sums, out, total_out): each block adds up the
+//     raw tile sums before its tile itself (at most SCAN_SUMMED_TILES - 1 of them, read
+//     by the whole block), then scans its tile as scan_tiles does; the block of a
+//     segment's last tile writes the segment's total after its tile sums (and at
+//     total_out[s], when not null). The tile sums are left as they were.
+#define SCAN_SUMMED_TILES 1024
+
+// The sum of sums[0..count) across the block (every thread gets it).
+__device__ uint64_t block_sum(const uint64_t* sums, uint64_t count, uint64_t* buf) {
+    uint64_t mine = 0;
+    for (uint64_t i = threadIdx.x; i < count; i += blockDim.x) mine += sums[i];
+    block_inclusive_scan(mine, buf);
+    // buf still holds the inclusive sums (block_inclusive_scan ends with a barrier).
+    uint64_t result = buf[blockDim.x - 1];
+    __syncthreads();  // buf is rewritten by the block's next scan
+    return result;
+}
+
+FULMEN_KERNEL scan_tiles_summed(const uint64_t* in, uint64_t n, uint64_t segments, uint64_t* tile_sums,
+                                uint64_t* out, uint64_t* total_out) {
+    __shared__ uint64_t buf[SCAN_THREADS];
+    uint64_t per_segment = (n + SCAN_TILE - 1) / SCAN_TILE;
+    uint64_t tiles = per_segment * segments;
+    for (uint64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        ScanTile t = scan_tile(tile, per_segment);
+        uint64_t local = tile % per_segment;
+        uint64_t* sums = tile_sums + (t.sum_at - local);
+        uint64_t offset = block_sum(sums, local, buf);
+        uint64_t items[SCAN_ITEMS];
+        uint64_t sum = 0;
+        for (unsigned k = 0; k < SCAN_ITEMS; ++k) {
+            items[k] = t.first + k < n ? in[t.base + t.first + k] : 0;
+            sum += items[k];
+        }
+        uint64_t inclusive = block_inclusive_scan(sum, buf);
+        uint64_t running = offset + inclusive - sum;
+        for (unsigned k = 0; k < SCAN_ITEMS; ++k) {
+            if (t.first + k < n) out[t.base + t.first + k] = running;
+            running += items[k];
+        }
+        if (local == per_segment - 1 && threadIdx.x == blockDim.x - 1) {
+            sums[per_segment] = running;
+            if (total_out) total_out[tile / per_segment] = running;
+        }
+    }
+}
+
 #if defined(FULMEN_EMULATOR)
+FULMEN_EMU_EXPORT(scan_tiles_summed)
 FULMEN_EMU_EXPORT(scan_tile_sums)
 FULMEN_EMU_EXPORT(scan_tile_offsets)
 FULMEN_EMU_EXPORT(scan_tiles)

@@ -1,4 +1,5 @@
-//! Exclusive prefix sums of u64 values (`cuda/scan.cu`).
+//! Exclusive prefix sums of u64 values (`cuda/scan.cu`): two launches for segments of up
+//! to [`SUMMED_TILES`] tiles (1 Mi values), three past that.
 
 use super::{BLOCK, Word};
 use crate::device::{Arg, Device, LaunchConfig};
@@ -8,6 +9,11 @@ use crate::{KernelError, Result};
 
 /// Values per tile of `scan.cu` (SCAN_THREADS × SCAN_ITEMS).
 const TILE: u64 = 1024;
+/// Tiles a segment may have for the two-launch scan (`SCAN_SUMMED_TILES` in `scan.cu`):
+/// each block then adds up at most this many tile sums before its own, where a third
+/// launch would scan them. Past it (a segment of over 1 Mi values) the third launch is
+/// cheaper than every block reading that many sums.
+pub const SUMMED_TILES: u64 = 1024;
 
 /// The exclusive prefix sum of the first `n` u64 values of `input`: a buffer of `n`
 /// offsets, and the total (a host wait).
@@ -90,12 +96,6 @@ fn queue(
         block: BLOCK,
         shared_bytes: 0,
     };
-    // A block per segment.
-    let per_segment = LaunchConfig {
-        grid: segments as u32,
-        block: BLOCK,
-        shared_bytes: 0,
-    };
     let total_to = match total_to {
         Some(word) => Arg::Buf(word.addr(), 8 * segments),
         None => Arg::Ptr(0),
@@ -116,6 +116,28 @@ fn queue(
                 Arg::buf(&sums),
             ],
         )?;
+        if tiles <= SUMMED_TILES {
+            // Each block adds up the tile sums before its own: no launch to scan them.
+            device.launch(
+                Kernel::scan_tiles_summed,
+                tiled,
+                &[
+                    Arg::buf(input),
+                    Arg::U64(n as u64),
+                    Arg::U64(segments as u64),
+                    Arg::buf(&sums),
+                    Arg::buf(&out),
+                    total_to,
+                ],
+            )?;
+            return Ok((out, Some((sums, tiles as usize))));
+        }
+        // A block per segment scans its tile sums.
+        let per_segment = LaunchConfig {
+            grid: segments as u32,
+            block: BLOCK,
+            shared_bytes: 0,
+        };
         device.launch(
             Kernel::scan_tile_offsets,
             per_segment,

@@ -525,6 +525,51 @@ proptest! {
     }
 }
 
+/// A scan of segments of up to 1 Mi values takes two launches and a longer one three
+/// (its tile sums scanned by a launch of their own), with the same answers: each value's
+/// prefix and each segment's total.
+#[test]
+fn scans_take_two_launches_up_to_a_million_values_and_three_past() {
+    let d = emulated();
+    let max = (scan::SUMMED_TILES * 1024) as usize;
+    for (n, segments, launches) in [(max, 1, 2), (max + 1, 1, 3), (max, 2, 2), (max + 1, 2, 3)] {
+        let stride = if segments > 1 {
+            scan::segment_stride(n)
+        } else {
+            n
+        };
+        let values: Vec<u64> = (0..segments * stride)
+            .map(|i| (i as u64).wrapping_mul(0x9E37_79B9) % 97)
+            .collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let input = d.upload(&bytes).unwrap();
+        let words = d.upload(&vec![0u8; 8 * segments]).unwrap();
+        let before = d.counts().launches;
+        let out =
+            scan::segments_queued(&d, &input, n, segments, Word::of(&words, 0).unwrap()).unwrap();
+        assert_eq!(
+            d.counts().launches - before,
+            launches,
+            "n={n} segments={segments}"
+        );
+        let host = out.to_host().unwrap();
+        let totals = words.to_host().unwrap();
+        let word = |b: &[u8], i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
+        for s in 0..segments {
+            let mut running = 0u64;
+            for i in 0..n {
+                assert_eq!(
+                    word(&host, s * stride + i),
+                    running,
+                    "n={n} segment {s} value {i}"
+                );
+                running += values[s * stride + i];
+            }
+            assert_eq!(word(&totals, s), running, "n={n} segment {s}'s total");
+        }
+    }
+}
+
 #[test]
 fn hashes_match_the_host_reference_and_respect_nulls() {
     let d = device();

@@ -50,8 +50,8 @@ fn selection_strings(d: &Device, count_waits: bool) {
             )
             .unwrap();
             if count_waits && n > 0 {
-                // A lengths launch each, and one scan's three for both.
-                assert_eq!(d.counts().launches - launches, 2 + 3, "n={n}");
+                // A lengths launch each, and one scan's two for both.
+                assert_eq!(d.counts().launches - launches, 2 + 2, "n={n}");
             }
             waits(before, 0, "queueing waits for nothing");
             let (count, totals) = read_status_words(&status, 2).unwrap().unwrap();
