@@ -155,10 +155,16 @@ FULMEN_KERNEL agg_fill_u64(uint64_t* buffer, uint64_t n, uint64_t value) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) buffer[i] = value;
 }
 
-FULMEN_KERNEL agg_init_state(unsigned long long* state, uint64_t op, uint64_t from, uint64_t to) {
+// Groups from..to of an accumulator at their identity: each group's state words (when
+// `state` is not null) and its count of values (zero, when `counts` is not null).
+FULMEN_KERNEL agg_init_state(unsigned long long* state, uint64_t op, uint64_t from, uint64_t to,
+                             unsigned long long* counts) {
     uint64_t words = agg_state_words(op);
-    for (uint64_t g = from + GRID_START; g < to; g += GRID_STRIDE)
-        for (uint64_t w = 0; w < words; ++w) state[g * words + w] = agg_identity(op, (uint32_t)w);
+    for (uint64_t g = from + GRID_START; g < to; g += GRID_STRIDE) {
+        if (state)
+            for (uint64_t w = 0; w < words; ++w) state[g * words + w] = agg_identity(op, (uint32_t)w);
+        if (counts) counts[g] = 0;
+    }
 }
 
 FULMEN_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids, uint64_t n, uint32_t* locks,

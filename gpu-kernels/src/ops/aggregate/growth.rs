@@ -11,33 +11,32 @@ impl GroupTable {
         let mut accs = Vec::with_capacity(self.accs.len());
         for acc in &self.accs {
             let counts = device.alloc(capacity * 8)?;
-            fill_u64(device, &counts, capacity, 0)?;
+            let words = acc.op.words();
+            let state = match words {
+                0 => None,
+                _ => Some(device.alloc(capacity * words * 8)?),
+            };
+            // SAFETY: `state` (when there is one) holds `capacity` groups of `words` words
+            // and `counts` `capacity` u64: one launch sets both to the identity.
+            unsafe {
+                device.launch(
+                    Kernel::agg_init_state,
+                    LaunchConfig::for_items(device, capacity as u64, BLOCK),
+                    &[
+                        Arg::opt(state.as_ref()),
+                        Arg::U64(acc.op.code()),
+                        Arg::U64(0),
+                        Arg::U64(capacity as u64),
+                        Arg::buf(&counts),
+                    ],
+                )?;
+            }
             if keep > 0 {
                 copy_prefix(device, &counts, &acc.counts, keep * 8)?;
+                if let (Some(state), Some(old)) = (&state, &acc.state) {
+                    copy_prefix(device, state, old, keep * words * 8)?;
+                }
             }
-            let words = acc.op.words();
-            let state = if words > 0 {
-                let state = device.alloc(capacity * words * 8)?;
-                // SAFETY: `state` holds `capacity` groups of `words` words.
-                unsafe {
-                    device.launch(
-                        Kernel::agg_init_state,
-                        LaunchConfig::for_items(device, capacity as u64, BLOCK),
-                        &[
-                            Arg::buf(&state),
-                            Arg::U64(acc.op.code()),
-                            Arg::U64(0),
-                            Arg::U64(capacity as u64),
-                        ],
-                    )?;
-                }
-                if let (Some(old), true) = (&acc.state, keep > 0) {
-                    copy_prefix(device, &state, old, keep * words * 8)?;
-                }
-                Some(state)
-            } else {
-                None
-            };
             accs.push(Acc {
                 op: acc.op,
                 state,
