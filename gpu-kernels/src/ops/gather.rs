@@ -84,7 +84,9 @@ pub fn gather_columns_started(
     for (i, column) in together.into_iter().zip(gather_columns(&rest, indices)?) {
         out[i] = Some(column);
     }
-    Ok(out.into_iter().flatten().collect())
+    out.into_iter()
+        .map(|c| c.ok_or_else(|| KernelError::InvalidData("a column was not gathered".into())))
+        .collect()
 }
 
 /// Gathers up to [`GATHER_MANY`] fixed-width or boolean columns of one device at
@@ -225,7 +227,7 @@ pub struct QueuedStarts {
 /// byte total written to the word `k` words after `totals_to` for column `k` (the caller
 /// zeroed them) for the host to read with the indices' count, in one wait. Work over all
 /// the indices' slots, of which only the real ones count. A length launch per column,
-/// and the columns' scans in the three launches of one (`scan::segments_queued`).
+/// and the columns' scans in the launches of one (`scan::segments_queued`).
 pub fn queue_strings_starts(
     columns: &[&DeviceColumn],
     indices: PendingIndices<'_>,
