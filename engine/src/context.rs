@@ -151,6 +151,10 @@ impl FulmenContext {
             crate::gpu::listing::NAME,
             Arc::new(crate::gpu::listing::DevicesFunction),
         );
+        ctx.register_udtf(
+            crate::gpu::listing::KERNELS_NAME,
+            Arc::new(crate::gpu::listing::KernelsFunction),
+        );
         Self {
             ctx,
             handlers: Arc::default(),

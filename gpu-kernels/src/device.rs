@@ -40,6 +40,18 @@ fn opened_gpus() -> std::sync::MutexGuard<'static, std::collections::HashMap<usi
         .unwrap_or_else(|p| p.into_inner())
 }
 
+/// What a device did with one kernel: launches and the device bytes they were given
+/// ([`Device::kernel_counts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelCounts {
+    /// The kernel.
+    pub kernel: Kernel,
+    /// Its launches.
+    pub launches: u64,
+    /// The sizes of the buffers its launches were given, summed.
+    pub device_bytes: u64,
+}
+
 /// The two kinds of device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceKind {
@@ -174,6 +186,8 @@ struct Inner {
     backend: Backend,
     /// What the device was asked to do (see [`DeviceCounts`]).
     counts: Counts,
+    /// Launches and device bytes of each kernel, by [`Kernel::index`].
+    per_kernel: Box<[[AtomicU64; 2]]>,
     /// Device errors that made an operator redo its work on the CPU.
     errors: AtomicU64,
     /// Nanoseconds operators spent in this device's work (see [`Device::add_work_time`]).
@@ -213,6 +227,7 @@ impl Inner {
             pool: Pool::default(),
             backend,
             counts: Counts::default(),
+            per_kernel: Kernel::ALL.iter().map(|_| Default::default()).collect(),
             errors: AtomicU64::new(0),
             work_ns: AtomicU64::new(0),
             faults: Mutex::new(Faults::default()),
@@ -426,6 +441,22 @@ impl Device {
         }
         each_count!(load);
         d
+    }
+
+    /// Each kernel launched so far on the device, in [`Kernel::ALL`]'s order: its launches
+    /// and the device bytes they were given (the same figures as [`DeviceCounts`]'
+    /// `launches` and `device_bytes`, which are their sums).
+    pub fn kernel_counts(&self) -> Vec<KernelCounts> {
+        Kernel::ALL
+            .iter()
+            .zip(&self.inner.per_kernel)
+            .map(|(&kernel, [launches, bytes])| KernelCounts {
+                kernel,
+                launches: launches.load(Ordering::Relaxed),
+                device_bytes: bytes.load(Ordering::Relaxed),
+            })
+            .filter(|k| k.launches > 0)
+            .collect()
     }
 
     /// Adds `delta` to the device's counters and to this thread's [`metered`] scope.
@@ -697,6 +728,8 @@ impl Device {
             });
         }
         let number = self.inner.counts.launches.fetch_add(1, Ordering::Relaxed) + 1;
+        let per_kernel = &self.inner.per_kernel[kernel.index()];
+        per_kernel[0].fetch_add(1, Ordering::Relaxed);
         meter(&DeviceCounts {
             launches: 1,
             ..DeviceCounts::default()
@@ -711,6 +744,7 @@ impl Device {
             .chain(reached.iter().map(|b| (b.addr(), b.len())))
             .collect();
         let touched: usize = buffers.iter().map(|(_, len)| len).sum();
+        per_kernel[1].fetch_add(touched as u64, Ordering::Relaxed);
         self.record(DeviceCounts {
             device_bytes: touched as u64,
             ..DeviceCounts::default()

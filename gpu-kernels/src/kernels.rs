@@ -48,6 +48,11 @@ macro_rules! kernels {
             /// Every kernel.
             pub const ALL: &'static [Kernel] = &[$(Kernel::$variant,)*];
 
+            /// The kernel's place in [`Kernel::ALL`].
+            pub fn index(self) -> usize {
+                self as usize
+            }
+
             /// The kernel whose symbol is `name`.
             pub fn by_name(name: &str) -> Option<Kernel> {
                 Self::ALL.iter().copied().find(|k| k.name() == name)

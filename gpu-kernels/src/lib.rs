@@ -32,7 +32,8 @@ pub mod selection;
 
 pub use column::{DeviceBatch, DeviceColumn};
 pub use device::{
-    Device, DeviceCounts, DeviceKind, EmulatorOptions, FaultPlan, LaunchConfig, open_devices,
+    Device, DeviceCounts, DeviceKind, EmulatorOptions, FaultPlan, KernelCounts, LaunchConfig,
+    open_devices,
 };
 pub use error::{KernelError, Result};
 pub use kernels::Kernel;

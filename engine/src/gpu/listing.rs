@@ -1,9 +1,11 @@
 //! `fulmen_devices()`: a table function listing the devices of the session's selection
 //! (`fulmen.devices`), one row each, with what the device has done and whether it is in
-//! service. The shell's `\devices` prints it.
+//! service. The shell's `\devices` prints it. `fulmen_kernels()` breaks each device's
+//! launches and device bytes down by kernel.
 //!
 //! ```sql
 //! SELECT device, state, launches FROM fulmen_devices();
+//! SELECT kernel, launches FROM fulmen_kernels() ORDER BY launches DESC LIMIT 5;
 //! ```
 
 use std::sync::Arc;
@@ -20,9 +22,16 @@ use crate::config::FulmenConfig;
 /// The name SQL calls it by.
 pub const NAME: &str = "fulmen_devices";
 
+/// The name SQL calls the per-kernel listing by.
+pub const KERNELS_NAME: &str = "fulmen_kernels";
+
 /// The table function (registered by `FulmenContext`).
 #[derive(Debug, Default)]
 pub struct DevicesFunction;
+
+/// The per-kernel table function (registered by `FulmenContext`).
+#[derive(Debug, Default)]
+pub struct KernelsFunction;
 
 /// The listing's columns.
 pub fn schema() -> SchemaRef {
@@ -131,22 +140,82 @@ pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
     Ok(RecordBatch::try_new(schema(), columns)?)
 }
 
+/// The per-kernel listing's columns.
+pub fn kernels_schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![
+        Field::new("device", DataType::Utf8, false),
+        Field::new("kernel", DataType::Utf8, false),
+        Field::new("source", DataType::Utf8, false),
+        Field::new("launches", DataType::UInt64, false),
+        Field::new("device_bytes", DataType::UInt64, false),
+    ]))
+}
+
+/// Each kernel every device `config` selects has launched since the process opened it, one
+/// row per (device, kernel), most launches first on each device: `source` is the `.cu` file
+/// defining it, `launches` and `device_bytes` its share of the device's figures in
+/// [`listing`] (which are their sums).
+pub fn kernels_listing(config: &FulmenConfig) -> Result<RecordBatch> {
+    let devices = devices(&config.devices)
+        .map_err(|e| DataFusionError::Execution(format!("fulmen.devices: {e}")))?;
+    let mut rows = Vec::new();
+    for device in devices.iter() {
+        let mut kernels = device.kernel_counts();
+        kernels.sort_by(|a, b| {
+            b.launches
+                .cmp(&a.launches)
+                .then(a.kernel.name().cmp(b.kernel.name()))
+        });
+        rows.extend(kernels.into_iter().map(|k| (device.to_string(), k)));
+    }
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(StringArray::from_iter_values(rows.iter().map(|(d, _)| d))),
+        Arc::new(StringArray::from_iter_values(
+            rows.iter().map(|(_, k)| k.kernel.name()),
+        )),
+        Arc::new(StringArray::from_iter_values(
+            rows.iter().map(|(_, k)| k.kernel.source_file()),
+        )),
+        Arc::new(UInt64Array::from_iter_values(
+            rows.iter().map(|(_, k)| k.launches),
+        )),
+        Arc::new(UInt64Array::from_iter_values(
+            rows.iter().map(|(_, k)| k.device_bytes),
+        )),
+    ];
+    Ok(RecordBatch::try_new(kernels_schema(), columns)?)
+}
+
+/// The session's Fulmen settings, for a table function called without arguments.
+fn no_args_config(name: &str, args: &TableFunctionArgs) -> Result<FulmenConfig> {
+    if !args.exprs().is_empty() {
+        return Err(DataFusionError::Plan(format!(
+            "{name}() takes no arguments"
+        )));
+    }
+    Ok(args
+        .session()
+        .config()
+        .options()
+        .extensions
+        .get::<FulmenConfig>()
+        .cloned()
+        .unwrap_or_default())
+}
+
 impl TableFunctionImpl for DevicesFunction {
     fn call_with_args(&self, args: TableFunctionArgs) -> Result<Arc<dyn TableProvider>> {
-        if !args.exprs().is_empty() {
-            return Err(DataFusionError::Plan(format!(
-                "{NAME}() takes no arguments"
-            )));
-        }
-        let config = args
-            .session()
-            .config()
-            .options()
-            .extensions
-            .get::<FulmenConfig>()
-            .cloned()
-            .unwrap_or_default();
-        let batch = listing(&config)?;
+        let batch = listing(&no_args_config(NAME, &args)?)?;
         Ok(Arc::new(MemTable::try_new(schema(), vec![vec![batch]])?))
+    }
+}
+
+impl TableFunctionImpl for KernelsFunction {
+    fn call_with_args(&self, args: TableFunctionArgs) -> Result<Arc<dyn TableProvider>> {
+        let batch = kernels_listing(&no_args_config(KERNELS_NAME, &args)?)?;
+        Ok(Arc::new(MemTable::try_new(
+            kernels_schema(),
+            vec![vec![batch]],
+        )?))
     }
 }

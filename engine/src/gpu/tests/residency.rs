@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use datafusion::arrow::array::{StringArray, UInt64Array};
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::physical_plan::{ExecutionPlan, displayable};
 
@@ -59,6 +60,59 @@ async fn each_operator_counts_its_own_device_work_and_nothing_is_left_out() {
         for (name, by_device) in metered {
             assert_eq!(metric_sum(&plan, name) as u64, by_device, "Q{q}: {name}");
         }
+        // fulmen_kernels() breaks each device's launches and device bytes down by kernel:
+        // the rows add up to the device's own totals (taken first: the listing's own scan
+        // may run on the device).
+        let totals: Vec<_> = devices.iter().map(|d| d.counts()).collect();
+        let listing = gpu
+            .sql("SELECT device, kernel, launches, device_bytes FROM fulmen_kernels()")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        let mut by_kernel = vec![(0u64, 0u64); devices.len()];
+        let mut kernels = std::collections::HashSet::new();
+        for batch in &listing {
+            let text = |c: usize| {
+                batch
+                    .column(c)
+                    .as_any()
+                    .downcast_ref::<StringArray>()
+                    .unwrap()
+            };
+            let count = |c: usize| {
+                batch
+                    .column(c)
+                    .as_any()
+                    .downcast_ref::<UInt64Array>()
+                    .unwrap()
+            };
+            for row in 0..batch.num_rows() {
+                let at = devices
+                    .iter()
+                    .position(|d| d.to_string() == text(0).value(row))
+                    .unwrap_or_else(|| panic!("Q{q}: a row for {}", text(0).value(row)));
+                assert!(
+                    fulmen_kernels::Kernel::by_name(text(1).value(row)).is_some()
+                        && count(2).value(row) > 0,
+                    "Q{q}: {} launched {} times",
+                    text(1).value(row),
+                    count(2).value(row)
+                );
+                kernels.insert(text(1).value(row).to_string());
+                by_kernel[at].0 += count(2).value(row);
+                by_kernel[at].1 += count(3).value(row);
+            }
+        }
+        for ((d, total), (launches, bytes)) in devices.iter().zip(&totals).zip(by_kernel) {
+            assert_eq!(
+                (launches, bytes),
+                (total.launches, total.device_bytes),
+                "Q{q} on {d}"
+            );
+        }
+        assert!(kernels.len() > 1, "Q{q}: {kernels:?}");
     }
 }
 
