@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{StringArray, UInt64Array};
+use datafusion::common::cast::{as_string_array, as_uint64_array};
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::physical_plan::{ExecutionPlan, displayable};
 
@@ -74,20 +74,8 @@ async fn each_operator_counts_its_own_device_work_and_nothing_is_left_out() {
         let mut by_kernel = vec![(0u64, 0u64); devices.len()];
         let mut kernels = std::collections::HashSet::new();
         for batch in &listing {
-            let text = |c: usize| {
-                batch
-                    .column(c)
-                    .as_any()
-                    .downcast_ref::<StringArray>()
-                    .unwrap()
-            };
-            let count = |c: usize| {
-                batch
-                    .column(c)
-                    .as_any()
-                    .downcast_ref::<UInt64Array>()
-                    .unwrap()
-            };
+            let text = |c: usize| as_string_array(batch.column(c)).unwrap();
+            let count = |c: usize| as_uint64_array(batch.column(c)).unwrap();
             for row in 0..batch.num_rows() {
                 let at = devices
                     .iter()
