@@ -7,10 +7,11 @@
 //!   disk), or PTX built ahead.
 //! - Memory comes from the stream-ordered allocator (`cuMemAllocAsync`) where the device
 //!   has one; the budget is kept by the device's pool as on the emulator.
-//! - Work is queued on the device's one stream without waiting: launches, copies between
-//!   buffers, and uploads (each staged in one of two pinned halves, which `Device::write`
-//!   refills only once the stream has passed them). Reads stage through their own pinned
-//!   buffer and wait for the stream.
+//! - Work is queued without waiting on the stream of the handle that asks (the device's
+//!   streams are made as handles ask for them, `Device::on_stream`): launches, copies
+//!   between buffers, and uploads (each staged in one of two pinned halves, which
+//!   `Device::write` refills only once every stream has passed them). Reads stage through
+//!   their own pinned buffer and wait for their stream.
 //! - Every call binds the device's context to the calling thread first.
 //! - Threads waiting for the device block instead of spinning (the primary context is
 //!   created with `CU_CTX_SCHED_BLOCKING_SYNC`), so waiting partitions leave the CPU to
@@ -88,7 +89,8 @@ unsafe impl Sync for UploadHalves {}
 
 pub(crate) struct CudaBackend {
     ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    /// The device's streams, by index (`Device::on_stream`), made as they are asked for.
+    streams: Mutex<Vec<Arc<CudaStream>>>,
     compute_capability: (i32, i32),
     async_alloc: bool,
     modules: Mutex<HashMap<&'static str, sys::CUmodule>>,
@@ -163,7 +165,7 @@ impl CudaBackend {
         let backend = Self {
             async_alloc: ctx.has_async_alloc(),
             ctx,
-            stream,
+            streams: Mutex::new(vec![stream]),
             compute_capability,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
@@ -184,21 +186,37 @@ impl CudaBackend {
             .map_err(driver("binding the CUDA context"))
     }
 
-    /// Waits for everything queued on the stream.
-    pub fn sync(&self) -> Result<()> {
+    /// Stream `index` (made, with every stream below it, if it is not yet).
+    fn stream(&self, index: usize) -> Result<Arc<CudaStream>> {
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        while streams.len() <= index {
+            let made = self
+                .ctx
+                .new_stream()
+                .map_err(|e| self.failed("creating a CUDA stream", e))?;
+            streams.push(made);
+        }
+        Ok(Arc::clone(&streams[index]))
+    }
+
+    /// Waits for everything queued on stream `index`.
+    pub fn sync(&self, index: usize) -> Result<()> {
         self.bind()?;
-        self.stream
+        self.stream(index)?
             .synchronize()
             .map_err(|e| self.failed("waiting for the stream", e))
     }
 
-    pub fn alloc(&self, len: usize) -> Result<u64> {
+    /// Allocates `len` bytes, in the order of stream `index` where the device allocates so
+    /// (another stream uses the block only once the host has waited for this one).
+    pub fn alloc(&self, index: usize, len: usize) -> Result<u64> {
         self.bind()?;
         let len = len.max(1);
-        // SAFETY: the stream belongs to this context; the memory is only used on it.
+        let stream = self.stream(index)?;
+        // SAFETY: the stream belongs to this context.
         let addr = unsafe {
             if self.async_alloc {
-                result::malloc_async(self.stream.cu_stream(), len)
+                result::malloc_async(stream.cu_stream(), len)
             } else {
                 result::malloc_sync(len)
             }
@@ -214,14 +232,16 @@ impl CudaBackend {
         })
     }
 
-    pub fn free(&self, addr: u64) {
-        if self.bind().is_err() {
+    /// Frees a block, in the order of stream `index` (the caller has waited for every
+    /// other stream that may use it).
+    pub fn free(&self, index: usize, addr: u64) {
+        let Ok(stream) = self.bind().and_then(|()| self.stream(index)) else {
             return;
-        }
+        };
         // SAFETY: `addr` came from `alloc` and the pool frees each block once.
         unsafe {
             let _ = if self.async_alloc {
-                result::free_async(addr, self.stream.cu_stream())
+                result::free_async(addr, stream.cu_stream())
             } else {
                 result::free_sync(addr)
             };
@@ -232,8 +252,10 @@ impl CudaBackend {
     /// a conversion of them made in this one copy) and queues their copy to device address
     /// `dst`, without waiting. The caller (`Device::write_with`) guarantees that the range
     /// fits the half and that the stream has passed every earlier copy out of it.
+    #[allow(clippy::too_many_arguments)]
     pub fn stage_write(
         &self,
+        index: usize,
         half: usize,
         at: usize,
         dst: u64,
@@ -241,6 +263,7 @@ impl CudaBackend {
         fill: &dyn Fn(&mut [u8]),
     ) -> Result<()> {
         self.bind()?;
+        let stream = self.stream(index)?;
         if half > 1 || at + len > UPLOAD_HALF_BYTES {
             return Err(KernelError::Unsupported(format!(
                 "{len} bytes at {at} of upload half {half}"
@@ -255,7 +278,7 @@ impl CudaBackend {
                 len,
             );
             fill(slot);
-            result::memcpy_htod_async(dst, slot, self.stream.cu_stream())
+            result::memcpy_htod_async(dst, slot, stream.cu_stream())
                 .map_err(|e| self.failed("copying to the device", e))
         }
     }
@@ -265,10 +288,12 @@ impl CudaBackend {
     /// wait, then the pieces copied out.
     pub fn read_many(
         &self,
+        index: usize,
         fills: &[Vec<crate::device::stream::StagedPiece>],
         reads: &mut [(&crate::memory::DeviceBuffer, usize, &mut [u8])],
     ) -> Result<()> {
         self.bind()?;
+        let stream = self.stream(index)?;
         let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         if fills.iter().flatten().any(|p| p.at + p.len > staging.len) {
             return Err(KernelError::Unsupported(
@@ -287,18 +312,20 @@ impl CudaBackend {
                     result::memcpy_dtoh_async(
                         pinned,
                         buffer.addr() + (offset + piece.from) as u64,
-                        self.stream.cu_stream(),
+                        stream.cu_stream(),
                     )
                 };
                 if let Err(e) = queued {
                     // The copies queued before may still be writing the staging buffer:
                     // they finish before it is let go (the wait's own error is the
                     // device's, reported by the copy's).
-                    let _ = self.stream.synchronize();
+                    let _ = stream.synchronize();
                     return Err(self.failed("copying from the device", e));
                 }
             }
-            self.sync()?;
+            stream
+                .synchronize()
+                .map_err(|e| self.failed("waiting for the stream", e))?;
             for piece in fill {
                 let (_, _, out) = &mut reads[piece.read];
                 // SAFETY: the stream has finished the copy into the staging range, and the
@@ -315,11 +342,12 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Queues a copy of `len` bytes between two device buffers.
-    pub fn copy(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+    /// Queues a copy of `len` bytes between two device buffers on stream `index`.
+    pub fn copy(&self, index: usize, dst: u64, src: u64, len: usize) -> Result<()> {
         self.bind()?;
+        let stream = self.stream(index)?;
         // SAFETY: both ranges lie inside live buffers (checked by the caller).
-        unsafe { result::memcpy_dtod_async(dst, src, len, self.stream.cu_stream()) }
+        unsafe { result::memcpy_dtod_async(dst, src, len, stream.cu_stream()) }
             .map_err(|e| self.failed("copying on the device", e))
     }
 
@@ -358,12 +386,14 @@ impl CudaBackend {
         Ok(f)
     }
 
-    /// Queues a launch (a fault in the kernel shows at the next wait, as a sticky error).
+    /// Queues a launch on stream `index` (a fault in the kernel shows at the next wait, as
+    /// a sticky error).
     ///
     /// # Safety
     /// As `Device::launch`: `params` point at arguments matching the kernel's signature.
     pub unsafe fn launch(
         &self,
+        index: usize,
         kernel: Kernel,
         grid: u32,
         block: u32,
@@ -371,6 +401,7 @@ impl CudaBackend {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         self.bind()?;
+        let stream = self.stream(index)?;
         let f = self.function(kernel)?;
         // SAFETY: per this function's contract.
         unsafe {
@@ -379,7 +410,7 @@ impl CudaBackend {
                 (grid, 1, 1),
                 (block, 1, 1),
                 shared_bytes,
-                self.stream.cu_stream(),
+                stream.cu_stream(),
                 params,
             )
         }
@@ -403,7 +434,14 @@ impl Drop for CudaBackend {
         if self.bind().is_err() {
             return;
         }
-        let _ = self.stream.synchronize();
+        for stream in self
+            .streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            let _ = stream.synchronize();
+        }
         let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: allocated with malloc_host in `open`, freed once here.
         let _ = unsafe { result::free_host(staging.ptr.cast()) };

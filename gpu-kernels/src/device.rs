@@ -6,11 +6,20 @@
 //!   by NVRTC for the device's architecture (`nvrtc.rs`).
 //!
 //! Work is asynchronous on both: launches, uploads and copies between buffers are queued
-//! on the device's stream and the call returns at once; the host waits only where it needs
+//! on the handle's stream and the call returns at once; the host waits only where it needs
 //! a value (a read, [`Device::synchronize`]) or a staging half it is about to refill (see
-//! [`UPLOAD_HALF_BYTES`]). Buffers go back to the pool when dropped, while queued work may
-//! still use them: on the one in-order stream per device, whatever reuses a block is queued
-//! after the work that used it (the emulator checks it, see `emu_queue.rs`).
+//! [`UPLOAD_HALF_BYTES`]).
+//!
+//! A device has several streams: a handle is on one ([`Device::on_stream`]; stream 0 is the
+//! device's own), and the engine gives each partition a stream of its own, so that one
+//! partition's wait does not wait for another's work. Work on one stream runs in order;
+//! work that uses a buffer made through a handle on another stream first waits for that
+//! stream, if it may still be running ([`Device::after`], a counted sync). Buffers go back
+//! to the pool when dropped, while queued work may still use them: a block is reused on the
+//! stream that let it go at once (its work is queued after the work that used it), and on
+//! another only once the host has waited for every stream past the point it was let go
+//! (the emulator checks that no queued work refers to memory lent again, see
+//! `emu_queue.rs`).
 
 use std::ffi::c_void;
 use std::fmt;
@@ -21,14 +30,15 @@ use crate::counts::{Counts, each_count, meter};
 pub use crate::counts::{DeviceCounts, STAGING_BYTES, UPLOAD_HALF_BYTES, metered};
 use crate::cuda_backend::CudaBackend;
 use crate::emu::{EmuLaunchConfig, EmuMemory};
-use crate::emu_queue::{EmuQueue, Op};
+use crate::emu_queue::Op;
 
 pub(crate) mod stream;
 use crate::kernels::Kernel;
 use crate::memory::{DeviceBuffer, Pool, size_class};
 use crate::selection::DeviceSelection;
 use crate::{KernelError, Result};
-use stream::UploadRing;
+pub use stream::in_stream;
+use stream::{Stream, UploadRing};
 
 /// The GPUs this process has opened, by ordinal: one [`Device`] each, whatever selection
 /// string or memory limit named it (a limit is a quota on the one device).
@@ -138,8 +148,9 @@ pub enum Arg {
     /// A device address (0 for a null pointer).
     Ptr(u64),
     /// The address of a buffer of this many bytes (what the accounting counts as the
-    /// device bytes a launch may touch).
-    Buf(u64, usize),
+    /// device bytes a launch may touch), and the index of the stream of the handle that
+    /// made the buffer (a launch on another stream waits for it first).
+    Buf(u64, usize, usize),
     /// A 64-bit integer.
     U64(u64),
     /// A 32-bit integer.
@@ -149,7 +160,12 @@ pub enum Arg {
 impl Arg {
     /// The address of a buffer.
     pub fn buf(buffer: &DeviceBuffer) -> Self {
-        Self::Buf(buffer.addr(), buffer.len())
+        Self::part(buffer, 0, buffer.len())
+    }
+
+    /// The address of `len` bytes of a buffer from byte `offset` on.
+    pub fn part(buffer: &DeviceBuffer, offset: usize, len: usize) -> Self {
+        Self::Buf(buffer.addr() + offset as u64, len, buffer.stream())
     }
 
     /// The address of a buffer, or a null pointer.
@@ -159,7 +175,7 @@ impl Arg {
 
     fn bits(self) -> u64 {
         match self {
-            Self::Ptr(p) | Self::Buf(p, _) | Self::U64(p) => p,
+            Self::Ptr(p) | Self::Buf(p, ..) | Self::U64(p) => p,
             Self::U32(v) => v as u64,
         }
     }
@@ -197,10 +213,10 @@ struct Inner {
     /// Why the device is out of use, once it is: a sticky error lost its state.
     quarantine: Mutex<Option<String>>,
     quarantined: std::sync::atomic::AtomicBool,
-    /// The emulated device's stream (unused on a GPU, whose driver keeps its own).
-    queue: EmuQueue,
-    /// Which upload staging half is filling, and which copies out of it the stream has
-    /// passed: the same on both backends, so that both count the same waits.
+    /// The device's streams, by index, made as handles ask for them (stream 0 at once).
+    streams: Mutex<Vec<Arc<Stream>>>,
+    /// Which upload staging half is filling, and which copies out of each the streams
+    /// have yet to pass: the same on both backends, so that both count the same waits.
     uploads: Mutex<UploadRing>,
 }
 
@@ -233,9 +249,39 @@ impl Inner {
             faults: Mutex::new(Faults::default()),
             quarantine: Mutex::new(None),
             quarantined: std::sync::atomic::AtomicBool::new(false),
-            queue: EmuQueue::default(),
+            streams: Mutex::new(vec![Arc::new(Stream::new(0))]),
             uploads: Mutex::new(UploadRing::default()),
         }
+    }
+
+    fn streams(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Stream>>> {
+        self.streams.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stream `index`, made (with every stream below it) if it is not yet.
+    fn stream(&self, index: usize) -> Arc<Stream> {
+        let mut streams = self.streams();
+        while streams.len() <= index {
+            let next = streams.len();
+            streams.push(Arc::new(Stream::new(next)));
+        }
+        Arc::clone(&streams[index])
+    }
+
+    /// Streams made so far.
+    fn stream_count(&self) -> usize {
+        self.streams().len()
+    }
+
+    /// For each stream, by index: the ops queued on it so far (a block let go now may
+    /// still be used by any of them).
+    fn enqueued(&self) -> Vec<u64> {
+        self.streams().iter().map(|s| s.enqueued()).collect()
+    }
+
+    /// For each stream, by index: the last op known to have finished.
+    fn passed(&self) -> Vec<u64> {
+        self.streams().iter().map(|s| s.passed()).collect()
     }
 }
 
@@ -250,10 +296,14 @@ struct Faults {
 ///
 /// A handle may carry a memory limit ([`Device::with_memory_limit`]): a quota of the bytes
 /// allocated through it (and its clones) on the one device, within the device's budget.
+///
+/// A handle is on one of the device's streams ([`Device::on_stream`]); every handle shares
+/// the device's memory, kernels, counters and quarantine.
 #[derive(Clone)]
 pub struct Device {
     inner: Arc<Inner>,
     quota: Option<Arc<Quota>>,
+    stream: Arc<Stream>,
 }
 
 /// A memory limit on one handle of a device.
@@ -311,7 +361,9 @@ impl Device {
                 )
             }),
             quota: None,
+            stream: Arc::new(Stream::default()),
         }
+        .on_stream(0)
     }
 
     /// CUDA device `ordinal`: the process's one handle of that GPU, opened on first use
@@ -351,7 +403,9 @@ impl Device {
                 )
             }),
             quota: None,
-        })
+            stream: Arc::new(Stream::default()),
+        }
+        .on_stream(0))
     }
 
     /// A handle of this device through which at most `limit` bytes are allocated at once
@@ -365,7 +419,46 @@ impl Device {
                 limit,
                 usage: Mutex::new((0, 0)),
             })),
+            stream: Arc::clone(&self.stream),
         }
+    }
+
+    /// A handle of this device (with this handle's memory limit) whose work goes on the
+    /// device's stream `index`: its own order, which work on other streams neither waits
+    /// for nor is waited for by, save where one uses a buffer another made (see
+    /// [`Device::after`]). Stream 0 is the one every handle starts on; the engine gives each
+    /// partition its own.
+    pub fn on_stream(&self, index: usize) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+            quota: self.quota.clone(),
+            stream: self.inner.stream(index),
+        }
+    }
+
+    /// The index of the handle's own stream (work goes there, save where it runs
+    /// [`in_stream`] another).
+    pub fn stream_index(&self) -> usize {
+        self.stream.index
+    }
+
+    /// The index of the stream this handle's work goes on now: the thread's, where work
+    /// runs [`in_stream`], else the handle's own.
+    fn current_index(&self) -> usize {
+        stream::scoped().unwrap_or(self.stream.index)
+    }
+
+    /// The stream this handle's work goes on now (see [`Device::stream_index`]).
+    fn current(&self) -> Arc<Stream> {
+        match stream::scoped() {
+            Some(index) if index != self.stream.index => self.inner.stream(index),
+            _ => Arc::clone(&self.stream),
+        }
+    }
+
+    /// Streams the device has made so far (each handle's, see [`Device::on_stream`]).
+    pub fn streams(&self) -> usize {
+        self.inner.stream_count()
     }
 
     /// Which backend runs this device.
@@ -599,6 +692,18 @@ impl Device {
         });
         self.injected("allocation", number)?;
         let class = size_class(len);
+        let stream = self.current();
+        let me = stream.index;
+        let passed = self.inner.passed();
+        // A cached block may go to this stream once every other stream has passed the
+        // work queued on it before the block was let go (this stream's own is queued
+        // before whatever it queues now).
+        let reusable = |clock: &[u64]| {
+            clock
+                .iter()
+                .enumerate()
+                .all(|(j, &op)| j == me || passed.get(j).is_some_and(|&p| p >= op))
+        };
         if let Some(q) = &self.quota {
             let mut usage = q.lock();
             if usage.0 + class > q.limit {
@@ -619,6 +724,8 @@ impl Device {
                 &self.to_string(),
                 class,
                 self.inner.budget,
+                reusable,
+                || self.settle(),
                 || self.backend_alloc(class),
                 |addr| self.backend_free(addr),
             )
@@ -637,6 +744,7 @@ impl Device {
             addr,
             len,
             class,
+            stream: me,
         })
     }
 
@@ -647,7 +755,13 @@ impl Device {
         });
         match &self.inner.backend {
             Backend::Emulated(memory) => memory.alloc(len),
-            Backend::Cuda(cuda) => cuda.alloc(len),
+            Backend::Cuda(cuda) => {
+                let stream = self.current();
+                let addr = cuda.alloc(stream.index, len)?;
+                // Stream-ordered where the device allocates so: an op of this stream's.
+                stream.queued();
+                Ok(addr)
+            }
         }
     }
 
@@ -661,7 +775,11 @@ impl Device {
             Backend::Emulated(_) => {
                 let _ = self.enqueue(Op::Free { addr });
             }
-            Backend::Cuda(cuda) => cuda.free(addr),
+            Backend::Cuda(cuda) => {
+                let stream = self.current();
+                cuda.free(stream.index, addr);
+                stream.queued();
+            }
         }
     }
 
@@ -675,7 +793,9 @@ impl Device {
     }
 
     pub(crate) fn release(&self, addr: u64, class: usize) {
-        self.inner.pool.give_back(class, addr);
+        self.inner
+            .pool
+            .give_back(class, addr, self.inner.enqueued());
         self.unreserve(class);
     }
 
@@ -687,8 +807,13 @@ impl Device {
         }
     }
 
-    /// Frees the memory the pool keeps cached for reuse.
+    /// Frees the memory the pool keeps cached for reuse, once every stream has passed the
+    /// work that may still use it (a quarantined device only forgets it).
     pub fn trim(&self) {
+        if self.settle().is_err() {
+            self.inner.pool.trim(|_| {});
+            return;
+        }
         self.inner.pool.trim(|addr| self.backend_free(addr));
     }
 
@@ -735,10 +860,20 @@ impl Device {
             ..DeviceCounts::default()
         });
         self.injected("launch", number)?;
+        // Buffers made on other streams: their work first (a counted sync each, where it
+        // may still run).
+        self.after(
+            (args.iter())
+                .filter_map(|a| match *a {
+                    Arg::Buf(_, _, stream) => Some(stream),
+                    _ => None,
+                })
+                .chain(reached.iter().map(|b| b.stream())),
+        )?;
         let buffers: Vec<(u64, usize)> = args
             .iter()
             .filter_map(|a| match *a {
-                Arg::Buf(addr, len) => Some((addr, len)),
+                Arg::Buf(addr, len, _) => Some((addr, len)),
                 _ => None,
             })
             .chain(reached.iter().map(|b| (b.addr(), b.len())))
@@ -758,10 +893,12 @@ impl Device {
             // SAFETY: forwarded from this function's contract; every slot is 8 bytes and
             // CUDA reads a u32 parameter from the first 4 (little-endian). The driver takes
             // the parameters' values when the launch is queued.
-            return unsafe {
-                cuda.launch(kernel, cfg.grid, cfg.block, cfg.shared_bytes, &mut params)
-            }
-            .map_err(|e| self.lost(e));
+            let (grid, block, shared) = (cfg.grid, cfg.block, cfg.shared_bytes);
+            let stream = self.current();
+            unsafe { cuda.launch(stream.index, kernel, grid, block, shared, &mut params) }
+                .map_err(|e| self.lost(e))?;
+            stream.queued();
+            return Ok(());
         }
         let cfg = EmuLaunchConfig {
             grid: [cfg.grid, 1, 1],

@@ -1,5 +1,5 @@
-//! The emulated device's stream: work the host enqueues runs later, in order, as a GPU's
-//! stream runs it — so that code which reads a result without waiting for it, or reuses
+//! An emulated device's stream (one queue per stream, see `Device::on_stream`): work the
+//! host enqueues runs later, in order, as a GPU's stream runs it — so that code which reads a result without waiting for it, or reuses
 //! memory that queued work still uses, fails in tests instead of on a GPU.
 //!
 //! ```text
@@ -82,7 +82,7 @@ struct Pending {
     bytes: usize,
 }
 
-/// The queue of one emulated device.
+/// The queue of one stream of an emulated device.
 #[derive(Default)]
 pub(crate) struct EmuQueue {
     pending: Mutex<Pending>,

@@ -1,7 +1,9 @@
 //! Device memory: buffers drawn from a per-device pool with a byte budget.
 //!
 //! Freed buffers go back to the pool by size class and are reused by later allocations of
-//! that class (on a GPU this saves the driver call, which costs far more than a kernel).
+//! that class (on a GPU this saves the driver call, which costs far more than a kernel),
+//! each with the point each stream of the device had reached when it was let go: another
+//! stream reuses it only once the host knows each has passed that point.
 //! Cached bytes do not count against the budget; when an allocation would pass it, the
 //! cache is emptied first, and only then is the allocation refused with
 //! [`KernelError::OutOfDeviceMemory`].
@@ -36,7 +38,9 @@ struct PoolState {
     in_use: usize,
     peak: usize,
     cached_bytes: usize,
-    cached: HashMap<usize, Vec<u64>>,
+    /// By size class: each block, and for each stream (by index) the ops queued on it when
+    /// the block was let go.
+    cached: HashMap<usize, Vec<(u64, Vec<u64>)>>,
 }
 
 impl Pool {
@@ -44,14 +48,19 @@ impl Pool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes `class` bytes: a cached block of that class, or a new one from `fresh`.
-    /// Cached blocks of other classes are handed to `release` when the device would
-    /// otherwise hold more than its budget.
+    /// Takes `class` bytes: a cached block of that class that `reusable` allows (from the
+    /// stream points it was let go at), or a new one from `fresh`. When the device would
+    /// otherwise hold more than its budget, `settle` waits for every stream (so that every
+    /// cached block may be reused or freed) and cached blocks of other classes are handed
+    /// to `release`.
+    #[allow(clippy::too_many_arguments)]
     pub fn take(
         &self,
         device: &str,
         class: usize,
         budget: usize,
+        reusable: impl Fn(&[u64]) -> bool,
+        settle: impl Fn() -> Result<()>,
         fresh: impl Fn() -> Result<u64>,
         release: impl Fn(u64),
     ) -> Result<u64> {
@@ -64,15 +73,29 @@ impl Pool {
                 budget,
             });
         }
-        let addr = match s.cached.get_mut(&class).and_then(Vec::pop) {
+        let over = s.in_use + s.cached_bytes + class > budget;
+        // The latest let go first (the likeliest to be warm), among those allowed; any
+        // once the streams are settled, when the device is short of memory.
+        let cached = s.cached.get(&class).map_or(&[][..], Vec::as_slice);
+        let at = match cached.iter().rposition(|(_, clock)| reusable(clock)) {
+            Some(at) => Some(at),
+            None if over && !cached.is_empty() => {
+                settle()?;
+                Some(cached.len() - 1)
+            }
+            None => None,
+        };
+        let ready = at.and_then(|at| s.cached.get_mut(&class).map(|b| b.swap_remove(at).0));
+        let addr = match ready {
             Some(addr) => {
                 s.cached_bytes -= class;
                 addr
             }
             None => {
-                if s.in_use + s.cached_bytes + class > budget {
+                if over {
+                    settle()?;
                     for (_, blocks) in s.cached.drain() {
-                        blocks.into_iter().for_each(&release);
+                        blocks.into_iter().for_each(|(addr, _)| release(addr));
                     }
                     s.cached_bytes = 0;
                 }
@@ -84,12 +107,12 @@ impl Pool {
         Ok(addr)
     }
 
-    /// Returns a block to the cache.
-    pub fn give_back(&self, class: usize, addr: u64) {
+    /// Returns a block to the cache, let go when the streams had queued `clock` ops.
+    pub fn give_back(&self, class: usize, addr: u64, clock: Vec<u64>) {
         let mut s = self.lock();
         s.in_use -= class;
         s.cached_bytes += class;
-        s.cached.entry(class).or_default().push(addr);
+        s.cached.entry(class).or_default().push((addr, clock));
     }
 
     /// Empties the cache, handing each block to `release`.
@@ -97,7 +120,10 @@ impl Pool {
         let blocks: Vec<u64> = {
             let mut s = self.lock();
             s.cached_bytes = 0;
-            s.cached.drain().flat_map(|(_, b)| b).collect()
+            s.cached
+                .drain()
+                .flat_map(|(_, b)| b.into_iter().map(|(addr, _)| addr))
+                .collect()
         };
         blocks.into_iter().for_each(release);
     }
@@ -115,6 +141,9 @@ pub struct DeviceBuffer {
     pub(crate) addr: u64,
     pub(crate) len: usize,
     pub(crate) class: usize,
+    /// The index of the stream it was made on: work on another stream that uses it waits
+    /// for that one first (see `Device::after`).
+    pub(crate) stream: usize,
 }
 
 impl DeviceBuffer {
@@ -137,6 +166,11 @@ impl DeviceBuffer {
     /// Whether the buffer holds no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The index of the stream of its device it was made on (see `Device::on_stream`).
+    pub fn stream(&self) -> usize {
+        self.stream
     }
 
     /// The device address, as kernels see it.

@@ -82,7 +82,9 @@ impl<W: BatchWork> GpuBatchExec<W> {
             Arc::clone(&context),
             &self.devices,
         )?;
-        self.stream_over(input, partition, context, resident)
+        let device = device_for(&self.devices, partition)
+            .ok_or_else(|| internal_datafusion_err!("{} without a device", W::NAME))?;
+        self.stream_over(input, device, partition, context, resident)
     }
 
     fn child(&self) -> Result<Arc<dyn ExecutionPlan>> {
@@ -102,16 +104,15 @@ impl<W: BatchWork> GpuBatchExec<W> {
             .filter(|c| super::resident(c).is_some_and(|r| r.replicated()))
     }
 
-    /// The stream of `input` on partition `partition`'s device.
+    /// The stream of `input` on `device` (and its stream), metered as `partition`'s.
     fn stream_over(
         &self,
         input: ChunkStream,
+        device: Device,
         partition: usize,
         context: Arc<TaskContext>,
         resident: bool,
     ) -> Result<ChunkStream> {
-        let device = device_for(&self.devices, partition)
-            .ok_or_else(|| internal_datafusion_err!("{} without a device", W::NAME))?;
         let metrics = GpuMetrics::new(&self.metrics, partition, &device, &context);
         count_operator(&self.executed, W::KIND);
         Ok(metrics.work().chunks(Box::pin(GpuStream::new(
@@ -148,7 +149,11 @@ impl<W: BatchWork> DeviceResident for GpuBatchExec<W> {
         let input = (super::resident(&child)
             .map(|r| r.execute_replica(device, Arc::clone(&context))))
         .ok_or_else(|| internal_datafusion_err!("{} is not over a replica", W::NAME))??;
-        self.stream_over(input, device, context, true)
+        // On the device's shared stream: a replica feeds a build side that every partition
+        // of the device reads.
+        let on = (self.devices.get(device).map(|d| d.on_stream(0)))
+            .ok_or_else(|| internal_datafusion_err!("{} has no device {device}", W::NAME))?;
+        self.stream_over(input, on, device, context, true)
     }
 }
 

@@ -199,9 +199,11 @@ impl GpuMetrics {
         let _ = batch.record_output(&self.baseline);
     }
 
-    /// The counters a [`Metered`] stream adds the operator's device work to.
+    /// The counters a [`Metered`] stream adds the operator's device work to, and the
+    /// stream of its device that work goes on (the partition's, see `device_for`).
     pub fn work(&self) -> DeviceWork {
         DeviceWork {
+            stream: self.device.stream_index(),
             launches: self.launches.clone(),
             syncs: self.syncs.clone(),
             h2d_bytes: self.h2d_bytes.clone(),
@@ -351,6 +353,8 @@ pub fn run_counts() -> RunCounts {
 /// The metrics one operator partition's device work goes to (see [`GpuMetrics::work`]).
 #[derive(Debug, Clone)]
 pub struct DeviceWork {
+    /// The device stream the partition's work goes on.
+    stream: usize,
     launches: Count,
     syncs: Count,
     h2d_bytes: Count,
@@ -368,7 +372,8 @@ impl DeviceWork {
     }
 
     /// `stream`, with every device call made while it is polled counted for this operator
-    /// partition (a child operator's work counts for the child: its stream is metered too).
+    /// partition (a child operator's work counts for the child: its stream is metered too)
+    /// and queued on the partition's device stream (a child's on its own).
     pub fn chunks(self, stream: ChunkStream) -> ChunkStream {
         Box::pin(Metered {
             inner: stream,
@@ -394,7 +399,8 @@ impl DeviceWork {
     }
 }
 
-/// A stream whose polls count their device calls ([`fulmen_kernels::device::metered`]):
+/// A stream whose polls count their device calls ([`fulmen_kernels::device::metered`]) and
+/// queue them on the partition's device stream ([`fulmen_kernels::device::in_stream`]):
 /// all of an operator's device work happens while its stream is polled.
 struct Metered<S> {
     inner: S,
@@ -406,7 +412,9 @@ impl<S: Stream + Unpin> Stream for Metered<S> {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
-        let (item, counts) = fulmen_kernels::device::metered(|| this.inner.poll_next_unpin(cx));
+        let (item, counts) = fulmen_kernels::device::in_stream(this.work.stream, || {
+            fulmen_kernels::device::metered(|| this.inner.poll_next_unpin(cx))
+        });
         this.work.add(&counts);
         item
     }

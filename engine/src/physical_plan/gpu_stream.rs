@@ -520,7 +520,12 @@ pub fn make_batch(schema: &SchemaRef, columns: Vec<ArrayRef>, rows: usize) -> Re
     .map_err(arrow_err)
 }
 
-/// The device a partition runs on: partitions are spread round-robin over the devices.
+/// The device a partition runs on, and its stream there: partitions are spread
+/// round-robin over the devices, and each partition queues its work on a stream of its
+/// own (1, 2, … on each device; stream 0 is left to work that partitions share: cached
+/// tables, a CollectLeft join's build side), so that its waits do not wait for the others'
+/// work.
 pub fn device_for(devices: &[Device], partition: usize) -> Option<Device> {
-    (!devices.is_empty()).then(|| devices[partition % devices.len()].clone())
+    let n = devices.len();
+    (n > 0).then(|| devices[partition % n].on_stream(1 + partition / n))
 }

@@ -1,37 +1,114 @@
-//! The device's stream: uploads through the pinned staging halves, reads, copies between
-//! buffers, waits, and the emulated device's queue (see `emu_queue.rs` and the module
-//! notes of `device.rs`).
+//! The device's streams: uploads through the pinned staging halves, reads, copies between
+//! buffers, waits, waits for another stream, and the emulated device's queues (see
+//! `emu_queue.rs` and the module notes of `device.rs`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Backend, Device, DeviceCounts, STAGING_BYTES, UPLOAD_HALF_BYTES};
-use crate::emu_queue::Op;
+use crate::emu_queue::{EmuQueue, Op};
 use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
 
-/// The two halves of pinned upload staging, each [`UPLOAD_HALF_BYTES`]: uploads fill one
-/// while the stream copies out of the other. A half is refilled only once the stream has
-/// passed every copy out of it, which the host knows from its own last wait; when it has
-/// not waited since, it waits then (a counted sync).
+thread_local! {
+    /// The stream index work on this thread goes on, inside [`in_stream`].
+    static SCOPE: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// The thread's stream index, inside [`in_stream`].
+pub(super) fn scoped() -> Option<usize> {
+    SCOPE.with(std::cell::Cell::get)
+}
+
+/// Runs `work` with every device call it makes on this thread, through any handle, queued
+/// on stream `index` of that handle's device (its own otherwise): an operator partition's
+/// work goes on the partition's stream even where an op takes its device from an input
+/// another stream made. Scopes nest; the innermost wins.
+pub fn in_stream<T>(index: usize, work: impl FnOnce() -> T) -> T {
+    struct Restore(Option<usize>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SCOPE.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SCOPE.with(|s| s.replace(Some(index))));
+    work()
+}
+
+/// One stream of a device: its queue on the emulator (a GPU's driver keeps its own), and
+/// how far along it the host knows it to be. Work on one stream runs in the order it was
+/// queued; work on two streams is ordered only by a host wait (see [`Device::after`]).
+#[derive(Default)]
+pub(crate) struct Stream {
+    /// Its index among the device's streams (0: the device's own, the one every handle
+    /// starts on).
+    pub(super) index: usize,
+    /// The emulated device's queue of this stream.
+    pub(super) queue: EmuQueue,
+    /// Ops queued so far (a sequence number).
+    enqueued: AtomicU64,
+    /// The last op known to have finished: queued before one of the host's waits on the
+    /// stream began.
+    passed: AtomicU64,
+}
+
+impl Stream {
+    pub(super) fn new(index: usize) -> Self {
+        Self {
+            index,
+            ..Self::default()
+        }
+    }
+
+    /// Ops queued so far.
+    pub(super) fn enqueued(&self) -> u64 {
+        self.enqueued.load(Ordering::Acquire)
+    }
+
+    /// The last op known to have finished.
+    pub(super) fn passed(&self) -> u64 {
+        self.passed.load(Ordering::Acquire)
+    }
+
+    /// Notes one more op queued; returns its number.
+    pub(super) fn queued(&self) -> u64 {
+        self.enqueued.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// Whether work queued on it may still be running.
+    pub(super) fn busy(&self) -> bool {
+        self.passed() < self.enqueued()
+    }
+
+    fn passed_through(&self, op: u64) {
+        self.passed.fetch_max(op, Ordering::AcqRel);
+    }
+}
+
+/// The two halves of pinned upload staging, each [`UPLOAD_HALF_BYTES`], shared by the
+/// device's streams: uploads fill one while the streams copy out of the other. A half is
+/// refilled only once every stream has passed its copies out of it, which the host knows
+/// from its own waits; for a stream it has not waited on since, it waits then (a counted
+/// sync each).
 #[derive(Debug, Default)]
 pub(super) struct UploadRing {
     /// The half being filled, and the bytes of it used since it was last started.
     half: usize,
     fill: usize,
-    /// Copies enqueued so far (a sequence number), the last one out of each half, and the
-    /// last one known to have finished (enqueued before the host's latest wait began).
-    enqueued: u64,
-    last: [u64; 2],
-    passed: u64,
+    /// For each half, by stream index: the number of the last op copying out of it.
+    last: [Vec<u64>; 2],
 }
 
 impl Device {
-    /// Queues work on the emulated device's stream (which may run it, if it has grown
-    /// past its bounds: a failure then loses the device, see `emu_queue.rs`).
+    /// Queues work on this handle's stream of the emulated device (which may run it, if
+    /// it has grown past its bounds: a failure then loses the device, see `emu_queue.rs`).
     pub(super) fn enqueue(&self, op: Op) -> Result<()> {
         let Backend::Emulated(memory) = &self.inner.backend else {
             return Err(KernelError::Unsupported("queueing on a GPU".into()));
         };
         let device = self.to_string();
-        self.inner
+        let stream = self.current();
+        stream.queued();
+        stream
             .queue
             .push(op, memory, &device)
             .map_err(|e| self.sticky(e))
@@ -43,37 +120,72 @@ impl Device {
         error
     }
 
-    /// Waits until the device has done everything queued so far (a counted sync): the
-    /// host needs this only before touching what queued work produces outside a read,
-    /// which waits by itself.
+    /// Waits until this handle's stream has done everything queued on it so far (a
+    /// counted sync): the host needs this only before touching what queued work produces
+    /// outside a read, which waits by itself.
     pub fn synchronize(&self) -> Result<()> {
         self.usable()?;
         self.record(DeviceCounts {
             syncs: 1,
             ..DeviceCounts::default()
         });
-        self.wait()
+        self.wait_on(&self.current())
     }
 
-    /// Waits for the stream (counted by the caller), noting the uploads it has passed.
-    fn wait(&self) -> Result<()> {
-        let through = self.uploads().enqueued;
-        self.wait_stream()?;
-        let mut ring = self.uploads();
-        ring.passed = ring.passed.max(through);
-        Ok(())
-    }
-
-    /// Waits for everything queued on the stream so far.
-    fn wait_stream(&self) -> Result<()> {
+    /// Waits (uncounted: the caller counts) for everything queued on `stream` so far.
+    pub(super) fn wait_on(&self, stream: &Stream) -> Result<()> {
+        let through = stream.enqueued();
         match &self.inner.backend {
-            Backend::Emulated(memory) => self
-                .inner
+            Backend::Emulated(memory) => stream
                 .queue
                 .run(memory, &self.to_string())
                 .map_err(|e| self.sticky(e)),
-            Backend::Cuda(cuda) => cuda.sync().map_err(|e| self.lost(e)),
+            Backend::Cuda(cuda) => cuda.sync(stream.index).map_err(|e| self.lost(e)),
+        }?;
+        stream.passed_through(through);
+        Ok(())
+    }
+
+    /// Before work on this handle's stream uses buffers made through handles on other
+    /// streams (`streams`: their indices), waits for each of those streams that may still
+    /// be running queued work (a counted sync each): two streams are ordered only by the
+    /// host. A stream that has passed everything queued on it costs nothing.
+    pub(crate) fn after(&self, streams: impl IntoIterator<Item = usize>) -> Result<()> {
+        let me = self.current_index();
+        let mut waited: Vec<usize> = Vec::new();
+        for index in streams {
+            if index == me || waited.contains(&index) {
+                continue;
+            }
+            waited.push(index);
+            let stream = self.inner.stream(index);
+            if stream.busy() {
+                log::debug!("{self}: stream {me} waits for stream {index}");
+                self.record(DeviceCounts {
+                    syncs: 1,
+                    ..DeviceCounts::default()
+                });
+                self.wait_on(&stream)?;
+            }
         }
+        Ok(())
+    }
+
+    /// Waits for every stream of the device that may still be running queued work (a
+    /// counted sync each): before memory goes back to the driver, which any of them may
+    /// still be using.
+    pub(crate) fn settle(&self) -> Result<()> {
+        for index in 0..self.inner.stream_count() {
+            let stream = self.inner.stream(index);
+            if stream.busy() {
+                self.record(DeviceCounts {
+                    syncs: 1,
+                    ..DeviceCounts::default()
+                });
+                self.wait_on(&stream)?;
+            }
+        }
+        Ok(())
     }
 
     /// Fails unless `len` bytes at `offset` lie inside `buffer` (`way`: into, out of).
@@ -110,24 +222,29 @@ impl Device {
     ) -> Result<()> {
         Self::within(buffer, offset, len, "into")?;
         self.usable()?;
+        self.after([buffer.stream])?;
+        let stream = self.current();
         // The ring's lock is held for the whole upload, waits included: no other upload
-        // fills a half this one is about to refill, or counts on a wait it has not done.
+        // fills a half this one is about to refill.
         let mut ring = self.uploads();
         for k in 0..len.div_ceil(UPLOAD_HALF_BYTES) {
             let start = k * UPLOAD_HALF_BYTES;
             let piece_len = UPLOAD_HALF_BYTES.min(len - start);
             if ring.fill + piece_len > UPLOAD_HALF_BYTES {
                 let other = ring.half ^ 1;
-                if ring.last[other] > ring.passed {
-                    // The other half's copies may still be running: wait for them (for
-                    // everything enqueued so far, since nothing is enqueued meanwhile).
-                    self.record(DeviceCounts {
-                        syncs: 1,
-                        ..DeviceCounts::default()
-                    });
-                    self.wait_stream()?;
-                    ring.passed = ring.enqueued;
+                // The other half's copies may still be running on some stream: wait for
+                // each such stream.
+                for (index, &last) in ring.last[other].iter().enumerate() {
+                    let stream = self.inner.stream(index);
+                    if stream.passed() < last {
+                        self.record(DeviceCounts {
+                            syncs: 1,
+                            ..DeviceCounts::default()
+                        });
+                        self.wait_on(&stream)?;
+                    }
                 }
+                ring.last[other].clear();
                 ring.half = other;
                 ring.fill = 0;
             }
@@ -150,17 +267,24 @@ impl Device {
                 }
                 Backend::Cuda(cuda) => cuda
                     .stage_write(
+                        stream.index,
                         ring.half,
                         ring.fill,
                         buffer.addr + at as u64,
                         piece_len,
                         &|out| fill(start, out),
                     )
+                    .map(|()| {
+                        stream.queued();
+                    })
                     .map_err(|e| self.lost(e)),
             }?;
-            ring.enqueued += 1;
-            let (half, seq) = (ring.half, ring.enqueued);
-            ring.last[half] = seq;
+            let (half, me, op) = (ring.half, stream.index, stream.enqueued());
+            let last = &mut ring.last[half];
+            if last.len() <= me {
+                last.resize(me + 1, 0);
+            }
+            last[me] = op;
             ring.fill += piece_len;
         }
         Ok(())
@@ -197,6 +321,8 @@ impl Device {
             Self::within(buffer, *offset, out.len(), "out of")?;
         }
         self.usable()?;
+        self.after(reads.iter().map(|(b, ..)| b.stream))?;
+        let stream = self.current();
         let fills = staging_fills(reads.iter().map(|(_, _, out)| out.len()));
         if fills.is_empty() {
             // No copy, so no wait: nothing may be taken as passed.
@@ -208,12 +334,11 @@ impl Device {
             syncs: fills.len() as u64,
             ..DeviceCounts::default()
         });
-        let through = self.uploads().enqueued;
+        let through = stream.enqueued();
         match &self.inner.backend {
             // The host reads once the stream has run everything queued before the reads,
             // and before anything queued after them.
-            Backend::Emulated(memory) => self
-                .inner
+            Backend::Emulated(memory) => stream
                 .queue
                 .run_then(memory, &self.to_string(), || {
                     for (buffer, offset, out) in reads.iter_mut() {
@@ -224,11 +349,10 @@ impl Device {
                     Ok(())
                 })
                 .map_err(|e| self.sticky(e)),
-            Backend::Cuda(cuda) => cuda.read_many(&fills, reads),
+            Backend::Cuda(cuda) => cuda.read_many(stream.index, &fills, reads),
         }
         .map_err(|e| self.lost(e))?;
-        let mut ring = self.uploads();
-        ring.passed = ring.passed.max(through);
+        stream.passed_through(through);
         Ok(())
     }
 
@@ -253,6 +377,8 @@ impl Device {
             )));
         }
         self.usable()?;
+        self.after([dst.stream, src.stream])?;
+        let stream = self.current();
         self.record(DeviceCounts {
             d2d_copies: 1,
             d2d_bytes: len as u64,
@@ -266,7 +392,10 @@ impl Device {
                 len,
             }),
             Backend::Cuda(cuda) => cuda
-                .copy(dst.addr + at as u64, src.addr, len)
+                .copy(stream.index, dst.addr + at as u64, src.addr, len)
+                .map(|()| {
+                    stream.queued();
+                })
                 .map_err(|e| self.lost(e)),
         }
     }

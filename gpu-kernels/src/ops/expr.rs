@@ -661,7 +661,7 @@ fn launch(
     let packed = pack(program, columns, &[0], &[&out_table]);
     let upload = device.upload(&packed.bytes)?;
     let at = |k: usize| packed.ranges[k];
-    let part = |(offset, len): (usize, usize)| Arg::Buf(upload.addr() + offset as u64, len);
+    let part = |(offset, len): (usize, usize)| Arg::part(&upload, offset, len);
     let cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
     let mut reached = reached_columns(columns);
     for (values, validity, _, _) in &outputs {
@@ -688,7 +688,7 @@ fn launch(
                 part(at(4)),
                 Arg::U64(n as u64),
                 match status {
-                    Some(status) => Arg::Buf(status.addr() + 8, 8),
+                    Some(status) => Arg::part(status, 8, 8),
                     None => part(at(0)),
                 },
             ],

@@ -348,10 +348,7 @@ fn queue_starts(
     let all = device.alloc((columns.len() * stride * 8).max(1))?;
     if slots > 0 {
         for (k, column) in columns.iter().enumerate() {
-            lengths(
-                column,
-                Arg::Buf(all.addr() + (8 * k * stride) as u64, 8 * slots),
-            )?;
+            lengths(column, Arg::part(&all, 8 * k * stride, 8 * slots))?;
         }
     }
     let starts = scan::segments_queued(device, &all, slots, columns.len(), totals_to)?;
@@ -576,7 +573,7 @@ fn gather(
                         Arg::buf(column.values()),
                         Arg::buf(indices),
                         n,
-                        Arg::Buf(starts.addr() + 8 * at as u64, starts.len() - 8 * at),
+                        Arg::part(&starts, 8 * at, starts.len() - 8 * at),
                         Arg::U32(u32::from(by_source)),
                         Arg::buf(&out_offsets),
                         Arg::buf(&out_bytes),

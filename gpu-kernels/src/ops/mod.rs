@@ -89,12 +89,7 @@ impl<'a> Word<'a> {
 
     /// The word as a kernel argument: its own 8 bytes inside the buffer.
     pub(crate) fn arg(self) -> Arg {
-        Arg::Buf(self.addr(), 8)
-    }
-
-    /// The word's device address.
-    pub(crate) fn addr(&self) -> u64 {
-        self.buffer.addr() + 8 * self.index as u64
+        Arg::part(self.buffer, 8 * self.index, 8)
     }
 
     /// The word `k` words after this one, which the buffer must hold.

@@ -97,7 +97,7 @@ fn queue(
         shared_bytes: 0,
     };
     let total_to = match total_to {
-        Some(word) => Arg::Buf(word.addr(), 8 * segments),
+        Some(word) => Arg::part(word.buffer, 8 * word.index, 8 * segments),
         None => Arg::Ptr(0),
     };
     // SAFETY: `input` holds segments × stride u64 (checked above), of which the kernels

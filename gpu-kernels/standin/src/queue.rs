@@ -25,7 +25,8 @@
 //!   bytes (a GPU works through its stream without being asked).
 //! - One queue per context: the streams of a context run in the order their work was
 //!   enqueued. That is stricter than a GPU, which may overlap streams, so a missing
-//!   ordering between two streams is not found here (Fulmen uses one stream per device).
+//!   ordering between two streams is not found here (Fulmen gives each partition a stream;
+//!   the emulated device, whose streams are queues of their own, finds it).
 
 use std::collections::VecDeque;
 use std::ffi::{CStr, c_char, c_void};

@@ -18,6 +18,7 @@ mod concat;
 mod dictionary;
 mod queued;
 mod standin;
+mod streams;
 
 /// Sizes that trip kernels up: empty, one, around a warp, around a block, many blocks.
 const SIZES: &[usize] = &[

@@ -50,6 +50,12 @@ async fn each_operator_counts_its_own_device_work_and_nothing_is_left_out() {
             spent += &d.counts().since(b);
         }
         assert!(spent.launches > 0, "Q{q}: {spent:?}");
+        // Each partition queued its work on a stream of its own (`device_for`): stream 0 is
+        // the device's own, then one for each of the 2 partitions the device runs.
+        for d in devices.iter() {
+            let partitions = 2usize.div_ceil(devices.len());
+            assert_eq!(d.streams(), 1 + partitions, "Q{q}: streams of {d}");
+        }
         let metered = [
             ("launches", spent.launches),
             ("syncs", spent.syncs),

@@ -150,6 +150,13 @@ pub(super) struct DeviceBuild {
 }
 
 impl JoinRun {
+    /// Runs `work` on its device's shared stream (0), where a build side that all the
+    /// device's partitions read is made: their streams then find it done, not waiting for
+    /// one another's work (see `device_for`).
+    fn on_shared_stream<T>(&self, work: impl FnOnce(&Self) -> T) -> T {
+        fulmen_kernels::device::in_stream(0, || work(self))
+    }
+
     /// This partition's device's index among the join's devices.
     fn device_index(&self) -> Result<usize> {
         (self.devices.iter().position(|d| d == &self.device))
@@ -174,10 +181,12 @@ impl JoinRun {
             .entry(index)
             .or_default(),
         );
-        cell.get_or_init(|| async { self.host_table(build).map_err(Arc::new) })
-            .await
-            .clone()
-            .map_err(DataFusionError::Shared)
+        cell.get_or_init(|| async {
+            (self.on_shared_stream(|run| run.host_table(build))).map_err(Arc::new)
+        })
+        .await
+        .clone()
+        .map_err(DataFusionError::Shared)
     }
 
     /// The build side of a CollectLeft join on this partition's device: built by the first
@@ -218,7 +227,7 @@ impl JoinRun {
                     Arc::new(internal_datafusion_err!("a build side released too early"))
                 })?;
                 let built = self
-                    .build_on_device(&chunks.chunks, &chunks.host)
+                    .on_shared_stream(|run| run.build_on_device(&chunks.chunks, &chunks.host))
                     .map(Arc::new)
                     .map_err(Arc::new);
                 // The devices that run a partition: once each has built, the gathered
@@ -281,13 +290,13 @@ impl JoinRun {
             let made = async {
                 let leader = self.replica_leader(state, child, index, partitions).await?;
                 if leader.device == index {
-                    self.build_on_device(&leader.chunks, &[])
+                    self.on_shared_stream(|run| run.build_on_device(&leader.chunks, &[]))
                 } else if leader.remake {
                     let chunks = self.replica_chunks(child, index).await?;
-                    self.build_on_device(&chunks, &[])
+                    self.on_shared_stream(|run| run.build_on_device(&chunks, &[]))
                 } else {
                     let host = leader.host_rows(&self.metrics)?;
-                    self.build_on_device(&leader.chunks, &host)
+                    self.on_shared_stream(|run| run.build_on_device(&leader.chunks, &host))
                 }
             };
             let built = made.await;

@@ -212,7 +212,7 @@ impl GroupTable {
         let upload = device.upload(&packed.bytes)?;
         let part = |k: usize| {
             let (offset, len) = packed.ranges[k];
-            Arg::Buf(upload.addr() + offset as u64, len)
+            Arg::part(&upload, offset, len)
         };
         let mut reached = expr::reached_columns(columns);
         for chunk in &self.chunks {

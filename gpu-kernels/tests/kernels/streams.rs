@@ -1,0 +1,121 @@
+//! A device's streams: work on one runs in its own order, work that uses a buffer made on
+//! another waits for that stream first (a counted sync, only while it may still run), and
+//! a block let go on one stream goes to another only once the host has waited past it.
+
+use fulmen_kernels::ops::scan;
+
+use super::*;
+
+/// u64 values as bytes.
+fn words(values: &[u64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// A copy and a launch on one stream of buffers another stream is still filling see what
+/// that stream wrote (the emulated device runs a stream's queue only when it is waited
+/// for: without the wait they would read the pool's fill pattern).
+#[test]
+fn work_on_one_stream_waits_for_the_stream_that_made_its_input() {
+    for d in [device(), emulated()] {
+        let (a, b) = (d.on_stream(1), d.on_stream(2));
+        assert_eq!((a.stream_index(), b.stream_index()), (1, 2));
+        assert_eq!(a, b, "two streams of one device are the one device");
+        let values: Vec<u64> = (1..=5000).collect();
+        let made_on_a = a.upload(&words(&values)).unwrap();
+        let copied = b.alloc(made_on_a.len()).unwrap();
+        b.copy(&copied, &made_on_a).unwrap();
+        assert!(
+            copied.to_host().unwrap() == words(&values),
+            "the copy sees a's upload"
+        );
+
+        let more: Vec<u64> = (0..3000).map(|i| i * 7 % 11).collect();
+        let input = a.upload(&words(&more)).unwrap();
+        let (offsets, total) = scan::exclusive_scan(&b, &input, more.len()).unwrap();
+        let mut want = Vec::with_capacity(more.len());
+        let mut sum = 0;
+        for v in &more {
+            want.push(sum);
+            sum += v;
+        }
+        assert_eq!(total, sum);
+        assert!(
+            offsets.to_host().unwrap() == words(&want),
+            "the scan sees a's upload"
+        );
+    }
+}
+
+/// The waits between streams are counted, and cost nothing once the other stream has
+/// passed its work; a read waits for its own stream only.
+#[test]
+fn a_stream_waits_for_another_once_and_only_while_it_may_still_run() {
+    let d = emulated();
+    let (a, b) = (d.on_stream(1), d.on_stream(2));
+    let on_a = a.upload(&[3u8; 4096]).unwrap();
+    let on_b = b.upload(&[4u8; 4096]).unwrap();
+    let syncs = d.counts().syncs;
+    assert_eq!(on_b.to_host().unwrap(), vec![4u8; 4096]);
+    assert_eq!(d.counts().syncs - syncs, 1, "b's read waits for b alone");
+    let first = b.alloc(4096).unwrap();
+    b.copy(&first, &on_a).unwrap();
+    assert_eq!(
+        d.counts().syncs - syncs,
+        2,
+        "a copy of a's buffer waits for a"
+    );
+    let second = b.alloc(4096).unwrap();
+    b.copy(&second, &on_a).unwrap();
+    assert_eq!(d.counts().syncs - syncs, 2, "a has passed: no second wait");
+    assert_eq!(second.to_host().unwrap(), vec![3u8; 4096]);
+    assert_eq!(first.to_host().unwrap(), vec![3u8; 4096]);
+    assert_eq!(d.streams(), 3, "streams 0, 1 and 2");
+}
+
+/// A block let go while its stream still has work queued on it is reused at once on that
+/// stream, and on another only once the host has waited for the first.
+#[test]
+fn a_block_goes_to_another_stream_only_once_its_stream_has_passed_it() {
+    let d = emulated();
+    let (a, b) = (d.on_stream(1), d.on_stream(2));
+    let held = a.alloc(4096).unwrap();
+    held.write(0, &[9u8; 4096]).unwrap();
+    let addr = held.addr();
+    drop(held);
+    let other = b.alloc(4096).unwrap();
+    assert_ne!(other.addr(), addr, "a's write may still be running");
+    let same = a.alloc(4096).unwrap();
+    assert_eq!(same.addr(), addr, "a's own work is queued before a's next");
+    same.write(0, &[1u8; 4096]).unwrap();
+    drop(same);
+    a.synchronize().unwrap();
+    let after = b.alloc(4096).unwrap();
+    assert_eq!(after.addr(), addr, "a has passed it");
+    after.write(0, &[2u8; 4096]).unwrap();
+    assert_eq!(after.to_host().unwrap(), vec![2u8; 4096]);
+    drop(other);
+}
+
+/// Inside `in_stream`, work through any handle goes on the scope's stream, and a buffer
+/// made there carries it: a read through a handle on another stream waits for it.
+#[test]
+fn work_in_a_stream_scope_goes_on_the_scopes_stream() {
+    let d = emulated();
+    let values: Vec<u64> = (0..4096).map(|i| i * 3).collect();
+    let made = fulmen_kernels::device::in_stream(5, || {
+        let buffer = d.upload(&words(&values)).unwrap();
+        assert_eq!(buffer.stream(), 5, "made on the scope's stream");
+        let inner = fulmen_kernels::device::in_stream(6, || d.alloc(8).unwrap());
+        assert_eq!(inner.stream(), 6, "the innermost scope wins");
+        assert_eq!(d.alloc(8).unwrap().stream(), 5, "and the outer one is back after it");
+        buffer
+    });
+    assert_eq!(d.stream_index(), 0, "the handle keeps its own stream");
+    let syncs = d.counts().syncs;
+    assert!(made.to_host().unwrap() == words(&values), "the read sees the upload");
+    assert_eq!(
+        d.counts().syncs - syncs,
+        2,
+        "a wait for stream 5, then the read's own on stream 0"
+    );
+}
