@@ -107,12 +107,19 @@ fn work_in_a_stream_scope_goes_on_the_scopes_stream() {
         assert_eq!(buffer.stream(), 5, "made on the scope's stream");
         let inner = fulmen_kernels::device::in_stream(6, || d.alloc(8).unwrap());
         assert_eq!(inner.stream(), 6, "the innermost scope wins");
-        assert_eq!(d.alloc(8).unwrap().stream(), 5, "and the outer one is back after it");
+        assert_eq!(
+            d.alloc(8).unwrap().stream(),
+            5,
+            "and the outer one is back after it"
+        );
         buffer
     });
     assert_eq!(d.stream_index(), 0, "the handle keeps its own stream");
     let syncs = d.counts().syncs;
-    assert!(made.to_host().unwrap() == words(&values), "the read sees the upload");
+    assert!(
+        made.to_host().unwrap() == words(&values),
+        "the read sees the upload"
+    );
     assert_eq!(
         d.counts().syncs - syncs,
         2,
