@@ -6,15 +6,15 @@
 //!   by NVRTC for the device's architecture (`nvrtc.rs`).
 //!
 //! Work is asynchronous on both: launches, uploads and copies between buffers are queued
-//! on the handle's stream and the call returns at once; the host waits only where it needs
-//! a value (a read, [`Device::synchronize`]) or a staging half it is about to refill (see
-//! [`UPLOAD_HALF_BYTES`]).
+//! on the handle's stream (or the thread's, inside [`in_stream`]) and the call returns at
+//! once; the host waits only where it needs a value (a read, [`Device::synchronize`]) or a
+//! staging half it is about to refill (see [`UPLOAD_HALF_BYTES`]).
 //!
 //! A device has several streams: a handle is on one ([`Device::on_stream`]; stream 0 is the
 //! device's own), and the engine gives each partition a stream of its own, so that one
 //! partition's wait does not wait for another's work. Work on one stream runs in order;
-//! work that uses a buffer made through a handle on another stream first waits for that
-//! stream, if it may still be running ([`Device::after`], a counted sync). Buffers go back
+//! work that uses a buffer made on another stream first waits for that stream, if it may
+//! still be running (`Device::after`, a counted sync). Buffers go back
 //! to the pool when dropped, while queued work may still use them: a block is reused on the
 //! stream that let it go at once (its work is queued after the work that used it), and on
 //! another only once the host has waited for every stream past the point it was let go
@@ -817,7 +817,8 @@ impl Device {
         self.inner.pool.trim(|addr| self.backend_free(addr));
     }
 
-    /// Queues a launch of `kernel` on the device's stream (the host does not wait for it).
+    /// Queues a launch of `kernel` on the handle's stream, or the thread's inside
+    /// [`in_stream`] (the host does not wait for it).
     ///
     /// # Safety
     /// `args` must match the kernel's parameters in number, order and type, and every

@@ -1,8 +1,8 @@
 //! Concatenation on one device (`cuda/concat.cu`): columns that arrived in several chunks
 //! become one, without the host — a join's build side gathered from every partition of its
 //! child is built into one hash table this way. Fixed-width values are device copies;
-//! bitmaps and strings are appended by one kernel per piece, queued in order on the
-//! device's stream (a string piece finds where its bytes start in the offsets the piece
+//! bitmaps and strings are appended by one kernel per piece, queued in order on one
+//! stream (a string piece finds where its bytes start in the offsets the piece
 //! before it wrote, so the host never waits for a byte count).
 
 use std::sync::Arc;
@@ -131,7 +131,7 @@ fn append_bits(
         let bytes = ((at + n - 1) / 8 - at / 8 + 1) as u64;
         let cfg = LaunchConfig::for_items(device, bytes, BLOCK);
         // SAFETY: `src` (or null) holds at least n bits; `out` holds ceil(total/8) bytes
-        // and at + n <= total; the launches are queued in order on the device's stream.
+        // and at + n <= total; the launches are queued in order on one stream.
         unsafe {
             device.launch(
                 Kernel::append_bits,
