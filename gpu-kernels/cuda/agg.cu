@@ -12,8 +12,9 @@
 // a reader never sees a slot whose key is not readable yet, and no thread waits for another.
 //
 //   agg_find_or_insert  (slots, mask, hashes, n, batch_keys, store_keys, starts, chunks,
-//                        ncols, limit, inserted, refs, rows, rows_validity)
-//       refs[i] = the id of row i's group, inserting PENDING | i when its key is new; SKIP
+//                        ncols, limit, inserted, refs, first, rows, rows_validity)
+//       refs[i] = the id of row i's group, inserting PENDING | i when its key is new (and
+//       then first[i] = i, the bound agg_first_rows lowers to the group's first row); SKIP
 //       for a row that `rows` (a boolean column, null: every row) does not take, which
 //       makes no group and updates no accumulator (a filter fused into the aggregation).
 //       Gives up (every thread stops inserting) once more than `limit` slots were claimed,
@@ -21,6 +22,8 @@
 //       back, grows the table and retries. When it stays 0 every ref is a committed id (or
 //       SKIP) and the host updates the accumulators by them at once.
 //   agg_first_rows      (refs, n, first)      first[r] = min row i with refs[i] == PENDING | r
+//                                               (first[r] starts at r: only the rows that
+//                                               inserted are ever read there)
 //   agg_leader_flags    (refs, first, n, flags)  flags[i] = 1 when row i is its new group's
 //                                                  first row (u64, for the scan)
 //   agg_resolve         (refs, first, ranks, flags, hashes, n, g0, gids, leaders, group_hashes)
@@ -58,7 +61,8 @@
 FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, const uint64_t* hashes, uint64_t n,
                                  const KeyCol* batch_keys, const KeyCol* store_keys, const uint64_t* starts,
                                  uint32_t chunks, uint32_t ncols, uint64_t limit, unsigned long long* inserted,
-                                 uint32_t* refs, const uint8_t* rows, const uint8_t* rows_validity) {
+                                 uint32_t* refs, uint32_t* first, const uint8_t* rows,
+                                 const uint8_t* rows_validity) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         if (rows && !(bit_is_set(rows, i) && bit_is_set(rows_validity, i))) {
             refs[i] = AGG_SKIP;
@@ -74,7 +78,10 @@ FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, const
             if (seen == AGG_EMPTY) {
                 if (atomicAdd(inserted, 1ull) >= limit) break;  // table too full: the host grows it
                 seen = atomicCAS(&slots[slot], (unsigned long long)AGG_EMPTY, mine);
-                if (seen == AGG_EMPTY) break;  // a new group, first seen here
+                if (seen == AGG_EMPTY) {  // a new group, first seen here
+                    first[i] = (uint32_t)i;
+                    break;
+                }
                 atomicAdd(inserted, ~0ull);  // gives the claim back
             }
             if ((seen >> 32) == tag) {

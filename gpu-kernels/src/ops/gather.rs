@@ -9,7 +9,7 @@
 
 use super::{BLOCK, PendingIndices, RowIndices, Word, scan};
 use crate::column::{DeviceColumn, Layout};
-use crate::device::{Arg, LaunchConfig};
+use crate::device::{Arg, Device, LaunchConfig};
 use crate::kernels::Kernel;
 use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
@@ -240,12 +240,18 @@ pub fn queue_strings_starts(
             indices.buffer.len()
         )));
     }
+    let Some(first) = columns.first() else {
+        return Ok(Vec::new());
+    };
+    let no_lead: Option<fn(Arg) -> Result<()>> = None;
     queue_starts(
+        first.device(),
         columns,
         slots,
         totals_to,
         Some(indices.buffer.addr()),
-        |column, lengths| {
+        no_lead,
+        |column, lengths, _| {
             let (width, offsets) = string_offsets(column)?;
             check_bound(indices.bound(), column)?;
             let kernel = if width == 4 {
@@ -272,6 +278,7 @@ pub fn queue_strings_starts(
             }
         },
     )
+    .map(|(.., s)| s)
 }
 
 /// Queues, without a host wait, the starts of the strings of the rows of each of `columns`
@@ -291,81 +298,135 @@ pub fn queue_flagged_strings_starts(
             flags.len()
         )));
     }
-    queue_starts(columns, n, totals_to, None, |column, lengths| {
-        let (width, offsets) = string_offsets(column)?;
-        if column.len() != n {
-            return Err(KernelError::Unsupported(format!(
-                "flagged string starts of columns of {n} and {} rows",
-                column.len()
-            )));
-        }
-        let kernel = if width == 4 {
-            Kernel::gather_string_lengths_flagged_o32
-        } else {
-            Kernel::gather_string_lengths_flagged_o64
-        };
-        // SAFETY: `offsets` holds n + 1 offsets of `width` bytes, `flags` and `lengths`
-        // n u64 (checked).
-        unsafe {
-            column.device().launch(
-                kernel,
-                LaunchConfig::for_items(column.device(), n as u64, BLOCK),
-                &[
-                    Arg::buf(offsets),
-                    Arg::buf(flags),
-                    Arg::U64(n as u64),
-                    lengths,
-                ],
-            )
-        }
-    })
+    let Some(first) = columns.first() else {
+        return Ok(Vec::new());
+    };
+    let flagged = |column: &DeviceColumn, lengths: Arg, _: &DeviceBuffer| {
+        flagged_lengths(column, n, Arg::part(flags, 0, 8 * n), lengths)
+    };
+    let no_lead: Option<fn(Arg) -> Result<()>> = None;
+    queue_starts(
+        first.device(),
+        columns,
+        n,
+        totals_to,
+        None,
+        no_lead,
+        flagged,
+    )
+    .map(|(.., s)| s)
 }
 
-/// Queues each column's lengths (`lengths(column, into)` launches the kernel that writes
-/// `slots` of them into `into`), one column's after another's at the scan's segment
-/// stride, and their scans.
+/// As [`queue_flagged_strings_starts`], with the flags themselves made and scanned in the
+/// same scan, as one segment more: `flag(into)` queues the kernel that writes the n flags
+/// (a u64 per row of `columns`, non-zero for a marked row) into `into`. Their exclusive
+/// scan (each marked row's rank among them) is the scan's segment 0, its total written to
+/// `totals_to`, and column `k`'s byte total to the word `k + 1` words after. Returns the
+/// buffer the flags are in (its first n u64), the scan (the ranks: its first n u64) and
+/// each column's starts: two launches fewer than the flags scanned apart.
+pub fn queue_flags_and_strings_starts(
+    columns: &[&DeviceColumn],
+    flag: impl FnOnce(Arg) -> Result<()>,
+    totals_to: Word<'_>,
+) -> Result<(DeviceBuffer, Arc<DeviceBuffer>, Vec<QueuedStarts>)> {
+    let Some(first) = columns.first() else {
+        return Err(KernelError::Unsupported(
+            "flags scanned with the starts of no string column".into(),
+        ));
+    };
+    let n = first.len();
+    let flagged = |column: &DeviceColumn, lengths: Arg, all: &DeviceBuffer| {
+        flagged_lengths(column, n, Arg::part(all, 0, 8 * n), lengths)
+    };
+    let (all, starts, queued) = queue_starts(
+        first.device(),
+        columns,
+        n,
+        totals_to,
+        None,
+        Some(flag),
+        flagged,
+    )?;
+    Ok((all, starts, queued))
+}
+
+/// Queues the lengths of `column`'s strings at the rows `flags` marks (n u64), 0 elsewhere,
+/// into `lengths` (n u64).
+fn flagged_lengths(column: &DeviceColumn, n: usize, flags: Arg, lengths: Arg) -> Result<()> {
+    let (width, offsets) = string_offsets(column)?;
+    if column.len() != n {
+        return Err(KernelError::Unsupported(format!(
+            "flagged string starts of columns of {n} and {} rows",
+            column.len()
+        )));
+    }
+    let kernel = if width == 4 {
+        Kernel::gather_string_lengths_flagged_o32
+    } else {
+        Kernel::gather_string_lengths_flagged_o64
+    };
+    // SAFETY: `offsets` holds n + 1 offsets of `width` bytes, `flags` and `lengths` n u64
+    // (the callers' arguments).
+    unsafe {
+        column.device().launch(
+            kernel,
+            LaunchConfig::for_items(column.device(), n as u64, BLOCK),
+            &[Arg::buf(offsets), flags, Arg::U64(n as u64), lengths],
+        )
+    }
+}
+
+/// Queues each column's lengths (`lengths(column, into, all)` launches the kernel that
+/// writes `slots` of them into `into`, a part of `all`), one column's after another's at
+/// the scan's segment stride — after a segment `lead(into)` fills, when given — and their
+/// scans in the launches of one. Returns the lengths, the scan, and each column's starts.
 fn queue_starts(
+    device: &Device,
     columns: &[&DeviceColumn],
     slots: usize,
     totals_to: Word<'_>,
     indices: Option<u64>,
-    lengths: impl Fn(&DeviceColumn, Arg) -> Result<()>,
-) -> Result<Vec<QueuedStarts>> {
-    let Some(first) = columns.first() else {
-        return Ok(Vec::new());
-    };
-    let device = first.device();
+    lead: Option<impl FnOnce(Arg) -> Result<()>>,
+    lengths: impl Fn(&DeviceColumn, Arg, &DeviceBuffer) -> Result<()>,
+) -> Result<(DeviceBuffer, Arc<DeviceBuffer>, Vec<QueuedStarts>)> {
     if let Some(other) = columns.iter().find(|c| c.device() != device) {
         return Err(KernelError::Unsupported(format!(
             "string starts of columns on {device} and {}",
             other.device()
         )));
     }
-    let stride = match columns.len() {
+    let led = usize::from(lead.is_some());
+    let segments = led + columns.len();
+    let stride = match segments {
         1 => slots,
         _ => scan::segment_stride(slots),
     };
-    let all = device.alloc((columns.len() * stride * 8).max(1))?;
+    let all = device.alloc((segments * stride * 8).max(1))?;
     if slots > 0 {
+        if let Some(lead) = lead {
+            lead(Arg::part(&all, 0, 8 * slots))?;
+        }
         for (k, column) in columns.iter().enumerate() {
-            lengths(column, Arg::part(&all, 8 * k * stride, 8 * slots))?;
+            let into = Arg::part(&all, 8 * (led + k) * stride, 8 * slots);
+            lengths(column, into, &all)?;
         }
     }
-    let starts = scan::segments_queued(device, &all, slots, columns.len(), totals_to)?;
+    let starts = scan::segments_queued(device, &all, slots, segments, totals_to)?;
     let starts = Arc::new(starts);
-    columns
+    let queued = columns
         .iter()
         .enumerate()
         .map(|(k, column)| {
             Ok(QueuedStarts {
                 starts: Arc::clone(&starts),
-                at: k * stride,
+                at: (led + k) * stride,
                 slots,
                 indices,
                 offsets: string_offsets(column)?.1.addr(),
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    Ok((all, starts, queued))
 }
 
 /// Checks that indices below `bound` address rows of `column`.

@@ -2,6 +2,7 @@
 //! their keys gathered), then every accumulator updated, all or nothing.
 
 use super::*;
+use std::sync::Arc;
 
 impl GroupTable {
     /// Adds a batch of `n` rows: its key columns (in the table's key types) and each
@@ -154,6 +155,9 @@ impl GroupTable {
         // Carrying changes no sum, so it goes first: nothing is pending yet should it fail.
         self.carry_exact_sums(n)?;
         let refs = device.alloc(n * 4)?;
+        // Each new group's first row (n u32), which the insert starts at the inserting row's
+        // own: no fill launch before the new groups are numbered.
+        let first = device.alloc(n.div_ceil(2) * 8)?;
         // The count of new groups (word 0, zeroed here before every attempt, so that no
         // caller's value can pass for "no new group"), and word 1, the upstream status the
         // caller zeroed.
@@ -191,7 +195,7 @@ impl GroupTable {
             // remains; `hashes` and `refs` hold n rows; the descriptors point at key
             // columns of n rows (batch) and of the committed chunks, whose `starts` give
             // every committed group id a chunk; `inserted` holds one u64 (zeroed just
-            // before); `rows`, when given, is a boolean column of n rows (checked), its
+            // before); `first` holds n u32; `rows`, when given, is a boolean column of n rows (checked), its
             // values and validity ceil(n/8) bytes or more.
             unsafe {
                 device.launch(
@@ -210,6 +214,7 @@ impl GroupTable {
                         Arg::U64(limit),
                         Arg::buf(inserted),
                         Arg::buf(&refs),
+                        Arg::buf(&first),
                         Arg::opt(with.rows.map(DeviceColumn::values)),
                         Arg::opt(with.rows.and_then(DeviceColumn::validity)),
                     ],
@@ -262,7 +267,7 @@ impl GroupTable {
         }
         // From here until the commit the table holds pending slots: any failure rolls
         // them back before returning.
-        let result = self.commit_batch(keys, inputs, n, &hashes, &refs);
+        let result = self.commit_batch(keys, inputs, n, &hashes, &refs, &first);
         if let Err(e) = result {
             // A failed rollback is the error to report (the table is no longer as it was),
             // unless the device is gone: then the rollback fails only for that, and the
@@ -282,49 +287,58 @@ impl GroupTable {
         n: usize,
         hashes: &DeviceBuffer,
         refs: &DeviceBuffer,
+        first: &DeviceBuffer,
     ) -> Result<()> {
         let device = self.device.clone();
         let g0 = self.groups;
         let cfg = LaunchConfig::for_items(&device, n as u64, BLOCK);
-        let first = device.alloc(n.div_ceil(2) * 8)?;
-        fill_u64(&device, &first, n.div_ceil(2), u64::MAX)?;
-        let flags = device.alloc(n * 8)?;
         // SAFETY: `refs` holds n u32 ids, each committed or PENDING | row < n; `first`
-        // holds n u32 and `flags` n u64.
+        // holds n u32, at row r the bound r wherever PENDING | r is an id (set by the
+        // insert).
         unsafe {
             device.launch(
                 Kernel::agg_first_rows,
                 cfg,
-                &[Arg::buf(refs), Arg::U64(n as u64), Arg::buf(&first)],
-            )?;
-            device.launch(
-                Kernel::agg_leader_flags,
-                cfg,
-                &[
-                    Arg::buf(refs),
-                    Arg::buf(&first),
-                    Arg::U64(n as u64),
-                    Arg::buf(&flags),
-                ],
+                &[Arg::buf(refs), Arg::U64(n as u64), Arg::buf(first)],
             )?;
         }
+        // Each row's flag: 1 where it is its new group's first row (a leader).
+        let leader_flags = |into: Arg| {
+            // SAFETY: as above; `into` holds n u64 (the callers' part).
+            unsafe {
+                device.launch(
+                    Kernel::agg_leader_flags,
+                    cfg,
+                    &[Arg::buf(refs), Arg::buf(first), Arg::U64(n as u64), into],
+                )
+            }
+        };
         // One wait for the count of new groups and the byte totals of their string keys
-        // together: the keys' lengths at the leader rows are queued over the flags.
+        // together: the keys' lengths at the leader rows are queued over the flags, and
+        // scanned with them (the flags' scan ranks the leaders) in one scan.
         let strings: Vec<usize> = (0..keys.len())
             .filter(|&k| keys[k].offsets().is_some())
             .collect();
         // n > 0 here (a batch adds groups), so every scan writes its total: no zeroing.
         let totals = device.alloc(8 * (1 + strings.len()))?;
-        let ranks = scan::exclusive_scan_queued(&device, &flags, n, Word::of(&totals, 0)?)?;
         let mut starts: Vec<Option<gather::QueuedStarts>> = (0..keys.len()).map(|_| None).collect();
-        if !strings.is_empty() {
+        let (flags, ranks) = if strings.is_empty() {
+            let flags = device.alloc(n * 8)?;
+            leader_flags(Arg::buf(&flags))?;
+            let ranks = scan::exclusive_scan_queued(&device, &flags, n, Word::of(&totals, 0)?)?;
+            (flags, Arc::new(ranks))
+        } else {
             let string_keys: Vec<&DeviceColumn> = strings.iter().map(|&k| keys[k]).collect();
-            let totals_to = Word::of(&totals, 1)?;
-            let queued = gather::queue_flagged_strings_starts(&string_keys, &flags, totals_to)?;
+            let (flags, ranks, queued) = gather::queue_flags_and_strings_starts(
+                &string_keys,
+                leader_flags,
+                Word::of(&totals, 0)?,
+            )?;
             for (&k, started) in strings.iter().zip(queued) {
                 starts[k] = Some(started);
             }
-        }
+            (flags, ranks)
+        };
         let words: Vec<u64> = totals
             .to_host()?
             .chunks_exact(8)
@@ -367,9 +381,9 @@ impl GroupTable {
                 cfg,
                 &[
                     Arg::buf(refs),
-                    Arg::buf(&first),
-                    Arg::buf(&ranks),
-                    Arg::buf(&flags),
+                    Arg::buf(first),
+                    Arg::part(&ranks, 0, 8 * n),
+                    Arg::part(&flags, 0, 8 * n),
                     Arg::buf(hashes),
                     Arg::U64(n as u64),
                     Arg::U64(g0 as u64),
@@ -402,8 +416,8 @@ impl GroupTable {
                 &[
                     Arg::buf(slots),
                     Arg::U64(self.capacity),
-                    Arg::buf(&first),
-                    Arg::buf(&ranks),
+                    Arg::buf(first),
+                    Arg::part(&ranks, 0, 8 * n),
                     Arg::U64(g0 as u64),
                 ],
             )?;
