@@ -14,12 +14,11 @@
 //! device's own), and the engine gives each partition a stream of its own, so that one
 //! partition's wait does not wait for another's work. Work on one stream runs in order;
 //! work that uses a buffer made on another stream first waits for that stream, if it may
-//! still be running (`Device::after`, a counted sync). Buffers go back
-//! to the pool when dropped, while queued work may still use them: a block is reused on the
-//! stream that let it go at once (its work is queued after the work that used it), and on
-//! another only once the host has waited for every stream past the point it was let go
-//! (the emulator checks that no queued work refers to memory lent again, see
-//! `emu_queue.rs`).
+//! still be running (`Device::after`, a counted sync). Buffers go back to the pool when
+//! dropped, while queued work may still use them: a stream takes a block at once where
+//! every *other* stream has passed the point it was let go (its own later work is queued
+//! after its own earlier work anyway), and another block, or a fresh one, otherwise (the
+//! emulator checks that no queued work refers to memory lent again, see `emu_queue.rs`).
 
 use std::ffi::c_void;
 use std::fmt;
@@ -148,8 +147,8 @@ pub enum Arg {
     /// A device address (0 for a null pointer).
     Ptr(u64),
     /// The address of a buffer of this many bytes (what the accounting counts as the
-    /// device bytes a launch may touch), and the index of the stream of the handle that
-    /// made the buffer (a launch on another stream waits for it first).
+    /// device bytes a launch may touch), and the index of the stream the buffer was made
+    /// on, [`DeviceBuffer::stream`] (a launch on another stream waits for it first).
     Buf(u64, usize, usize),
     /// A 64-bit integer.
     U64(u64),
