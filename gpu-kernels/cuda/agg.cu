@@ -162,15 +162,30 @@ FULMEN_KERNEL agg_fill_u64(uint64_t* buffer, uint64_t n, uint64_t value) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) buffer[i] = value;
 }
 
-// Groups from..to of an accumulator at their identity: each group's state words (when
-// `state` is not null) and its count of values (zero, when `counts` is not null).
-FULMEN_KERNEL agg_init_state(unsigned long long* state, uint64_t op, uint64_t from, uint64_t to,
-                             unsigned long long* counts) {
-    uint64_t words = agg_state_words(op);
-    for (uint64_t g = from + GRID_START; g < to; g += GRID_STRIDE) {
-        if (state)
-            for (uint64_t w = 0; w < words; ++w) state[g * words + w] = agg_identity(op, (uint32_t)w);
-        if (counts) counts[g] = 0;
+// Groups 0..to of up to four accumulators at their identity, in one launch: accumulator
+// k's state words (when state_k is not null) and its counts of values (zero, when counts_k
+// is not null), and the groups' locks (zero, when `locks` is not null). A table's
+// accumulators past the fourth take another launch; unused slots pass nulls.
+__device__ __forceinline__ void agg_init_one(unsigned long long* state, uint64_t op, unsigned long long* counts,
+                                             uint64_t g) {
+    if (state) {
+        uint64_t words = agg_state_words(op);
+        for (uint64_t w = 0; w < words; ++w) state[g * words + w] = agg_identity(op, (uint32_t)w);
+    }
+    if (counts) counts[g] = 0;
+}
+
+FULMEN_KERNEL agg_init_state(uint64_t to, uint32_t* locks, unsigned long long* state0, uint64_t op0,
+                             unsigned long long* counts0, unsigned long long* state1, uint64_t op1,
+                             unsigned long long* counts1, unsigned long long* state2, uint64_t op2,
+                             unsigned long long* counts2, unsigned long long* state3, uint64_t op3,
+                             unsigned long long* counts3) {
+    for (uint64_t g = GRID_START; g < to; g += GRID_STRIDE) {
+        agg_init_one(state0, op0, counts0, g);
+        agg_init_one(state1, op1, counts1, g);
+        agg_init_one(state2, op2, counts2, g);
+        agg_init_one(state3, op3, counts3, g);
+        if (locks) locks[g] = 0;
     }
 }
 

@@ -1,4 +1,5 @@
-// Exclusive prefix sums of uint64_t values, in three launches, over `segments` independent
+// Exclusive prefix sums of uint64_t values, in three launches (or fewer: see
+// scan_tiles_summed below), over `segments` independent
 // segments of `n` values each (one scan per segment: a string column's lengths each, say).
 // Segment s starts at value s * stride, stride = tiles_per_segment * SCAN_TILE with
 // tiles_per_segment = ceil(n / SCAN_TILE); values past n in a segment are neither read nor
@@ -108,8 +109,9 @@ FULMEN_KERNEL scan_tiles(const uint64_t* in, uint64_t n, uint64_t segments, cons
     }
 }
 
-// Two launches instead of three, for segments of at most SCAN_SUMMED_TILES tiles:
-//   scan_tile_sums, then
+// Two launches instead of three, for segments of at most SCAN_SUMMED_TILES tiles (one for
+// segments of one tile, which have no tile sums before their own to add up):
+//   scan_tile_sums (left out for segments of one tile), then
 //   scan_tiles_summed (in, n, segments, tile_sums, out, total_out): each block adds up the
 //     raw tile sums before its tile itself (at most SCAN_SUMMED_TILES - 1 of them, read
 //     by the whole block), then scans its tile as scan_tiles does; the block of a

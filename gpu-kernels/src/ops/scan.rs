@@ -1,5 +1,6 @@
-//! Exclusive prefix sums of u64 values (`cuda/scan.cu`): two launches for segments of up
-//! to [`SUMMED_TILES`] tiles (1 Mi values), three past that.
+//! Exclusive prefix sums of u64 values (`cuda/scan.cu`): one launch for segments of one
+//! tile ([`TILE`] values), two for segments of up to [`SUMMED_TILES`] tiles (1 Mi values),
+//! three past that.
 
 use super::{BLOCK, Word};
 use crate::device::{Arg, Device, LaunchConfig};
@@ -8,7 +9,7 @@ use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
 
 /// Values per tile of `scan.cu` (SCAN_THREADS × SCAN_ITEMS).
-const TILE: u64 = 1024;
+pub const TILE: u64 = 1024;
 /// Tiles a segment may have for the two-launch scan (`SCAN_SUMMED_TILES` in `scan.cu`):
 /// each block then adds up at most this many tile sums before its own, where a third
 /// launch would scan them. Past it (a segment of over 1 Mi values) the third launch is
@@ -106,16 +107,20 @@ fn queue(
     // callers: `Word::nth`), all on `device`; the kernels are launched with blockDim.x ==
     // SCAN_THREADS (256) as scan.cu requires, and the argument lists follow its signatures.
     unsafe {
-        device.launch(
-            Kernel::scan_tile_sums,
-            tiled,
-            &[
-                Arg::buf(input),
-                Arg::U64(n as u64),
-                Arg::U64(segments as u64),
-                Arg::buf(&sums),
-            ],
-        )?;
+        // A segment of one tile has no tile sums before its own to add up: its block
+        // scans it alone, in one launch.
+        if tiles > 1 {
+            device.launch(
+                Kernel::scan_tile_sums,
+                tiled,
+                &[
+                    Arg::buf(input),
+                    Arg::U64(n as u64),
+                    Arg::U64(segments as u64),
+                    Arg::buf(&sums),
+                ],
+            )?;
+        }
         if tiles <= SUMMED_TILES {
             // Each block adds up the tile sums before its own: no launch to scan them.
             device.launch(

@@ -4,57 +4,71 @@
 
 use super::*;
 
+/// Accumulators one `agg_init_state` launch sets to their identity (its four slots).
+const INIT_ACCS: usize = 4;
+
 impl GroupTable {
     pub(super) fn grown(&self, capacity: usize) -> Result<Grown> {
         let device = &self.device;
         let keep = self.groups.min(self.group_capacity);
         let mut accs = Vec::with_capacity(self.accs.len());
         for acc in &self.accs {
-            let counts = device.alloc(capacity * 8)?;
             let words = acc.op.words();
-            let state = match words {
-                0 => None,
-                _ => Some(device.alloc(capacity * words * 8)?),
-            };
-            // SAFETY: `state` (when there is one) holds `capacity` groups of `words` words
-            // and `counts` `capacity` u64: one launch sets both to the identity.
+            accs.push(Acc {
+                op: acc.op,
+                state: match words {
+                    0 => None,
+                    _ => Some(device.alloc(capacity * words * 8)?),
+                },
+                counts: device.alloc(capacity * 8)?,
+            });
+        }
+        let locks = match self.accs.iter().any(|a| a.op.locked()) {
+            true => Some(device.alloc(capacity.div_ceil(2) * 8)?),
+            false => None,
+        };
+        // Every group at its identity and unlocked, four accumulators a launch (the locks
+        // with the first four).
+        for (k, four) in accs.chunks(INIT_ACCS).enumerate() {
+            let mut args = vec![
+                Arg::U64(capacity as u64),
+                Arg::opt(locks.as_ref().filter(|_| k == 0)),
+            ];
+            for slot in 0..INIT_ACCS {
+                args.extend(match four.get(slot) {
+                    Some(acc) => [
+                        Arg::opt(acc.state.as_ref()),
+                        Arg::U64(acc.op.code()),
+                        Arg::buf(&acc.counts),
+                    ],
+                    None => [Arg::Ptr(0), Arg::U64(0), Arg::Ptr(0)],
+                });
+            }
+            // SAFETY: each accumulator's `state` (when there is one) holds `capacity`
+            // groups of its op's words and its `counts` `capacity` u64; `locks` (when
+            // given) `capacity` u32 (capacity.div_ceil(2) u64); unused slots are nulls,
+            // which the kernel skips; the arguments follow agg.cu's signature.
             unsafe {
                 device.launch(
                     Kernel::agg_init_state,
                     LaunchConfig::for_items(device, capacity as u64, BLOCK),
-                    &[
-                        Arg::opt(state.as_ref()),
-                        Arg::U64(acc.op.code()),
-                        Arg::U64(0),
-                        Arg::U64(capacity as u64),
-                        Arg::buf(&counts),
-                    ],
+                    &args,
                 )?;
             }
-            if keep > 0 {
-                copy_prefix(device, &counts, &acc.counts, keep * 8)?;
-                if let (Some(state), Some(old)) = (&state, &acc.state) {
-                    copy_prefix(device, state, old, keep * words * 8)?;
+        }
+        if keep > 0 {
+            for (new, old) in accs.iter().zip(&self.accs) {
+                copy_prefix(device, &new.counts, &old.counts, keep * 8)?;
+                if let (Some(state), Some(old)) = (&new.state, &old.state) {
+                    copy_prefix(device, state, old, keep * new.op.words() * 8)?;
                 }
             }
-            accs.push(Acc {
-                op: acc.op,
-                state,
-                counts,
-            });
         }
         let group_hashes = if self.keyed {
             let buffer = device.alloc(capacity * 8)?;
             if let (Some(old), true) = (&self.group_hashes, keep > 0) {
                 copy_prefix(device, &buffer, old, keep * 8)?;
             }
-            Some(buffer)
-        } else {
-            None
-        };
-        let locks = if self.accs.iter().any(|a| a.op.locked()) {
-            let buffer = device.alloc(capacity.div_ceil(2) * 8)?;
-            fill_u64(device, &buffer, capacity.div_ceil(2), 0)?;
             Some(buffer)
         } else {
             None
