@@ -61,7 +61,7 @@ fn kernels(c: &mut Criterion) {
     let build_hashes = hash::hash_columns(&d, &[&small]).unwrap();
     let table = hash_table::HashTable::build(&d, &build_hashes, None, 1000).unwrap();
     group.bench_function("hash table probe (1000-row build side)", |b| {
-        b.iter(|| table.probe(&hashes, None, rows).unwrap())
+        b.iter(|| table.probe(&hashes, None, rows, None).unwrap())
     });
     // GROUP BY key: count(*), sum(v) with few groups (per-block shared-memory tables) and
     // with many (the global table).

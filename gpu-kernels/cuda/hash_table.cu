@@ -1,16 +1,22 @@
 // An open-addressing multimap from 64-bit row hashes to build-side row indices, with linear
-// probing and atomicCAS. Join and aggregation operators build on it; they compare the
-// actual keys of the candidate pairs it returns, since different keys may share a hash.
+// probing and atomicCAS. Joins build on it: different keys may share a hash, so a join's
+// probe also compares the actual keys of each candidate (equal hashes) it finds.
 //   hash_table_init        (keys, rows, capacity)             every slot EMPTY_SLOT
 //   hash_table_insert      (keys, rows, mask, hashes, valid, n)  row i goes into a free slot
 //                           from hashes[i] & mask on; rows whose bit in `valid` is 0 (NULL
 //                           keys) are left out
-//   hash_table_probe_count (keys, mask, hashes, valid, n, counts) candidates per probe row
+//   hash_table_probe_count (keys, rows, mask, hashes, valid, n, counts, check…) pairs per
+//                           probe row
 //   — scan.cu turns counts into exclusive offsets —
 //   hash_table_probe_emit  (keys, rows, mask, hashes, valid, n, offsets, out_build, out_probe,
-//                           cap) each probe row's candidates at its offset, in build-row
+//                           cap, check…) each probe row's pairs at its offset, in build-row
 //                           order when there are at most SORT_RUN_MAX of them; pairs at or
 //                           past `cap` (the outputs' capacity) are not written
+// The pairs: with `check` (build_keys, probe_keys, ncols, nulls_match; build_keys not null)
+// the build rows whose hash and keys are equal to the probe row's (keys_equal over either
+// side's ncols key descriptors) and, unless nulls_match, with no NULL key on either side: a
+// join's matches, with no pass to verify and compact candidates. Without it (build_keys
+// null) every build row with the same hash (candidates).
 // capacity is a power of two and mask == capacity - 1; the table must keep a free slot, so
 // the host sizes it above the row count (load factor at most 1/2).
 #include "fulmen.cuh"
@@ -46,14 +52,30 @@ FULMEN_KERNEL hash_table_insert(unsigned long long* keys, uint32_t* rows, uint64
     }
 }
 
-FULMEN_KERNEL hash_table_probe_count(const uint64_t* keys, uint64_t mask, const uint64_t* hashes,
-                                     const uint8_t* valid, uint64_t n, uint64_t* counts) {
+__device__ __forceinline__ bool probe_key_null(const KeyCol* keys, uint64_t row, uint32_t ncols) {
+    for (uint32_t c = 0; c < ncols; ++c)
+        if (!bit_is_set(keys[c].validity, row)) return true;
+    return false;
+}
+
+// Whether build row b pairs with probe row p, their hashes being equal (see `check` above).
+__device__ __forceinline__ bool probe_pairs(const KeyCol* build_keys, const KeyCol* probe_keys, uint32_t ncols,
+                                            uint32_t nulls_match, uint32_t b, uint64_t p) {
+    if (!build_keys) return true;
+    if (!keys_equal(build_keys, b, probe_keys, p, ncols)) return false;
+    return nulls_match || (!probe_key_null(build_keys, b, ncols) && !probe_key_null(probe_keys, p, ncols));
+}
+
+FULMEN_KERNEL hash_table_probe_count(const uint64_t* keys, const uint32_t* rows, uint64_t mask,
+                                     const uint64_t* hashes, const uint8_t* valid, uint64_t n, uint64_t* counts,
+                                     const KeyCol* build_keys, const KeyCol* probe_keys, uint32_t ncols,
+                                     uint32_t nulls_match) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint64_t count = 0;
         if (bit_is_set(valid, i)) {
             uint64_t key = slot_key(hashes[i]);
             for (uint64_t slot = key & mask; keys[slot] != EMPTY_SLOT; slot = (slot + 1) & mask)
-                count += keys[slot] == key;
+                count += keys[slot] == key && probe_pairs(build_keys, probe_keys, ncols, nulls_match, rows[slot], i);
         }
         counts[i] = count;
     }
@@ -62,13 +84,14 @@ FULMEN_KERNEL hash_table_probe_count(const uint64_t* keys, uint64_t mask, const 
 FULMEN_KERNEL hash_table_probe_emit(const uint64_t* keys, const uint32_t* rows, uint64_t mask,
                                     const uint64_t* hashes, const uint8_t* valid, uint64_t n,
                                     const uint64_t* offsets, uint32_t* out_build, uint32_t* out_probe,
-                                    uint64_t cap) {
+                                    uint64_t cap, const KeyCol* build_keys, const KeyCol* probe_keys,
+                                    uint32_t ncols, uint32_t nulls_match) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         if (!bit_is_set(valid, i)) continue;
         uint64_t key = slot_key(hashes[i]);
         uint64_t first = offsets[i], at = first;
         for (uint64_t slot = key & mask; keys[slot] != EMPTY_SLOT; slot = (slot + 1) & mask) {
-            if (keys[slot] == key) {
+            if (keys[slot] == key && probe_pairs(build_keys, probe_keys, ncols, nulls_match, rows[slot], i)) {
                 // Past the outputs' capacity the pairs are dropped: the host sees the total
                 // above it and probes again with room for all.
                 if (at < cap) {
@@ -78,7 +101,7 @@ FULMEN_KERNEL hash_table_probe_emit(const uint64_t* keys, const uint32_t* rows, 
                 ++at;
             }
         }
-        // A probe row's candidates in build order (the table holds them in the order the
+        // A probe row's pairs in build order (the table holds them in the order the
         // inserts won their slots): insertion sort of this thread's own short run.
         if (at - first <= SORT_RUN_MAX && at <= cap) {
             for (uint64_t a = first + 1; a < at; ++a) {

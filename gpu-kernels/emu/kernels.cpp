@@ -10,6 +10,5 @@
 #include "../cuda/gather.cu"
 #include "../cuda/hash.cu"
 #include "../cuda/hash_table.cu"
-#include "../cuda/join.cu"
 #include "../cuda/scan.cu"
 #include "../cuda/selftest.cu"

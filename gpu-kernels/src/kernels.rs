@@ -13,7 +13,6 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("gather.cu", include_str!("../cuda/gather.cu")),
     ("hash.cu", include_str!("../cuda/hash.cu")),
     ("hash_table.cu", include_str!("../cuda/hash_table.cu")),
-    ("join.cu", include_str!("../cuda/join.cu")),
     ("scan.cu", include_str!("../cuda/scan.cu")),
     ("selftest.cu", include_str!("../cuda/selftest.cu")),
 ];
@@ -111,8 +110,6 @@ macro_rules! kernels {
 }
 
 kernels! {
-    join_verify => fulmen_emu_launch_join_verify, fulmen_emu_params_join_verify in "join.cu",
-    join_compact => fulmen_emu_launch_join_compact, fulmen_emu_params_join_compact in "join.cu",
     agg_find_or_insert => fulmen_emu_launch_agg_find_or_insert, fulmen_emu_params_agg_find_or_insert in "agg.cu",
     agg_first_rows => fulmen_emu_launch_agg_first_rows, fulmen_emu_params_agg_first_rows in "agg.cu",
     agg_leader_flags => fulmen_emu_launch_agg_leader_flags, fulmen_emu_params_agg_leader_flags in "agg.cu",

@@ -1,5 +1,6 @@
 //! The device hash table (`cuda/hash_table.cu`): a multimap from row hashes to build-side
-//! rows, built with atomicCAS and probed in two passes (count, then emit).
+//! rows, built with atomicCAS and probed in two passes (count, then emit), which compare
+//! the keys themselves when given a [`KeyCheck`] (a join's).
 
 use super::{BLOCK, RowIndices, Word, check_rows, scan};
 use crate::device::{Arg, Device, LaunchConfig};
@@ -16,7 +17,37 @@ pub struct HashTable {
     build_rows: usize,
 }
 
-/// Candidate pairs from a probe: equal hashes, to be confirmed by comparing keys.
+/// How a probe compares the keys of the rows whose hashes are equal (a join's,
+/// [`JoinTable`](super::join::JoinTable)): only the pairs whose keys are equal and, unless
+/// `nulls_match`, not NULL on either side are kept. Made inside the crate only, where its
+/// tables are known to describe the table's build rows and the probe's rows.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyCheck<'a> {
+    /// The build side's key descriptors (a table of `KeyCol`, `key_descriptors`).
+    pub(crate) build: &'a DeviceBuffer,
+    /// The probe side's, alike.
+    pub(crate) probe: &'a DeviceBuffer,
+    /// Key columns on each side.
+    pub(crate) ncols: usize,
+    /// Whether NULL keys equal each other (`IS NOT DISTINCT FROM`).
+    pub(crate) nulls_match: bool,
+}
+
+/// The kernels' four `check` arguments (nulls: no check).
+fn check_args(check: Option<&KeyCheck<'_>>) -> [Arg; 4] {
+    match check {
+        Some(c) => [
+            Arg::buf(c.build),
+            Arg::buf(c.probe),
+            Arg::U32(c.ncols as u32),
+            Arg::U32(u32::from(c.nulls_match)),
+        ],
+        None => [Arg::Ptr(0), Arg::Ptr(0), Arg::U32(0), Arg::U32(0)],
+    }
+}
+
+/// Pairs from a probe: equal hashes (candidates, to be confirmed by comparing keys), or,
+/// with a [`KeyCheck`], equal keys.
 #[derive(Debug)]
 pub struct ProbeResult {
     /// Build-side rows.
@@ -79,21 +110,31 @@ impl HashTable {
         })
     }
 
-    /// Finds, for each of the `n` probe rows, every build row with the same hash. Probe rows
-    /// whose bit in `valid` is clear find nothing. One host wait, for the number of pairs.
+    /// Finds, for each of the `n` probe rows, every build row with the same hash (and, with
+    /// `check`, equal keys). Probe rows whose bit in `valid` is clear find nothing. One host
+    /// wait, for the number of pairs.
     pub fn probe(
         &self,
         hashes: &DeviceBuffer,
         valid: Option<&DeviceBuffer>,
         n: usize,
+        check: Option<&KeyCheck<'_>>,
     ) -> Result<ProbeResult> {
         let device = self.keys.device();
-        let (offsets, total) = self.probe_offsets(hashes, valid, n, None)?;
+        let (offsets, total) = self.probe_offsets(hashes, valid, n, None, check)?;
         let total = total.unwrap_or_default() as usize;
         check_rows(total)?;
         let out_build = device.alloc(total * 4)?;
         let out_probe = device.alloc(total * 4)?;
-        self.emit(hashes, valid, n, &offsets, &out_build, &out_probe, total)?;
+        self.emit(
+            hashes,
+            valid,
+            n,
+            &offsets,
+            (&out_build, &out_probe),
+            total,
+            check,
+        )?;
         Ok(ProbeResult {
             build: RowIndices::new(out_build, total, self.build_rows, false),
             probe: RowIndices::new(out_probe, total, n, false),
@@ -110,44 +151,55 @@ impl HashTable {
         n: usize,
         cap: usize,
         total_to: Word<'_>,
+        check: Option<&KeyCheck<'_>>,
     ) -> Result<(DeviceBuffer, DeviceBuffer)> {
         check_rows(cap)?;
         let device = self.keys.device();
-        let (offsets, _) = self.probe_offsets(hashes, valid, n, Some(total_to))?;
+        let (offsets, _) = self.probe_offsets(hashes, valid, n, Some(total_to), check)?;
         let out_build = device.alloc((cap * 4).max(1))?;
         let out_probe = device.alloc((cap * 4).max(1))?;
-        self.emit(hashes, valid, n, &offsets, &out_build, &out_probe, cap)?;
+        self.emit(
+            hashes,
+            valid,
+            n,
+            &offsets,
+            (&out_build, &out_probe),
+            cap,
+            check,
+        )?;
         Ok((out_build, out_probe))
     }
 
-    /// The candidates of each probe row counted and scanned into offsets, with their total
-    /// read by the host (a wait), or queued to `total_to` instead (`None`).
+    /// The pairs of each probe row counted and scanned into offsets, with their total read
+    /// by the host (a wait), or queued to `total_to` instead (`None`).
     fn probe_offsets(
         &self,
         hashes: &DeviceBuffer,
         valid: Option<&DeviceBuffer>,
         n: usize,
         total_to: Option<Word<'_>>,
+        check: Option<&KeyCheck<'_>>,
     ) -> Result<(DeviceBuffer, Option<u64>)> {
         check_hashes(hashes, valid, n)?;
         let device = self.keys.device();
         let cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
         let counts = device.alloc(n * 8)?;
-        // SAFETY: the table's buffers hold `capacity` slots with mask capacity - 1; the
-        // probe inputs hold n rows (checked); `counts` holds n u64.
+        let mut args = vec![
+            Arg::buf(&self.keys),
+            Arg::buf(&self.rows),
+            Arg::U64(self.capacity - 1),
+            Arg::buf(hashes),
+            Arg::opt(valid),
+            Arg::U64(n as u64),
+            Arg::buf(&counts),
+        ];
+        args.extend(check_args(check));
+        // SAFETY: the table's buffers hold `capacity` slots with mask capacity - 1, whose
+        // rows are build rows; the probe inputs hold n rows (checked); `counts` holds n
+        // u64; a check's descriptor tables describe `ncols` key columns of the build rows
+        // and of the n probe rows (`KeyCheck`'s contract).
         unsafe {
-            device.launch(
-                Kernel::hash_table_probe_count,
-                cfg,
-                &[
-                    Arg::buf(&self.keys),
-                    Arg::U64(self.capacity - 1),
-                    Arg::buf(hashes),
-                    Arg::opt(valid),
-                    Arg::U64(n as u64),
-                    Arg::buf(&counts),
-                ],
-            )?;
+            device.launch(Kernel::hash_table_probe_count, cfg, &args)?;
         }
         match total_to {
             Some(to) => Ok((scan::exclusive_scan_queued(device, &counts, n, to)?, None)),
@@ -155,7 +207,7 @@ impl HashTable {
         }
     }
 
-    /// Writes each probe row's candidates at its offset into outputs of `cap` slots.
+    /// Writes each probe row's pairs at its offset into outputs of `cap` slots.
     #[allow(clippy::too_many_arguments)]
     fn emit(
         &self,
@@ -163,9 +215,9 @@ impl HashTable {
         valid: Option<&DeviceBuffer>,
         n: usize,
         offsets: &DeviceBuffer,
-        out_build: &DeviceBuffer,
-        out_probe: &DeviceBuffer,
+        (out_build, out_probe): (&DeviceBuffer, &DeviceBuffer),
         cap: usize,
+        check: Option<&KeyCheck<'_>>,
     ) -> Result<()> {
         let device = self.keys.device();
         if out_build.len() < cap * 4 || out_probe.len() < cap * 4 {
@@ -173,25 +225,28 @@ impl HashTable {
                 "probe outputs too small for {cap} pairs"
             )));
         }
-        // SAFETY: `offsets` is the exclusive scan of the counts, so row i writes its
-        // counts[i] pairs from offsets[i] on, and the kernel writes none at or past `cap`,
-        // which both outputs hold (checked).
+        let mut args = vec![
+            Arg::buf(&self.keys),
+            Arg::buf(&self.rows),
+            Arg::U64(self.capacity - 1),
+            Arg::buf(hashes),
+            Arg::opt(valid),
+            Arg::U64(n as u64),
+            Arg::buf(offsets),
+            Arg::buf(out_build),
+            Arg::buf(out_probe),
+            Arg::U64(cap as u64),
+        ];
+        args.extend(check_args(check));
+        // SAFETY: `offsets` is the exclusive scan of the counts made with the same check,
+        // so row i writes its counts[i] pairs from offsets[i] on, and the kernel writes
+        // none at or past `cap`, which both outputs hold (checked); a check's tables as in
+        // `probe_offsets`.
         unsafe {
             device.launch(
                 Kernel::hash_table_probe_emit,
                 LaunchConfig::for_items(device, n as u64, BLOCK),
-                &[
-                    Arg::buf(&self.keys),
-                    Arg::buf(&self.rows),
-                    Arg::U64(self.capacity - 1),
-                    Arg::buf(hashes),
-                    Arg::opt(valid),
-                    Arg::U64(n as u64),
-                    Arg::buf(offsets),
-                    Arg::buf(out_build),
-                    Arg::buf(out_probe),
-                    Arg::U64(cap as u64),
-                ],
+                &args,
             )?;
         }
         Ok(())
@@ -200,5 +255,67 @@ impl HashTable {
     /// Slots in the table.
     pub fn capacity(&self) -> u64 {
         self.capacity
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow::array::Int64Array;
+
+    use super::*;
+    use crate::column::DeviceColumn;
+    use crate::device::EmulatorOptions;
+    use crate::ops::key_descriptors;
+
+    /// With every row's hash the same, every pair of rows is a candidate: a probe with a
+    /// key check must keep exactly the pairs whose keys are equal, NULLs pairing only when
+    /// `nulls_match`, counted and written alike.
+    #[test]
+    fn a_key_check_keeps_only_equal_keys_among_equal_hashes() {
+        let d = Device::emulated(0, &EmulatorOptions::default());
+        let build: Int64Array = (0..300).map(|i| (i % 7 != 0).then_some(i % 40)).collect();
+        let probe: Int64Array = (0..500).map(|i| (i % 5 != 0).then_some(i % 60)).collect();
+        let zeros = |n: usize| d.upload(&vec![0u8; n * 8]).unwrap();
+        let table = HashTable::build(&d, &zeros(300), None, 300).unwrap();
+        let (b, p) = (
+            DeviceColumn::upload(&d, &build).unwrap(),
+            DeviceColumn::upload(&d, &probe).unwrap(),
+        );
+        let (bd, pd) = (
+            key_descriptors(&d, &[&b]).unwrap(),
+            key_descriptors(&d, &[&p]).unwrap(),
+        );
+        for nulls_match in [false, true] {
+            let check = KeyCheck {
+                build: &bd,
+                probe: &pd,
+                ncols: 1,
+                nulls_match,
+            };
+            let got = table.probe(&zeros(500), None, 500, Some(&check)).unwrap();
+            let got: Vec<(u32, u32)> = (got.probe.to_host().unwrap().into_iter())
+                .zip(got.build.to_host().unwrap())
+                .collect();
+            let mut want = Vec::new();
+            for (pi, pv) in probe.iter().enumerate() {
+                for (bi, bv) in build.iter().enumerate() {
+                    let pairs = match (pv, bv) {
+                        (Some(x), Some(y)) => x == y,
+                        (None, None) => nulls_match,
+                        _ => false,
+                    };
+                    if pairs {
+                        want.push((pi as u32, bi as u32));
+                    }
+                }
+            }
+            assert!(!want.is_empty());
+            assert!(
+                got == want,
+                "nulls_match {nulls_match}: {} pairs, {} wanted",
+                got.len(),
+                want.len()
+            );
+        }
     }
 }

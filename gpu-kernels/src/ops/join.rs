@@ -1,16 +1,15 @@
-//! Hash join matching on a device (`cuda/hash_table.cu`, `cuda/join.cu`): a [`JoinTable`]
-//! holds the build side's keys and hash table; each probe finds the candidate pairs by
-//! hash, keeps those whose keys are equal, and returns the matching (build, probe) row
-//! pairs in probe order. Rows with a NULL key are left out on both sides (SQL's `=`); the
-//! caller passes their validity.
+//! Hash join matching on a device (`cuda/hash_table.cu`): a [`JoinTable`] holds the build
+//! side's keys and hash table; each probe counts, then writes, the (build, probe) row pairs
+//! whose hashes and keys are equal, in probe order: the key comparison happens in both
+//! passes, so no candidate list is verified and compacted afterwards. Rows with a NULL key
+//! are left out on both sides (SQL's `=`); the caller passes their validity.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::hash_table::HashTable;
-use super::{BLOCK, PendingIndices, RowIndices, Word, check_rows, hash, key_descriptors, scan};
+use super::hash_table::{HashTable, KeyCheck};
+use super::{PendingIndices, RowIndices, Word, check_rows, hash, key_descriptors};
 use crate::column::DeviceColumn;
-use crate::device::{Arg, Device, LaunchConfig};
-use crate::kernels::Kernel;
+use crate::device::Device;
 use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
 
@@ -22,9 +21,9 @@ pub struct JoinTable {
     keys: Vec<DeviceColumn>,
     descriptors: DeviceBuffer,
     rows: usize,
-    /// The most candidate pairs per probe row seen so far, in 1/1024ths: it sizes the next
+    /// The most matches per probe row seen so far, in 1/1024ths: it sizes the next
     /// probe's outputs, so that the host waits once per probe (see `probe_queued`).
-    candidates_per_row: AtomicU64,
+    matches_per_row: AtomicU64,
 }
 
 /// Matching row pairs of a probe: in probe order, and within one probe row in build order
@@ -64,7 +63,7 @@ impl JoinTable {
             keys,
             descriptors,
             rows,
-            candidates_per_row: AtomicU64::new(1024),
+            matches_per_row: AtomicU64::new(1024),
         })
     }
 
@@ -129,10 +128,10 @@ impl JoinTable {
     }
 
     /// Queues a probe without waiting for the host (`None`: no probe row or no build row,
-    /// so nothing can match): its matches go into outputs sized by the most candidates per
+    /// so nothing can match): its matches go into outputs sized by the most matches per
     /// probe row seen so far, and the host waits once, in [`QueuedProbe::finish`], for the
-    /// candidates' and the matches' totals and `extra` words of the caller's (the byte
-    /// totals of string gathers queued over the pending matches) together.
+    /// matches' total and `extra` words of the caller's (the byte totals of string gathers
+    /// queued over the pending matches) together.
     pub fn probe_queued<'a>(
         &'a self,
         keys: &[&DeviceColumn],
@@ -155,20 +154,17 @@ impl JoinTable {
         let device = self.keys[0].device();
         let hashes = hash::hash_columns(device, keys)?;
         let probe_descriptors = key_descriptors(device, keys)?;
-        let per_row = self.candidates_per_row.load(Ordering::Relaxed) as usize;
+        let per_row = self.matches_per_row.load(Ordering::Relaxed) as usize;
         let cap = (n.saturating_mul(per_row) / 1024 + n / 8 + 1024).min(super::MAX_ROWS);
-        // Word 0 the candidate pairs, word 1 the matches, then the caller's.
-        let totals = device.upload(&vec![0; 16 + 8 * extra])?;
-        let (cand_build, cand_probe) =
-            self.table
-                .probe_bounded(&hashes, valid, n, cap, Word::of(&totals, 0)?)?;
-        let (out_build, out_probe, _) = self.matched(
-            &probe_descriptors,
-            keys.len(),
-            (&cand_build, &cand_probe),
+        // Word 0 the matches, then the caller's.
+        let totals = device.upload(&vec![0; 8 + 8 * extra])?;
+        let matches = self.table.probe_bounded(
+            &hashes,
+            valid,
+            n,
             cap,
-            Some(Word::of(&totals, 0)?),
-            Some(Word::of(&totals, 1)?),
+            Word::of(&totals, 0)?,
+            Some(&self.check(&probe_descriptors, keys.len())),
         )?;
         Ok(Some(QueuedProbe {
             table: self,
@@ -180,85 +176,19 @@ impl JoinTable {
             probe_descriptors,
             ncols: keys.len(),
             totals,
-            candidates: (cand_build, cand_probe),
-            matches: (out_build, out_probe),
+            matches,
         }))
     }
 
-    /// Keeps the candidate pairs (`slots` of them; only the first `*pairs` real when
-    /// given) whose keys are equal, in order: the matches' build and probe rows, and their
-    /// count when the host waited for it. With `total_to` the count is queued to that word
-    /// instead, and the outputs have room for `slots` matches.
-    fn matched(
-        &self,
-        probe_descriptors: &DeviceBuffer,
-        ncols: usize,
-        (build, probe): (&DeviceBuffer, &DeviceBuffer),
-        slots: usize,
-        pairs: Option<Word<'_>>,
-        total_to: Option<Word<'_>>,
-    ) -> Result<(DeviceBuffer, DeviceBuffer, Option<u64>)> {
-        let device = self.keys[0].device();
-        if build.len() < slots * 4 || probe.len() < slots * 4 {
-            return Err(KernelError::Unsupported(format!(
-                "candidate lists too short for {slots} pairs"
-            )));
+    /// The key comparison of a probe whose `ncols` key columns `probe_descriptors` describes
+    /// (their types and lengths checked against the build keys by the caller).
+    fn check<'a>(&'a self, probe_descriptors: &'a DeviceBuffer, ncols: usize) -> KeyCheck<'a> {
+        KeyCheck {
+            build: &self.descriptors,
+            probe: probe_descriptors,
+            ncols,
+            nulls_match: self.nulls_match,
         }
-        let flags = device.alloc((slots * 8).max(1))?;
-        let cfg = LaunchConfig::for_items(device, slots as u64, BLOCK);
-        // SAFETY: the real candidate indices (the first min(*pairs, slots), or all `slots`)
-        // are below the build rows and the probe rows, and both descriptor tables hold
-        // `ncols` columns of those lengths; the lists hold `slots` u32 (checked) and `flags`
-        // one u64 per slot.
-        unsafe {
-            device.launch(
-                Kernel::join_verify,
-                cfg,
-                &[
-                    Arg::buf(&self.descriptors),
-                    Arg::buf(probe_descriptors),
-                    Arg::U32(ncols as u32),
-                    Arg::buf(build),
-                    Arg::buf(probe),
-                    Arg::U64(slots as u64),
-                    Arg::U32(u32::from(self.nulls_match)),
-                    Arg::buf(&flags),
-                    pairs.map_or(Arg::Ptr(0), Word::arg),
-                ],
-            )?;
-        }
-        let (offsets, total, room) = match total_to {
-            Some(to) => (
-                scan::exclusive_scan_queued(device, &flags, slots, to)?,
-                None,
-                slots,
-            ),
-            None => {
-                let (offsets, total) = scan::exclusive_scan(device, &flags, slots)?;
-                (offsets, Some(total), total as usize)
-            }
-        };
-        let out_build = device.alloc((room * 4).max(1))?;
-        let out_probe = device.alloc((room * 4).max(1))?;
-        // SAFETY: offsets are the exclusive scan of the 0/1 flags, so flagged slot i lands
-        // at offsets[i] < the flags' total ≤ `room` in each output; unflagged slots (those
-        // past the real pairs among them) are not read.
-        unsafe {
-            device.launch(
-                Kernel::join_compact,
-                cfg,
-                &[
-                    Arg::buf(build),
-                    Arg::buf(probe),
-                    Arg::buf(&flags),
-                    Arg::buf(&offsets),
-                    Arg::U64(slots as u64),
-                    Arg::buf(&out_build),
-                    Arg::buf(&out_probe),
-                ],
-            )?;
-        }
-        Ok((out_build, out_probe, total))
     }
 }
 
@@ -275,7 +205,6 @@ pub struct QueuedProbe<'a> {
     probe_descriptors: DeviceBuffer,
     ncols: usize,
     totals: DeviceBuffer,
-    candidates: (DeviceBuffer, DeviceBuffer),
     matches: (DeviceBuffer, DeviceBuffer),
 }
 
@@ -284,7 +213,7 @@ pub struct QueuedProbe<'a> {
 pub struct Probed {
     /// The matching build and probe rows (`None`: nothing matched).
     pub pairs: Option<(RowIndices, RowIndices)>,
-    /// The caller's extra words, read in the probe's wait; `None` when the probe had more
+    /// matches than its outputs had room for and ran again with exact sizes: the work
     /// candidates than its outputs had room for and ran again with exact sizes: the work
     /// queued over the pending matches then counts for nothing.
     pub words: Option<Vec<u64>>,
@@ -302,12 +231,11 @@ impl QueuedProbe<'_> {
     }
 
     fn pending<'b>(&'b self, buffer: &'b DeviceBuffer, bound: usize) -> PendingIndices<'b> {
-        // Word 1 is the matches' count: the compaction writes the first `count` slots,
-        // each a verified pair of the first min(pairs, cap) candidates, all of whose slots
-        // the probe wrote with rows below the bounds.
+        // Word 0 is the matches' count: the probe writes the first min(count, cap) slots,
+        // each with rows below the bounds.
         let count = Word {
             buffer: &self.totals,
-            index: 1,
+            index: 0,
         };
         PendingIndices::new(buffer, self.cap, bound, count)
     }
@@ -321,63 +249,41 @@ impl QueuedProbe<'_> {
                 self.extra
             )));
         }
-        Word::of(&self.totals, 2 + k)
+        Word::of(&self.totals, 1 + k)
     }
 
-    /// Waits once for the probe's totals and the caller's words; a probe whose candidates
-    /// overflowed the outputs runs again with exact sizes (waiting for each total).
+    /// Waits once for the probe's total and the caller's words; a probe whose matches
+    /// overflowed the outputs runs again with exact sizes (waiting for the total).
     pub fn finish(self) -> Result<Probed> {
-        let words = self.totals.prefix_to_host(16 + 8 * self.extra)?;
+        let words = self.totals.prefix_to_host(8 + 8 * self.extra)?;
         let words: Vec<u64> = words
             .chunks_exact(8)
             .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
             .collect();
-        let (pairs, total) = match words[..] {
-            [pairs, total, ..] => (pairs as usize, total as usize),
-            _ => return Err(KernelError::InvalidData("a short probe status read".into())),
+        let Some(&total) = words.first() else {
+            return Err(KernelError::InvalidData("a short probe status read".into()));
         };
+        let total = total as usize;
         let table = self.table;
-        let seen = (pairs.saturating_mul(1024)).div_ceil(self.n) as u64;
-        table.candidates_per_row.fetch_max(seen, Ordering::Relaxed);
-        let rows = |build: DeviceBuffer, probe: DeviceBuffer, total: usize| {
-            (total > 0).then(|| {
-                (
-                    RowIndices::new(build, total, table.rows, false),
-                    RowIndices::new(probe, total, self.n, false),
-                )
-            })
-        };
-        if pairs <= self.cap {
-            if total > pairs {
-                return Err(KernelError::InvalidData(format!(
-                    "{total} matches among {pairs} candidate pairs"
-                )));
-            }
+        let seen = (total.saturating_mul(1024)).div_ceil(self.n) as u64;
+        table.matches_per_row.fetch_max(seen, Ordering::Relaxed);
+        if total <= self.cap {
             let (build, probe) = self.matches;
             return Ok(Probed {
-                pairs: rows(build, probe, total),
-                words: Some(words[2..].to_vec()),
+                pairs: (total > 0).then(|| {
+                    (
+                        RowIndices::new(build, total, table.rows, false),
+                        RowIndices::new(probe, total, self.n, false),
+                    )
+                }),
+                words: Some(words[1..].to_vec()),
             });
         }
-        drop((self.matches, self.candidates));
-        let candidates = table.table.probe(&self.hashes, self.valid, self.n)?;
-        let pairs = candidates.build.len();
-        if pairs == 0 {
-            return Ok(Probed {
-                pairs: None,
-                words: None,
-            });
-        }
-        let (build, probe, total) = table.matched(
-            &self.probe_descriptors,
-            self.ncols,
-            (candidates.build.buffer(), candidates.probe.buffer()),
-            pairs,
-            None,
-            None,
-        )?;
+        drop(self.matches);
+        let check = table.check(&self.probe_descriptors, self.ncols);
+        let found = (table.table).probe(&self.hashes, self.valid, self.n, Some(&check))?;
         Ok(Probed {
-            pairs: rows(build, probe, total.unwrap_or_default() as usize),
+            pairs: (!found.build.is_empty()).then_some((found.build, found.probe)),
             words: None,
         })
     }

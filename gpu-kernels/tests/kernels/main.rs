@@ -526,14 +526,25 @@ proptest! {
     }
 }
 
-/// A scan of segments of up to 1 Mi values takes two launches and a longer one three
-/// (its tile sums scanned by a launch of their own), with the same answers: each value's
-/// prefix and each segment's total.
+/// A scan of segments of one tile takes one launch, of up to 1 Mi values two, and a longer
+/// one three (its tile sums scanned by a launch of their own), with the same answers: each
+/// value's prefix and each segment's total.
 #[test]
-fn scans_take_two_launches_up_to_a_million_values_and_three_past() {
+fn scans_take_one_launch_per_tile_two_up_to_a_million_values_and_three_past() {
     let d = emulated();
-    let max = (scan::SUMMED_TILES * 1024) as usize;
-    for (n, segments, launches) in [(max, 1, 2), (max + 1, 1, 3), (max, 2, 2), (max + 1, 2, 3)] {
+    let tile = scan::TILE as usize;
+    let max = (scan::SUMMED_TILES * scan::TILE) as usize;
+    for (n, segments, launches) in [
+        (1, 1, 1),
+        (tile, 1, 1),
+        (tile, 3, 1),
+        (tile + 1, 1, 2),
+        (tile + 1, 3, 2),
+        (max, 1, 2),
+        (max + 1, 1, 3),
+        (max, 2, 2),
+        (max + 1, 2, 3),
+    ] {
         let stride = if segments > 1 {
             scan::segment_stride(n)
         } else {
@@ -652,7 +663,7 @@ fn check_join(d: &Device, build: &Int64Array, probe: &Int64Array) {
     let bh = hash::hash_columns(d, &[&bd]).unwrap();
     let ph = hash::hash_columns(d, &[&pd]).unwrap();
     let table = hash_table::HashTable::build(d, &bh, bd.validity(), build.len()).unwrap();
-    let pairs = table.probe(&ph, pd.validity(), probe.len()).unwrap();
+    let pairs = table.probe(&ph, pd.validity(), probe.len(), None).unwrap();
     let b = pairs.build.to_host().unwrap();
     let p = pairs.probe.to_host().unwrap();
     // Candidates share a hash; keep those whose keys are equal, as a join does.
@@ -725,7 +736,7 @@ fn hash_join_of_a_million_rows() {
         .collect();
     assert_eq!(device_hashes, host);
     let table = hash_table::HashTable::build(&d, &bh, bd.validity(), n).unwrap();
-    let pairs = table.probe(&ph, pd.validity(), n).unwrap();
+    let pairs = table.probe(&ph, pd.validity(), n, None).unwrap();
     let b = pairs.build.to_host().unwrap();
     let p = pairs.probe.to_host().unwrap();
     let matched = b
