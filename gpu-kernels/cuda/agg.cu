@@ -26,10 +26,11 @@
 //                                               inserted are ever read there)
 //   agg_leader_flags    (refs, first, n, flags)  flags[i] = 1 when row i is its new group's
 //                                                  first row (u64, for the scan)
-//   agg_resolve         (refs, first, ranks, flags, hashes, n, g0, gids, leaders, group_hashes)
+//   agg_resolve         (refs, first, ranks, flags, hashes, n, g0, gids, leaders, group_hashes,
+//                        slots, capacity)
 //       gids[i]: committed id, or g0 + rank of the group's first row; leaders[rank] = row,
-//       group_hashes[g0 + rank] = that row's hash
-//   agg_fix_slots       (slots, capacity, first, ranks, g0)   pending ids → committed ids
+//       group_hashes[g0 + rank] = that row's hash; and in the same launch each slot's
+//       pending id becomes its committed id (g0 + rank of the group's first row)
 //   agg_rollback        (slots, capacity, g0)   every slot with id >= g0 (pending or this
 //                                               batch's) becomes EMPTY_SLOT. Removing the
 //                                               newest entries never breaks an older one's
@@ -37,6 +38,9 @@
 //   agg_rehash          (slots, mask, group_hashes, groups)  re-inserts committed groups
 //                                               into a fresh (all EMPTY_SLOT) table
 //   agg_fill_u64        (buffer, n, value)
+//   agg_init_state      (to, locks, state0, op0, counts0, … state3, op3, counts3)  groups
+//                                               0..to of up to four accumulators at their
+//                                               identity, and their locks zero (below)
 //   agg_update          (accs, nacc, gids, n, groups, shared_groups)
 //       the accumulators (see AggAcc) of every row's group; gids == null means group 0 for
 //       every row; a row whose gid is SKIP is left out. shared_groups != 0: each block first accumulates into per-block tables in
@@ -121,24 +125,23 @@ FULMEN_KERNEL agg_leader_flags(const uint32_t* refs, const uint32_t* first, uint
 
 FULMEN_KERNEL agg_resolve(const uint32_t* refs, const uint32_t* first, const uint64_t* ranks, const uint64_t* flags,
                           const uint64_t* hashes, uint64_t n, uint64_t g0, uint32_t* gids, uint32_t* leaders,
-                          uint64_t* group_hashes) {
-    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
-        uint32_t r = refs[i];
-        gids[i] = agg_is_pending(r) ? (uint32_t)(g0 + ranks[first[r & ~AGG_PENDING]]) : r;
-        if (flags[i]) {
-            leaders[ranks[i]] = (uint32_t)i;
-            group_hashes[g0 + ranks[i]] = hashes[i];
+                          uint64_t* group_hashes, unsigned long long* slots, uint64_t capacity) {
+    const uint64_t items = n > capacity ? n : capacity;
+    for (uint64_t i = GRID_START; i < items; i += GRID_STRIDE) {
+        if (i < n) {
+            uint32_t r = refs[i];
+            gids[i] = agg_is_pending(r) ? (uint32_t)(g0 + ranks[first[r & ~AGG_PENDING]]) : r;
+            if (flags[i]) {
+                leaders[ranks[i]] = (uint32_t)i;
+                group_hashes[g0 + ranks[i]] = hashes[i];
+            }
         }
-    }
-}
-
-FULMEN_KERNEL agg_fix_slots(unsigned long long* slots, uint64_t capacity, const uint32_t* first, const uint64_t* ranks,
-                            uint64_t g0) {
-    for (uint64_t s = GRID_START; s < capacity; s += GRID_STRIDE) {
-        unsigned long long v = slots[s];
-        uint32_t id = (uint32_t)v;
-        if (v != AGG_EMPTY && (id & AGG_PENDING))
-            slots[s] = (v & 0xFFFFFFFF00000000ull) | (uint32_t)(g0 + ranks[first[id & ~AGG_PENDING]]);
+        if (i < capacity) {
+            unsigned long long v = slots[i];
+            uint32_t id = (uint32_t)v;
+            if (v != AGG_EMPTY && (id & AGG_PENDING))
+                slots[i] = (v & 0xFFFFFFFF00000000ull) | (uint32_t)(g0 + ranks[first[id & ~AGG_PENDING]]);
+        }
     }
 }
 
@@ -261,7 +264,6 @@ FULMEN_EMU_EXPORT(agg_find_or_insert)
 FULMEN_EMU_EXPORT(agg_first_rows)
 FULMEN_EMU_EXPORT(agg_leader_flags)
 FULMEN_EMU_EXPORT(agg_resolve)
-FULMEN_EMU_EXPORT(agg_fix_slots)
 FULMEN_EMU_EXPORT(agg_rollback)
 FULMEN_EMU_EXPORT(agg_rehash)
 FULMEN_EMU_EXPORT(agg_fill_u64)

@@ -114,7 +114,6 @@ kernels! {
     agg_first_rows => fulmen_emu_launch_agg_first_rows, fulmen_emu_params_agg_first_rows in "agg.cu",
     agg_leader_flags => fulmen_emu_launch_agg_leader_flags, fulmen_emu_params_agg_leader_flags in "agg.cu",
     agg_resolve => fulmen_emu_launch_agg_resolve, fulmen_emu_params_agg_resolve in "agg.cu",
-    agg_fix_slots => fulmen_emu_launch_agg_fix_slots, fulmen_emu_params_agg_fix_slots in "agg.cu",
     agg_rollback => fulmen_emu_launch_agg_rollback, fulmen_emu_params_agg_rollback in "agg.cu",
     agg_rehash => fulmen_emu_launch_agg_rehash, fulmen_emu_params_agg_rehash in "agg.cu",
     agg_fill_u64 => fulmen_emu_launch_agg_fill_u64, fulmen_emu_params_agg_fill_u64 in "agg.cu",

@@ -372,13 +372,21 @@ impl GroupTable {
             .ok_or_else(|| KernelError::InvalidData("a keyed table without hashes".into()))?;
         let gids = device.alloc(n * 4)?;
         let leaders = device.alloc(new.max(1) * 4)?;
+        let slots = self
+            .slots
+            .as_ref()
+            .ok_or_else(|| KernelError::InvalidData("a keyed table without slots".into()))?;
+        // The rows' group ids, the new groups' leaders and hashes, and the slots' pending
+        // ids made committed ones (the table's first change, undone by a rollback), in one
+        // launch over the rows and the slots.
         // SAFETY: ranks are the exclusive scan of the 0/1 flags, so leader ranks are
         // below `new`, and g0 + rank < total <= the hashes' capacity; every pending id's
-        // `first` row is a leader (it set its own flag).
+        // `first` row is a leader (it set its own flag); `slots` holds `capacity` u64,
+        // whose pending ids index `first` (n rows).
         unsafe {
             device.launch(
                 Kernel::agg_resolve,
-                cfg,
+                LaunchConfig::for_items(&device, (n as u64).max(self.capacity), BLOCK),
                 &[
                     Arg::buf(refs),
                     Arg::buf(first),
@@ -390,6 +398,8 @@ impl GroupTable {
                     Arg::buf(&gids),
                     Arg::buf(&leaders),
                     Arg::buf(group_hashes),
+                    Arg::buf(slots),
+                    Arg::U64(self.capacity),
                 ],
             )?;
         }
@@ -402,26 +412,8 @@ impl GroupTable {
         let descriptors = inputs
             .map(|inputs| self.accumulator_descriptors(accs, inputs))
             .transpose()?;
-        let slots = self
-            .slots
-            .as_ref()
-            .ok_or_else(|| KernelError::InvalidData("a keyed table without slots".into()))?;
-        // The changes: slots first (undone by a rollback), then the accumulators in one
-        // launch (which either runs or not; grown accumulators are copies until installed).
-        // SAFETY: `slots` holds `capacity` u64; pending ids index `first` (n rows).
-        unsafe {
-            device.launch(
-                Kernel::agg_fix_slots,
-                LaunchConfig::for_items(&device, self.capacity, BLOCK),
-                &[
-                    Arg::buf(slots),
-                    Arg::U64(self.capacity),
-                    Arg::buf(first),
-                    Arg::part(&ranks, 0, 8 * n),
-                    Arg::U64(g0 as u64),
-                ],
-            )?;
-        }
+        // The accumulators in one launch (which either runs or not; grown accumulators are
+        // copies until installed), after the slots' fix (undone by a rollback).
         if let (Some(descriptors), Some(inputs)) = (&descriptors, inputs) {
             let locks = grown
                 .as_ref()
