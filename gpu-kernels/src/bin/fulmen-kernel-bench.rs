@@ -152,7 +152,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ),
         ("gather (i64, random)".to_string(), gather_ms, gather_bytes),
         (
-            format!("join probe + verify ({build_rows}-row build side)"),
+            format!("join probe, keys compared ({build_rows}-row build side)"),
             join_ms,
             join_bytes,
         ),

@@ -261,8 +261,9 @@ pub fn queue_strings_starts(
             };
             // SAFETY: `offsets` holds column.len() + 1 offsets of `width` bytes; the kernel
             // reads only the first min(*count, slots) indices, which the producer of the
-            // pending indices wrote before its count, each below the bound ≤ column.len() (or
-            // NULL_INDEX); `lengths` holds `slots` u64.
+            // pending indices queued before this launch on the same stream (a join probe's
+            // count is written before its emit, but both before this), each below the bound
+            // ≤ column.len() (or NULL_INDEX); `lengths` holds `slots` u64.
             unsafe {
                 column.device().launch(
                     kernel,

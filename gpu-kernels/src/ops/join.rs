@@ -213,8 +213,8 @@ pub struct QueuedProbe<'a> {
 pub struct Probed {
     /// The matching build and probe rows (`None`: nothing matched).
     pub pairs: Option<(RowIndices, RowIndices)>,
+    /// The caller's extra words, read in the probe's wait; `None` when the probe had more
     /// matches than its outputs had room for and ran again with exact sizes: the work
-    /// candidates than its outputs had room for and ran again with exact sizes: the work
     /// queued over the pending matches then counts for nothing.
     pub words: Option<Vec<u64>>,
 }

@@ -98,9 +98,10 @@ impl<'a> Word<'a> {
     }
 }
 
-/// Row indices queued kernels are still writing: the first `*count` of the `slots` in a
-/// buffer are real (the rest may be unwritten), each below `bound` or NULL_INDEX, their
-/// count a device [`Word`] the host has not read. Made only by the producers that queue
+/// Row indices queued kernels are still writing: the first min(`*count`, `slots`) of the
+/// `slots` in a buffer are real (the rest may be unwritten; a join probe's count may exceed
+/// `slots`, when its matches outgrew the room it guessed), each below `bound` or
+/// NULL_INDEX, their count a device [`Word`] the host has not read. Made only by the producers that queue
 /// such indices (a selection's scatter, a join probe), so that the kernels queued after
 /// them (a string gather's lengths) can trust every index they read.
 #[derive(Debug, Clone, Copy)]

@@ -6,14 +6,14 @@
 //! the child's chunks where they lie, concatenated on the device; a CollectLeft join builds
 //! one table per device, shared by the device's partitions: see `build_side.rs`.) Probe batches (right, coalesced to
 //! `fulmen.gpu.batch_bytes` or `_rows`, see `coalesce.rs`) upload their keys; the device
-//! hashes them, finds candidate pairs in the table, keeps the pairs whose keys are equal and
-//! returns them in probe order. The host then applies the residual filter (DataFusion's
+//! hashes them, counts and writes the pairs whose hashes and keys are equal (the keys
+//! compared in the probe's own passes) and returns them in probe order. The host then applies the residual filter (DataFusion's
 //! expression, when the join has one) and gathers the output columns with Arrow's `take`,
 //! per join type:
 //!
 //! ```text
 //!   left (all) ─▶ upload keys ─▶ JoinTable::build
-//!   right batch ─▶ upload keys ─▶ hash ─▶ probe ─▶ verify keys ─▶ pairs ─▶ (filter) ─▶ take
+//!   right batch ─▶ upload keys ─▶ hash ─▶ probe (keys compared) ─▶ pairs ─▶ (filter) ─▶ take
 //!   right ends ─▶ build rows never matched (left, full, left anti) or matched (left semi)
 //!   device error ─▶ that batch (or, for the build, the whole partition) is matched on the
 //!                   host instead, with the same rules

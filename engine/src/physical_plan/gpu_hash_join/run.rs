@@ -574,7 +574,7 @@ impl DeviceProbing {
             .iter()
             .map(|c| &probe_columns[c])
             .collect();
-        // NULL probe keys need no validity here: the verification rejects them.
+        // NULL probe keys need no validity here: the probe's key check rejects them.
         let probed = metrics.kernel(|| -> Result<_, KernelError> {
             let Some(queued) = table.probe_queued(&keys, None, n, strings.len())? else {
                 return Ok(None);
