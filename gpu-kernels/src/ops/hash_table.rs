@@ -184,16 +184,7 @@ impl HashTable {
         let device = self.keys.device();
         let cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
         let counts = device.alloc(n * 8)?;
-        let mut args = vec![
-            Arg::buf(&self.keys),
-            Arg::buf(&self.rows),
-            Arg::U64(self.capacity - 1),
-            Arg::buf(hashes),
-            Arg::opt(valid),
-            Arg::U64(n as u64),
-            Arg::buf(&counts),
-        ];
-        args.extend(check_args(check));
+        let args = self.probe_args(hashes, valid, n, &[Arg::buf(&counts)], check);
         // SAFETY: the table's buffers hold `capacity` slots with mask capacity - 1, whose
         // rows are build rows; the probe inputs hold n rows (checked); `counts` holds n
         // u64; a check's descriptor tables describe `ncols` key columns of the build rows
@@ -205,6 +196,29 @@ impl HashTable {
             Some(to) => Ok((scan::exclusive_scan_queued(device, &counts, n, to)?, None)),
             None => scan::exclusive_scan(device, &counts, n).map(|(o, t)| (o, Some(t))),
         }
+    }
+
+    /// A probe kernel's arguments: the table, the probe rows (`hashes`, `valid`, `n`), the
+    /// pass's own (`own`), then the key check's four.
+    fn probe_args(
+        &self,
+        hashes: &DeviceBuffer,
+        valid: Option<&DeviceBuffer>,
+        n: usize,
+        own: &[Arg],
+        check: Option<&KeyCheck<'_>>,
+    ) -> Vec<Arg> {
+        let mut args = vec![
+            Arg::buf(&self.keys),
+            Arg::buf(&self.rows),
+            Arg::U64(self.capacity - 1),
+            Arg::buf(hashes),
+            Arg::opt(valid),
+            Arg::U64(n as u64),
+        ];
+        args.extend_from_slice(own);
+        args.extend(check_args(check));
+        args
     }
 
     /// Writes each probe row's pairs at its offset into outputs of `cap` slots.
@@ -225,19 +239,13 @@ impl HashTable {
                 "probe outputs too small for {cap} pairs"
             )));
         }
-        let mut args = vec![
-            Arg::buf(&self.keys),
-            Arg::buf(&self.rows),
-            Arg::U64(self.capacity - 1),
-            Arg::buf(hashes),
-            Arg::opt(valid),
-            Arg::U64(n as u64),
+        let outputs = [
             Arg::buf(offsets),
             Arg::buf(out_build),
             Arg::buf(out_probe),
             Arg::U64(cap as u64),
         ];
-        args.extend(check_args(check));
+        let args = self.probe_args(hashes, valid, n, &outputs, check);
         // SAFETY: `offsets` is the exclusive scan of the counts made with the same check,
         // so row i writes its counts[i] pairs from offsets[i] on, and the kernel writes
         // none at or past `cap`, which both outputs hold (checked); a check's tables as in
