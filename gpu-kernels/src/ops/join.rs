@@ -164,7 +164,7 @@ impl JoinTable {
             n,
             cap,
             Word::of(&totals, 0)?,
-            Some(&self.check(&probe_descriptors, keys.len())),
+            Some(&self.check(&probe_descriptors)),
         )?;
         Ok(Some(QueuedProbe {
             table: self,
@@ -174,19 +174,18 @@ impl JoinTable {
             extra,
             hashes,
             probe_descriptors,
-            ncols: keys.len(),
             totals,
             matches,
         }))
     }
 
-    /// The key comparison of a probe whose `ncols` key columns `probe_descriptors` describes
-    /// (their types and lengths checked against the build keys by the caller).
-    fn check<'a>(&'a self, probe_descriptors: &'a DeviceBuffer, ncols: usize) -> KeyCheck<'a> {
+    /// The key comparison of a probe whose key columns `probe_descriptors` describes, as
+    /// many as the build keys (their number, types and lengths checked by the caller).
+    fn check<'a>(&'a self, probe_descriptors: &'a DeviceBuffer) -> KeyCheck<'a> {
         KeyCheck {
             build: &self.descriptors,
             probe: probe_descriptors,
-            ncols,
+            ncols: self.keys.len(),
             nulls_match: self.nulls_match,
         }
     }
@@ -203,7 +202,6 @@ pub struct QueuedProbe<'a> {
     extra: usize,
     hashes: DeviceBuffer,
     probe_descriptors: DeviceBuffer,
-    ncols: usize,
     totals: DeviceBuffer,
     matches: (DeviceBuffer, DeviceBuffer),
 }
@@ -280,7 +278,7 @@ impl QueuedProbe<'_> {
             });
         }
         drop(self.matches);
-        let check = table.check(&self.probe_descriptors, self.ncols);
+        let check = table.check(&self.probe_descriptors);
         let found = (table.table).probe(&self.hashes, self.valid, self.n, Some(&check))?;
         Ok(Probed {
             pairs: (!found.build.is_empty()).then_some((found.build, found.probe)),
