@@ -150,7 +150,7 @@ kernels! {
     scan_tile_sums => fulmen_emu_launch_scan_tile_sums, fulmen_emu_params_scan_tile_sums in "scan.cu",
     scan_tile_offsets => fulmen_emu_launch_scan_tile_offsets, fulmen_emu_params_scan_tile_offsets in "scan.cu",
     scan_tiles => fulmen_emu_launch_scan_tiles, fulmen_emu_params_scan_tiles in "scan.cu",
-    scan_tiles_summed => fulmen_emu_launch_scan_tiles_summed, fulmen_emu_params_scan_tiles_summed in "scan.cu",
+    scan_lookback => fulmen_emu_launch_scan_lookback, fulmen_emu_params_scan_lookback in "scan.cu",
     selftest_block_scan => fulmen_emu_launch_selftest_block_scan, fulmen_emu_params_selftest_block_scan in "selftest.cu",
     selftest_warp => fulmen_emu_launch_selftest_warp, fulmen_emu_params_selftest_warp in "selftest.cu",
     selftest_atomics => fulmen_emu_launch_selftest_atomics, fulmen_emu_params_selftest_atomics in "selftest.cu",

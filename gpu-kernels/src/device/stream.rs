@@ -2,11 +2,13 @@
 //! buffers, waits, waits for another stream, and the emulated device's queues (see
 //! `emu_queue.rs` and the module notes of `device.rs`).
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Backend, Device, DeviceCounts, STAGING_BYTES, UPLOAD_HALF_BYTES};
+use super::{Arg, Backend, Device, DeviceCounts, STAGING_BYTES, UPLOAD_HALF_BYTES};
 use crate::emu_queue::{EmuQueue, Op};
 use crate::memory::DeviceBuffer;
+use crate::ops::scan::LOOKBACK_TILES;
 use crate::{KernelError, Result};
 
 thread_local! {
@@ -49,6 +51,16 @@ pub(crate) struct Stream {
     /// The last op known to have finished: queued before one of the host's waits on the
     /// stream began.
     passed: AtomicU64,
+    /// The stream's look-back scan state (see [`Device::with_lookback`]).
+    lookback: Mutex<Lookback>,
+}
+
+/// A stream's look-back scan state: its device address (0 until the first scan that needs
+/// it) and the epoch of the last scan that used it.
+#[derive(Debug, Default)]
+struct Lookback {
+    addr: u64,
+    epoch: u64,
 }
 
 impl Stream {
@@ -118,6 +130,26 @@ impl Device {
     fn sticky(&self, error: KernelError) -> KernelError {
         self.quarantine(&error.to_string());
         error
+    }
+
+    /// Runs `launch` with this handle's stream's look-back scan state (an argument for
+    /// `scan_lookback`'s `state`, [`LOOKBACK_TILES`] its capacity) and a new epoch for it,
+    /// holding the state until `launch` returns, so that the stream's scans queue in the
+    /// order of their epochs. The state is made the first time, outside the pool (it is not
+    /// counted against the budget or a quota, and lives as long as the device), and zeroed
+    /// by a counted upload; it is never reset after that (see `scan.cu`).
+    pub(crate) fn with_lookback<T>(&self, launch: impl FnOnce(Arg, u64) -> Result<T>) -> Result<T> {
+        self.usable()?;
+        let stream = self.current();
+        let mut state = stream.lookback.lock().unwrap_or_else(|p| p.into_inner());
+        let bytes = 3 * LOOKBACK_TILES as usize * 8;
+        if state.addr == 0 {
+            let addr = self.backend_alloc(bytes)?;
+            self.write_at(addr, 0, bytes, &|_, out| out.fill(0))?;
+            state.addr = addr;
+        }
+        state.epoch += 1;
+        launch(Arg::Buf(state.addr, bytes, stream.index), state.epoch)
     }
 
     /// Waits until this handle's stream has done everything queued on it so far (a
@@ -223,6 +255,18 @@ impl Device {
         Self::within(buffer, offset, len, "into")?;
         self.usable()?;
         self.after([buffer.stream])?;
+        self.write_at(buffer.addr, offset, len, fill)
+    }
+
+    /// As [`Self::write_with`], into the device memory at `addr` (checked by the caller,
+    /// and made on this handle's stream or ordered before it).
+    fn write_at(
+        &self,
+        addr: u64,
+        offset: usize,
+        len: usize,
+        fill: &dyn Fn(usize, &mut [u8]),
+    ) -> Result<()> {
         let stream = self.current();
         // The ring's lock is held for the whole upload, waits included: no other upload
         // fills a half this one is about to refill.
@@ -260,7 +304,7 @@ impl Device {
                     let mut bytes = vec![0; piece_len];
                     fill(start, &mut bytes);
                     self.enqueue(Op::Write {
-                        addr: buffer.addr,
+                        addr,
                         offset: at,
                         bytes,
                     })
@@ -270,7 +314,7 @@ impl Device {
                         stream.index,
                         ring.half,
                         ring.fill,
-                        buffer.addr + at as u64,
+                        addr + at as u64,
                         piece_len,
                         &|out| fill(start, out),
                     )

@@ -1,6 +1,6 @@
-//! Exclusive prefix sums of u64 values (`cuda/scan.cu`): one launch for segments of one
-//! tile ([`TILE`] values), two for segments of up to [`SUMMED_TILES`] tiles (1 Mi values),
-//! three past that.
+//! Exclusive prefix sums of u64 values (`cuda/scan.cu`): one launch (`scan_lookback`, a
+//! single pass with decoupled look-back) for scans of up to [`LOOKBACK_TILES`] tiles of
+//! [`TILE`] values over all segments, three past that.
 
 use super::{BLOCK, Word};
 use crate::device::{Arg, Device, LaunchConfig};
@@ -10,11 +10,10 @@ use crate::{KernelError, Result};
 
 /// Values per tile of `scan.cu` (SCAN_THREADS × SCAN_ITEMS).
 pub const TILE: u64 = 1024;
-/// Tiles a segment may have for the two-launch scan (`SCAN_SUMMED_TILES` in `scan.cu`):
-/// each block then adds up at most this many tile sums before its own, where a third
-/// launch would scan them. Past it (a segment of over 1 Mi values) the third launch is
-/// cheaper than every block reading that many sums.
-pub const SUMMED_TILES: u64 = 1024;
+/// Tiles a stream's look-back state holds (see `Device::with_lookback`): three arrays of
+/// this many u64, 384 KiB. A scan of more tiles over all its segments (over 16 Mi values)
+/// takes three launches.
+pub const LOOKBACK_TILES: u64 = 16 * 1024;
 
 /// The exclusive prefix sum of the first `n` u64 values of `input`: a buffer of `n`
 /// offsets, and the total (a host wait).
@@ -23,9 +22,9 @@ pub fn exclusive_scan(
     input: &DeviceBuffer,
     n: usize,
 ) -> Result<(DeviceBuffer, u64)> {
-    let (out, sums) = queue(device, input, n, 1, None)?;
-    let total = match sums {
-        Some((sums, tiles)) => sums.read_u64(tiles)?,
+    let (out, totals) = queue(device, input, n, 1, None)?;
+    let total = match totals {
+        Some((totals, at)) => totals.read_u64(at)?,
         None => 0,
     };
     Ok((out, total))
@@ -66,8 +65,8 @@ pub fn segments_queued(
     queue(device, input, n, segments, Some(totals_to)).map(|(out, _)| out)
 }
 
-/// Launches the scan of `segments` segments; the tile sums (and their count: the first
-/// segment's total is at that index) unless there were no values.
+/// Launches the scan of `segments` segments; where `total_to` is not given, a buffer
+/// holding the first segment's total and its index in it (none over no values).
 fn queue(
     device: &Device,
     input: &DeviceBuffer,
@@ -88,55 +87,80 @@ fn queue(
         return Ok((out, None));
     }
     let tiles = (n as u64).div_ceil(TILE);
+    let all_tiles = tiles * segments as u64;
+    let (total_arg, totals) = match total_to {
+        Some(word) => (Arg::part(word.buffer, 8 * word.index, 8 * segments), None),
+        None => {
+            let totals = device.alloc(8 * segments)?;
+            (Arg::buf(&totals), Some(totals))
+        }
+    };
+    // Segments of one tile wait for no other tile: one launch, without the state.
+    if tiles == 1 || all_tiles <= LOOKBACK_TILES {
+        let lookback = |state: Arg, epoch: u64| {
+            // A block per tile, exactly: the kernel has no grid-stride loop.
+            let cfg = LaunchConfig {
+                grid: u32::try_from(all_tiles).map_err(|_| {
+                    KernelError::Unsupported(format!("a scan of {all_tiles} tiles"))
+                })?,
+                block: BLOCK,
+                shared_bytes: 0,
+            };
+            // SAFETY: `input` holds segments × stride u64 (checked above), of which the
+            // kernel reads the first n of each segment; `out` holds segments × stride u64;
+            // the totals (`total_to`, checked by the callers with `Word::nth`, or
+            // `totals`) `segments` u64; `state`, when the segments have more than one tile,
+            // is the stream's look-back state of LOOKBACK_TILES ≥ all_tiles tiles, with an
+            // epoch of its own; all on `device`; one block of SCAN_THREADS (256) threads
+            // per tile, as scan.cu requires, and the arguments follow its signature.
+            unsafe {
+                device.launch(
+                    Kernel::scan_lookback,
+                    cfg,
+                    &[
+                        Arg::buf(input),
+                        Arg::U64(n as u64),
+                        Arg::U64(segments as u64),
+                        state,
+                        Arg::U64(LOOKBACK_TILES),
+                        Arg::U64(epoch),
+                        Arg::buf(&out),
+                        total_arg,
+                    ],
+                )
+            }
+        };
+        match tiles {
+            1 => lookback(Arg::Ptr(0), 0)?,
+            _ => device.with_lookback(lookback)?,
+        }
+        return Ok((out, totals.map(|t| (t, 0))));
+    }
     let sums = device.alloc((tiles as usize + 1) * segments * 8)?;
     // A block per tile, as many as the device holds at once (a grid-stride over tiles).
-    let all_tiles = tiles * segments as u64;
     let grid = LaunchConfig::for_items(device, all_tiles * BLOCK as u64, BLOCK).grid;
     let tiled = LaunchConfig {
         grid,
         block: BLOCK,
         shared_bytes: 0,
     };
-    let total_to = match total_to {
-        Some(word) => Arg::part(word.buffer, 8 * word.index, 8 * segments),
-        None => Arg::Ptr(0),
-    };
     // SAFETY: `input` holds segments × stride u64 (checked above), of which the kernels
     // read the first n of each segment; `sums` holds (tiles + 1) × segments u64 and `out`
-    // segments × stride u64; `total_to` (when given) `segments` u64 (checked by the
-    // callers: `Word::nth`), all on `device`; the kernels are launched with blockDim.x ==
-    // SCAN_THREADS (256) as scan.cu requires, and the argument lists follow its signatures.
+    // segments × stride u64; the totals (`total_to`, checked by the callers: `Word::nth`,
+    // or `totals`) `segments` u64, all on `device`; the kernels are launched with
+    // blockDim.x == SCAN_THREADS (256) as scan.cu requires, and the argument lists follow
+    // its signatures.
     unsafe {
-        // A segment of one tile has no tile sums before its own to add up: its block
-        // scans it alone, in one launch.
-        if tiles > 1 {
-            device.launch(
-                Kernel::scan_tile_sums,
-                tiled,
-                &[
-                    Arg::buf(input),
-                    Arg::U64(n as u64),
-                    Arg::U64(segments as u64),
-                    Arg::buf(&sums),
-                ],
-            )?;
-        }
-        if tiles <= SUMMED_TILES {
-            // Each block adds up the tile sums before its own: no launch to scan them.
-            device.launch(
-                Kernel::scan_tiles_summed,
-                tiled,
-                &[
-                    Arg::buf(input),
-                    Arg::U64(n as u64),
-                    Arg::U64(segments as u64),
-                    Arg::buf(&sums),
-                    Arg::buf(&out),
-                    total_to,
-                ],
-            )?;
-            return Ok((out, Some((sums, tiles as usize))));
-        }
+        device.launch(
+            Kernel::scan_tile_sums,
+            tiled,
+            &[
+                Arg::buf(input),
+                Arg::U64(n as u64),
+                Arg::U64(segments as u64),
+                Arg::buf(&sums),
+            ],
+        )?;
         // A block per segment scans its tile sums.
         let per_segment = LaunchConfig {
             grid: segments as u32,
@@ -150,7 +174,7 @@ fn queue(
                 Arg::buf(&sums),
                 Arg::U64(n as u64),
                 Arg::U64(segments as u64),
-                total_to,
+                total_arg,
             ],
         )?;
         device.launch(
@@ -165,5 +189,5 @@ fn queue(
             ],
         )?;
     }
-    Ok((out, Some((sums, tiles as usize))))
+    Ok((out, totals.map(|t| (t, 0))))
 }

@@ -526,25 +526,34 @@ proptest! {
     }
 }
 
-/// A scan of segments of one tile takes one launch, of up to 1 Mi values two, and a longer
-/// one three (its tile sums scanned by a launch of their own), with the same answers: each
-/// value's prefix and each segment's total.
+/// A scan whose tiles (over all its segments) fit the stream's look-back state takes one
+/// launch, and a longer one three, with the same answers: each value's prefix and each
+/// segment's total. The scans follow each other on two streams, each with its state kept
+/// from scan to scan.
 #[test]
-fn scans_take_one_launch_per_tile_two_up_to_a_million_values_and_three_past() {
-    let d = emulated();
+fn scans_take_one_launch_up_to_the_look_back_tiles_and_three_past() {
+    let device = emulated();
     let tile = scan::TILE as usize;
-    let max = (scan::SUMMED_TILES * scan::TILE) as usize;
-    for (n, segments, launches) in [
+    let max = (scan::LOOKBACK_TILES * scan::TILE) as usize;
+    for (k, (n, segments, launches)) in [
         (1, 1, 1),
         (tile, 1, 1),
         (tile, 3, 1),
-        (tile + 1, 1, 2),
-        (tile + 1, 3, 2),
-        (max, 1, 2),
+        (tile + 1, 1, 1),
+        (tile + 1, 3, 1),
+        (1 << 20, 2, 1),
+        (3 * tile + 5, 7, 1),
+        (max, 1, 1),
         (max + 1, 1, 3),
-        (max, 2, 2),
-        (max + 1, 2, 3),
-    ] {
+        (max / 2, 2, 1),
+        (max / 2 + 1, 2, 3),
+        (2 * tile - 1, 2, 1),
+        (tile * 5, 1, 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let d = device.on_stream(k % 2);
         let stride = if segments > 1 {
             scan::segment_stride(n)
         } else {

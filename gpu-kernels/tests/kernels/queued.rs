@@ -50,10 +50,8 @@ fn selection_strings(d: &Device, count_waits: bool) {
             )
             .unwrap();
             if count_waits && n > 0 {
-                // A lengths launch each, and one scan's launches for both (one while
-                // the slots fit one tile).
-                let scan = if n <= scan::TILE as usize { 1 } else { 2 };
-                assert_eq!(d.counts().launches - launches, 2 + scan, "n={n}");
+                // A lengths launch each, and one scan for both (one launch).
+                assert_eq!(d.counts().launches - launches, 3, "n={n}");
             }
             waits(before, 0, "queueing waits for nothing");
             let (count, totals) = read_status_words(&status, 2).unwrap().unwrap();
