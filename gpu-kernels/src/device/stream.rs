@@ -137,19 +137,30 @@ impl Device {
     /// holding the state until `launch` returns, so that the stream's scans queue in the
     /// order of their epochs. The state is made the first time, outside the pool (it is not
     /// counted against the budget or a quota, and lives as long as the device), and zeroed
-    /// by a counted upload; it is never reset after that (see `scan.cu`).
+    /// by a launch (one per stream: no upload, so that a query over resident data uploads
+    /// nothing); it is never reset after that (see `scan.cu`).
     pub(crate) fn with_lookback<T>(&self, launch: impl FnOnce(Arg, u64) -> Result<T>) -> Result<T> {
         self.usable()?;
         let stream = self.current();
         let mut state = stream.lookback.lock().unwrap_or_else(|p| p.into_inner());
         let bytes = 3 * LOOKBACK_TILES as usize * 8;
+        let arg = |addr| Arg::Buf(addr, bytes, stream.index);
         if state.addr == 0 {
             let addr = self.backend_alloc(bytes)?;
-            self.write_at(addr, 0, bytes, &|_, out| out.fill(0))?;
+            let words = 3 * LOOKBACK_TILES;
+            // SAFETY: the state holds `words` u64, on this stream; the arguments follow
+            // agg.cu's signature of agg_fill_u64 (buffer, words, value).
+            unsafe {
+                self.launch(
+                    crate::kernels::Kernel::agg_fill_u64,
+                    super::LaunchConfig::for_items(self, words, crate::ops::BLOCK),
+                    &[arg(addr), Arg::U64(words), Arg::U64(0)],
+                )?;
+            }
             state.addr = addr;
         }
         state.epoch += 1;
-        launch(Arg::Buf(state.addr, bytes, stream.index), state.epoch)
+        launch(arg(state.addr), state.epoch)
     }
 
     /// Waits until this handle's stream has done everything queued on it so far (a
