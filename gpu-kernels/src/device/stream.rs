@@ -266,18 +266,6 @@ impl Device {
         Self::within(buffer, offset, len, "into")?;
         self.usable()?;
         self.after([buffer.stream])?;
-        self.write_at(buffer.addr, offset, len, fill)
-    }
-
-    /// As [`Self::write_with`], into the device memory at `addr` (checked by the caller,
-    /// and made on this handle's stream or ordered before it).
-    fn write_at(
-        &self,
-        addr: u64,
-        offset: usize,
-        len: usize,
-        fill: &dyn Fn(usize, &mut [u8]),
-    ) -> Result<()> {
         let stream = self.current();
         // The ring's lock is held for the whole upload, waits included: no other upload
         // fills a half this one is about to refill.
@@ -315,7 +303,7 @@ impl Device {
                     let mut bytes = vec![0; piece_len];
                     fill(start, &mut bytes);
                     self.enqueue(Op::Write {
-                        addr,
+                        addr: buffer.addr,
                         offset: at,
                         bytes,
                     })
@@ -325,7 +313,7 @@ impl Device {
                         stream.index,
                         ring.half,
                         ring.fill,
-                        addr + at as u64,
+                        buffer.addr + at as u64,
                         piece_len,
                         &|out| fill(start, out),
                     )

@@ -24,7 +24,7 @@ pub fn exclusive_scan(
 ) -> Result<(DeviceBuffer, u64)> {
     let (out, totals) = queue(device, input, n, 1, None)?;
     let total = match totals {
-        Some((totals, at)) => totals.read_u64(at)?,
+        Some(totals) => totals.read_u64(0)?,
         None => 0,
     };
     Ok((out, total))
@@ -66,14 +66,14 @@ pub fn segments_queued(
 }
 
 /// Launches the scan of `segments` segments; where `total_to` is not given, a buffer
-/// holding the first segment's total and its index in it (none over no values).
+/// holding the segments' totals (none over no values).
 fn queue(
     device: &Device,
     input: &DeviceBuffer,
     n: usize,
     segments: usize,
     total_to: Option<Word<'_>>,
-) -> Result<(DeviceBuffer, Option<(DeviceBuffer, usize)>)> {
+) -> Result<(DeviceBuffer, Option<DeviceBuffer>)> {
     let stride = if segments > 1 { segment_stride(n) } else { n };
     let values = segments * stride;
     if input.len() < values * 8 {
@@ -134,7 +134,7 @@ fn queue(
             1 => lookback(Arg::Ptr(0), 0)?,
             _ => device.with_lookback(lookback)?,
         }
-        return Ok((out, totals.map(|t| (t, 0))));
+        return Ok((out, totals));
     }
     let sums = device.alloc((tiles as usize + 1) * segments * 8)?;
     // A block per tile, as many as the device holds at once (a grid-stride over tiles).
@@ -189,5 +189,5 @@ fn queue(
             ],
         )?;
     }
-    Ok((out, totals.map(|t| (t, 0))))
+    Ok((out, totals))
 }
