@@ -6,7 +6,8 @@
 //! another length; EXPLAIN ANALYZE on a cluster shows them beside that CPU plan. Where an
 //! executor placed operators on a device, the plan that ran has other operators (a
 //! `GpuFilterExec` for a `FilterExec`, one `GpuAggregateExec` for a fused filter and
-//! aggregate), so its metrics are mapped back: each operator's to its CPU twin, the
+//! aggregate, one `GpuHashJoinExec` for an inner join and the filter on its probe side), so
+//! its metrics are mapped back: each operator's to its CPU twin, the
 //! operators a fused stage took in get none, and an operator with no twin adds its
 //! metrics to the operator before it.
 

@@ -33,6 +33,12 @@
 //! `l_extendedprice * (1 - l_discount)`): its expressions are inlined into the
 //! aggregate's, which the one program then evaluates.
 //!
+//! **An inner join over a filter on its probe side** (TPC-H Q3's `lineitem` under
+//! `l_shipdate > …`) becomes a [`GpuHashJoinExec::try_fused`] stage: its CPU twin is the
+//! join over the filter's own CPU twin, its children the build side and the filter's
+//! input, and on the device the predicate's bitmap is the probe's row mask (see
+//! `physical_plan/gpu_hash_join/fused.rs`). Only inner joins without a residual filter.
+//!
 //! Not folded: an aggregate with an ORDER BY; keyless, one with its own FILTER or no
 //! argument, or another function than those above; grouped, a `count(DISTINCT …)`; and a
 //! filter with a row limit pushed into it.
@@ -49,8 +55,9 @@ use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 
 #[allow(unused_imports)] // named by the module docs
-use crate::physical_plan::GpuAggregateExec;
+use crate::physical_plan::{GpuAggregateExec, GpuHashJoinExec};
 use crate::physical_plan::{GpuFilterExec, GpuProjectionExec};
+use datafusion::physical_plan::joins::HashJoinExec;
 
 /// Aggregate functions that ignore NULL arguments, so that guarding each argument with the
 /// filter's predicate is the filter.
@@ -275,4 +282,27 @@ fn rebuilt(
         .with_ignore_nulls(a.ignore_nulls())
         .build()
         .ok()
+}
+
+/// `node` (an inner hash join without a residual filter, whose probe side is a filter
+/// placed on the device) over the filter's CPU twin, for a [`GpuHashJoinExec::try_fused`]
+/// stage to take the filter in; `None` where the rewrite does not apply.
+pub fn fold_filter_into_join(node: &Arc<dyn ExecutionPlan>) -> Option<Arc<dyn ExecutionPlan>> {
+    let join = node.downcast_ref::<HashJoinExec>()?;
+    if *join.join_type() != datafusion::common::JoinType::Inner || join.filter().is_some() {
+        return None;
+    }
+    let filter = join.right().downcast_ref::<GpuFilterExec>()?.cpu();
+    if filter.fetch().is_some() {
+        return None;
+    }
+    let children = vec![Arc::clone(join.left()), Arc::clone(filter)];
+    use datafusion::physical_plan::execution_plan::{
+        ChildrenPropertiesMode, ReplaceChildrenOptions,
+    };
+    let recompute = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
+    let folded = Arc::clone(node)
+        .replace_children(children, recompute)
+        .ok()?;
+    (folded.schema() == node.schema()).then_some(folded)
 }

@@ -173,7 +173,9 @@ pub fn decide(
             })
             .map_or_else(|| GpuAggregateExec::try_new(node, devices, batch), Ok)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
-        _ => GpuHashJoinExec::try_new(node, devices, batch)
+        _ => super::fuse::fold_filter_into_join(&node)
+            .and_then(|folded| GpuHashJoinExec::try_fused(folded, Arc::clone(&devices), batch).ok())
+            .map_or_else(|| GpuHashJoinExec::try_new(node, devices, batch), Ok)
             .map(|g| Arc::new(g) as Arc<dyn ExecutionPlan>),
     };
     match gpu {
@@ -322,6 +324,8 @@ fn operator_lines(
         } else if let Some(gpu) = node.downcast_ref::<GpuHashJoinExec>() {
             let filter = if gpu.has_filter() {
                 ", its filter on the CPU"
+            } else if gpu.fused_filter().is_some() {
+                ", the filter on its probe side fused in"
             } else {
                 ""
             };

@@ -37,6 +37,23 @@ pub struct FilterWork {
     projection: Option<Vec<usize>>,
 }
 
+impl FilterWork {
+    /// The predicate.
+    pub(crate) fn predicate(&self) -> &Arc<dyn PhysicalExpr> {
+        &self.predicate
+    }
+
+    /// The predicate's device program (its one output the predicate, a bitmap).
+    pub(crate) fn program(&self) -> &CompiledExprs {
+        &self.program
+    }
+
+    /// The input columns the filter outputs, in order.
+    pub(crate) fn outputs(&self) -> &[usize] {
+        &self.outputs
+    }
+}
+
 impl BatchWork for FilterWork {
     const NAME: &'static str = "GpuFilterExec";
     const KIND: OperatorKind = OperatorKind::Filter;

@@ -139,6 +139,22 @@ impl JoinTable {
         n: usize,
         extra: usize,
     ) -> Result<Option<QueuedProbe<'a>>> {
+        self.probe_queued_into(keys, valid, n, extra, None)
+    }
+
+    /// [`probe_queued`](Self::probe_queued) with the caller's totals buffer: zeroed, at
+    /// least `8 + 8 * extra` bytes, word 0 the matches' count and words 1.. the caller's,
+    /// which work queued before the probe may already write (an expression program's error
+    /// word, at word 1, when the buffer was its status: the probe's one wait then reads it
+    /// too, see [`Probed::read`]). `None`: a zeroed buffer is made here.
+    pub fn probe_queued_into<'a>(
+        &'a self,
+        keys: &[&DeviceColumn],
+        valid: Option<&'a DeviceBuffer>,
+        n: usize,
+        extra: usize,
+        totals: Option<DeviceBuffer>,
+    ) -> Result<Option<QueuedProbe<'a>>> {
         if keys.len() != self.keys.len()
             || keys.iter().zip(&self.keys).any(|(p, b)| {
                 p.len() != n || p.value_type() != b.value_type() || p.device() != b.device()
@@ -157,7 +173,16 @@ impl JoinTable {
         let per_row = self.matches_per_row.load(Ordering::Relaxed) as usize;
         let cap = (n.saturating_mul(per_row) / 1024 + n / 8 + 1024).min(super::MAX_ROWS);
         // Word 0 the matches, then the caller's.
-        let totals = device.upload(&vec![0; 8 + 8 * extra])?;
+        let totals = match totals {
+            Some(t) if t.len() >= 8 + 8 * extra && t.device() == device => t,
+            Some(_) => {
+                return Err(KernelError::Unsupported(format!(
+                    "a probe's totals buffer shorter than {} words or on another device",
+                    1 + extra
+                )));
+            }
+            None => device.upload(&vec![0; 8 + 8 * extra])?,
+        };
         let matches = self.table.probe_bounded(
             &hashes,
             valid,
@@ -215,6 +240,10 @@ pub struct Probed {
     /// matches than its outputs had room for and ran again with exact sizes: the work
     /// queued over the pending matches then counts for nothing.
     pub words: Option<Vec<u64>>,
+    /// The caller's extra words as the probe's first wait read them, whatever happened
+    /// after: a word that work queued before the probe wrote holds its value here even
+    /// when `words` is `None`.
+    pub read: Vec<u64>,
 }
 
 impl QueuedProbe<'_> {
@@ -275,6 +304,7 @@ impl QueuedProbe<'_> {
                     )
                 }),
                 words: Some(words[1..].to_vec()),
+                read: words[1..].to_vec(),
             });
         }
         drop(self.matches);
@@ -283,6 +313,7 @@ impl QueuedProbe<'_> {
         Ok(Probed {
             pairs: (!found.build.is_empty()).then_some((found.build, found.probe)),
             words: None,
+            read: words[1..].to_vec(),
         })
     }
 }

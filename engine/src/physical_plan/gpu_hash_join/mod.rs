@@ -19,6 +19,10 @@
 //!                   host instead, with the same rules
 //! ```
 //!
+//! An inner join without a residual filter may take in the device filter on its probe
+//! side (a fused stage, see `fused.rs`): it probes the filter's input under the predicate's
+//! row mask.
+//!
 //! Inner, left, right, full, left/right semi and left/right anti joins, on one or more
 //! column keys, with NULL keys matching nothing (or, with `NullEqualsNull`, each other), in
 //! CollectLeft (the build side shared by all probe partitions: the last partition to finish
@@ -64,11 +68,13 @@ use super::gpu_stream::{
 use crate::gpu::compile::Reason;
 
 mod build_side;
+mod fused;
 mod probe_filter;
 mod run;
 mod work;
 
 use build_side::*;
+use fused::*;
 use probe_filter::*;
 use run::*;
 use work::*;
@@ -84,6 +90,8 @@ pub struct GpuHashJoinExec {
     executed: AtomicBool,
     shared: Arc<SharedBuild>,
     probe_filter: Option<Arc<ProbeFilter>>,
+    /// A fused stage: the device filter on the probe side that the join takes in.
+    fused: Option<Arc<FusedFilter>>,
 }
 
 impl GpuHashJoinExec {
@@ -93,10 +101,36 @@ impl GpuHashJoinExec {
         devices: Arc<Vec<Device>>,
         batch: BatchLimit,
     ) -> Result<Self, Reason> {
+        Self::planned(cpu, devices, batch, false)
+    }
+
+    /// A fused stage: the GPU twin of `cpu`, an inner join without a residual filter whose
+    /// probe side is a `FilterExec` (without a row limit) that the stage takes in. Its
+    /// children are the build side and the filter's input; the device evaluates the
+    /// predicate and probes only the rows it keeps (see `fused.rs`).
+    pub fn try_fused(
+        cpu: Arc<dyn ExecutionPlan>,
+        devices: Arc<Vec<Device>>,
+        batch: BatchLimit,
+    ) -> Result<Self, Reason> {
+        Self::planned(cpu, devices, batch, true)
+    }
+
+    fn planned(
+        cpu: Arc<dyn ExecutionPlan>,
+        devices: Arc<Vec<Device>>,
+        batch: BatchLimit,
+        fused: bool,
+    ) -> Result<Self, Reason> {
         if devices.is_empty() {
             return Err("no device".into());
         }
         let work = JoinWork::plan(&cpu)?;
+        let fused = match cpu.downcast_ref::<HashJoinExec>() {
+            Some(join) if fused => Some(Arc::new(FusedFilter::plan(join)?)),
+            None if fused => return Err("a fused stage that is not a HashJoinExec".into()),
+            _ => None,
+        };
         let probe_filter = cpu
             .downcast_ref::<HashJoinExec>()
             .and_then(|join| ProbeFilter::plan(join, &work))
@@ -105,6 +139,7 @@ impl GpuHashJoinExec {
             inner: cpu,
             work: Arc::new(work),
             probe_filter,
+            fused,
             devices,
             batch,
             metrics: ExecutionPlanMetricsSet::new(),
@@ -127,11 +162,23 @@ impl GpuHashJoinExec {
     pub fn has_filter(&self) -> bool {
         self.work.filter.is_some()
     }
+
+    /// The predicate of the probe side's filter this stage takes in, if it is a fused stage.
+    pub fn fused_filter(&self) -> Option<&Arc<dyn PhysicalExpr>> {
+        self.fused.as_ref().map(|f| f.predicate())
+    }
 }
 
 impl DisplayAs for GpuHashJoinExec {
     fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        super::fmt_gpu_operator("GpuHashJoinExec", &self.inner, &self.devices, t, f)
+        super::fmt_gpu_operator("GpuHashJoinExec", &self.inner, &self.devices, t, f)?;
+        match self.fused_filter() {
+            Some(predicate) if t == DisplayFormatType::TreeRender => {
+                write!(f, "\nfused_filter={predicate}")
+            }
+            Some(predicate) => write!(f, ", fused_filter={predicate}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -140,15 +187,76 @@ impl ExecutionPlan for GpuHashJoinExec {
         "GpuHashJoinExec"
     }
 
-    delegate_to_cpu_operator!("GpuHashJoinExec");
+    delegate_to_cpu_operator!(@properties);
+
+    /// A fused stage's statistics: its twin filter's over the probe child's, then the
+    /// join's.
+    fn statistics_from_inputs(
+        &self,
+        input_stats: &[Arc<datafusion::physical_plan::Statistics>],
+        args: &datafusion::physical_plan::StatisticsArgs,
+    ) -> Result<Arc<datafusion::physical_plan::Statistics>> {
+        match (&self.fused, input_stats) {
+            (Some(fused), [build, probe]) => {
+                let filtered =
+                    (fused.filter).statistics_from_inputs(std::slice::from_ref(probe), args)?;
+                self.inner
+                    .statistics_from_inputs(&[Arc::clone(build), filtered], args)
+            }
+            _ => self.inner.statistics_from_inputs(input_stats, args),
+        }
+    }
+
+    /// A fused stage's children are the build side and its filter's input; otherwise the
+    /// CPU twin's children.
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        match &self.fused {
+            Some(fused) => vec![self.inner.children()[0], fused.input()],
+            None => self.inner.children(),
+        }
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        use datafusion::physical_plan::execution_plan::{
+            ChildrenPropertiesMode, ReplaceChildrenOptions,
+        };
+        let recompute = || ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
+        let children = match (&self.fused, <[_; 2]>::try_from(children)) {
+            // The fused filter over the new probe child.
+            (Some(fused), Ok([build, probe])) => {
+                let filter =
+                    Arc::clone(&fused.filter).replace_children(vec![probe], recompute())?;
+                vec![build, filter]
+            }
+            (_, Ok(two)) => two.to_vec(),
+            (_, Err(other)) => other,
+        };
+        let inner = Arc::clone(&self.inner).replace_children(children, recompute())?;
+        let gpu = Self::planned(
+            inner,
+            Arc::clone(&self.devices),
+            self.batch,
+            self.fused.is_some(),
+        )
+        .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
+        Ok(Arc::new(gpu))
+    }
 
     /// A fresh join for executing the plan again: DataFusion's reset drops the
     /// HashJoinExec's dynamic filter (a plan that is run again must not fill it twice), so
     /// the GPU join built on it fills none either; the collected build side goes too.
     fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
         let inner = Arc::clone(&self.inner).reset_state()?;
-        let gpu = Self::try_new(inner, Arc::clone(&self.devices), self.batch)
-            .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
+        let gpu = Self::planned(
+            inner,
+            Arc::clone(&self.devices),
+            self.batch,
+            self.fused.is_some(),
+        )
+        .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
         Ok(Arc::new(gpu))
     }
 
@@ -157,7 +265,8 @@ impl ExecutionPlan for GpuHashJoinExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        if self.probes_resident_rows() {
+        // A fused stage's probe rows go through the device (the filter is its own).
+        if self.fused.is_some() || self.probes_resident_rows() {
             let (stream, work, metrics) = self.device_stream(partition, context, true)?;
             // Only the joined rows come down; a chunk whose device was lost is made again
             // on the CPU from its inputs.
@@ -188,7 +297,7 @@ impl GpuHashJoinExec {
     ) -> Result<(JoinRun, Arc<dyn ExecutionPlan>)> {
         let device = device_for(&self.devices, partition)
             .ok_or_else(|| internal_datafusion_err!("GpuHashJoinExec without a device"))?;
-        let children = self.inner.children();
+        let children = self.children();
         let (left, right) = (Arc::clone(children[0]), Arc::clone(children[1]));
         let probe_partitions = right.output_partitioning().partition_count();
         let metrics = GpuMetrics::new(&self.metrics, partition, &device, context);
@@ -225,6 +334,7 @@ impl GpuHashJoinExec {
                     .optimizer
                     .enable_join_dynamic_filter_pushdown
             }),
+            fused: self.fused.clone(),
             left,
             partition,
             context: Arc::clone(context),

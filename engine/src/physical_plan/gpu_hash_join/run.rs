@@ -38,6 +38,8 @@ pub(super) struct JoinRun {
     pub(super) extra: JoinMetrics,
     pub(super) shared: Option<(Arc<SharedBuild>, usize)>,
     pub(super) probe_filter: Option<Arc<ProbeFilter>>,
+    /// A fused stage's filter: probe chunks are of its input (see `fused.rs`).
+    pub(super) fused: Option<Arc<FusedFilter>>,
     pub(super) left: Arc<dyn ExecutionPlan>,
     pub(super) partition: usize,
     pub(super) context: Arc<TaskContext>,
@@ -496,9 +498,10 @@ impl DeviceProbing {
         let _timer = elapsed.timer();
         let mut pieces = Pieces::new(chunk, &self.run.metrics.split_batches);
         while let Some(piece) = pieces.next() {
+            let mut on = BatchOn::Fallback;
             if let Some(table) = self.table.clone() {
                 match self.on_device(&table, &piece) {
-                    Ok(out) => {
+                    Ok(Probe::Out(out)) => {
                         count_batch(&self.run.metrics, BatchOn::Device);
                         if let Some(out) = out {
                             self.run.metrics.record_chunk(&out);
@@ -506,6 +509,8 @@ impl DeviceProbing {
                         }
                         continue;
                     }
+                    // A fused filter's program left a row to the CPU.
+                    Ok(Probe::ToCpu) => on = BatchOn::Rule,
                     Err(e) if pieces.split(&piece, &e) => continue,
                     Err(e) => self
                         .run
@@ -513,8 +518,11 @@ impl DeviceProbing {
                         .recover(&e, "matching a batch on the host")?,
                 }
             }
-            count_batch(&self.run.metrics, BatchOn::Fallback);
-            let probe = piece.host_for_cpu(&self.run.metrics)?;
+            count_batch(&self.run.metrics, on);
+            let mut probe = piece.host_for_cpu(&self.run.metrics)?;
+            if let Some(fused) = &self.run.fused {
+                probe = fused.cpu(&probe)?;
+            }
             let build = self.build.host(&self.run.metrics)?;
             if let Some(out) = host_probe(&mut self.host, &self.run.work, &build, &probe)? {
                 self.run.metrics.record_batch(&out);
@@ -524,22 +532,46 @@ impl DeviceProbing {
         Ok(outputs)
     }
 
-    pub(super) fn on_device(
-        &self,
-        table: &JoinTable,
-        chunk: &Chunk,
-    ) -> Result<Option<Chunk>, KernelError> {
+    pub(super) fn on_device(&self, table: &JoinTable, input: &Chunk) -> Result<Probe, KernelError> {
         let run = &self.run;
         let (device, metrics) = (&run.device, &run.metrics);
-        let n = chunk.num_rows();
+        let n = input.num_rows();
         let sources = run.work.output_sources();
+        // A fused stage probes the input's rows under its filter's row mask, through a view
+        // of the columns the filter outputs (rows numbered as the input's); the program's
+        // error word is word 1 of the probe's totals, read in its one wait.
+        let mut selected = None;
+        let mut probe_columns: HashMap<usize, DeviceColumn> = HashMap::new();
+        let view;
+        let (chunk, probe_lineage) = match &run.fused {
+            None => (input, input.lineage()),
+            Some(fused) => {
+                // Room for a byte total per output column after the error word (the
+                // string columns among them are known below).
+                let mut inputs = HashMap::new();
+                let Some(kept) =
+                    fused.select(input, device, metrics, sources.len(), &mut inputs)?
+                else {
+                    return Ok(Probe::ToCpu);
+                };
+                selected = Some(kept);
+                // The input columns the program uploaded serve the probe too.
+                for (c, &i) in fused.work.outputs().iter().enumerate() {
+                    if let Some(column) = inputs.get(&i) {
+                        probe_columns.entry(c).or_insert_with(|| column.clone());
+                    }
+                }
+                view = fused.view(input, &run.work.right_schema)?;
+                (&view, fused.lineage(input))
+            }
+        };
+        let lead = usize::from(selected.is_some());
         // The probe's keys, and the string columns it outputs, go up before the probe: the
         // strings' lengths are queued over the pending matches, so that their byte totals
         // come up in the probe's one wait. Other probe columns go up once something matched.
         // Output that goes to the host is gathered on the device only out of a chunk already
         // there (see `gather_pays`): only then are its strings' lengths queued (a launch
         // each, wasted if the host takes the batch after all).
-        let mut probe_columns: HashMap<usize, DeviceColumn> = HashMap::new();
         let schema = chunk.schema();
         let queue_strings = !self.to_host || chunk.on(device);
         let probe_strings = sources
@@ -574,10 +606,15 @@ impl DeviceProbing {
             .iter()
             .map(|c| &probe_columns[c])
             .collect();
-        // NULL probe keys need no validity here: the probe's key check rejects them.
+        // NULL probe keys need no validity here: the probe's key check rejects them. A
+        // fused filter's rows are its program's boolean output, true where kept.
+        // `None` out of the closure: a fused filter's program left a row to the CPU.
+        let (kept, totals) = selected.unzip();
+        let valid = kept.as_ref().map(DeviceColumn::values);
         let probed = metrics.kernel(|| -> Result<_, KernelError> {
-            let Some(queued) = table.probe_queued(&keys, None, n, strings.len())? else {
-                return Ok(None);
+            let extra = lead + strings.len();
+            let Some(queued) = table.probe_queued_into(&keys, valid, n, extra, totals)? else {
+                return Ok(Some(None));
             };
             // The build side's strings, then the probe side's (`strings` is in that order),
             // each side's queued together.
@@ -605,30 +642,36 @@ impl DeviceProbing {
                         })
                     })
                     .collect::<Result<Vec<_>, _>>()?;
-                let first = queued.extra_word(starts.len())?;
+                let first = queued.extra_word(lead + starts.len())?;
                 starts.extend(gather::queue_strings_starts(&columns, pending, first)?);
             }
             let probed = queued.finish()?;
+            if lead == 1 && probed.read.first().is_some_and(|&error| error != 0) {
+                return Ok(None);
+            }
             // After a probe that ran again with exact sizes the queued starts are void.
             let started: HashMap<usize, (gather::QueuedStarts, u64)> = match probed.words {
                 Some(totals) => strings
                     .iter()
                     .copied()
-                    .zip(starts.into_iter().zip(totals))
+                    .zip(starts.into_iter().zip(totals.into_iter().skip(lead)))
                     .collect(),
                 None => HashMap::new(),
             };
-            Ok(probed.pairs.map(|pairs| (pairs, started)))
+            Ok(Some(probed.pairs.map(|pairs| (pairs, started))))
         })?;
         drop(keys);
+        let Some(probed) = probed else {
+            return Ok(Probe::ToCpu);
+        };
         let Some(((build_rows, probe_rows), mut started)) = probed else {
-            return Ok(None);
+            return Ok(Probe::Out(None));
         };
         let rows = build_rows.len();
         if self.to_host && !self.gather_pays(chunk, rows, &started) {
             let out = self.pairs_to_host(chunk, &build_rows, &probe_rows)?;
             run.extra.host_takes.add(1);
-            return Ok(Some(out));
+            return Ok(Probe::Out(Some(out)));
         }
         for &(from_build, c) in &sources {
             if !from_build
@@ -673,7 +716,7 @@ impl DeviceProbing {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let (work, build, probe) = (Arc::clone(&run.work), self.build.lineage(), chunk.lineage());
+        let (work, build, probe) = (Arc::clone(&run.work), self.build.lineage(), probe_lineage);
         let redo = Redo::new(move || {
             let (build, probe) = (build.run()?, probe.run()?);
             let out = host_probe(&mut None, &work, &build, &probe)?;
@@ -681,8 +724,16 @@ impl DeviceProbing {
         });
         Output { columns, rows }
             .to_device(&run.work.schema, device, metrics, redo)
-            .map(Some)
+            .map(|out| Probe::Out(Some(out)))
     }
+}
+
+/// What became of a probe batch on the device.
+pub(super) enum Probe {
+    /// Its output (`None`: nothing matched).
+    Out(Option<Chunk>),
+    /// A fused filter's program left a row to the CPU: the batch is matched on the host.
+    ToCpu,
 }
 
 impl DeviceProbing {
