@@ -90,9 +90,11 @@ impl FusedFilter {
                     columns,
                     b.num_rows(),
                 )?;
-                // Not the view's rows: the view stands in for the probe only on the device,
-                // and the join's redo takes its probe rows from `lineage`.
-                Ok(Chunk::Device(batch, Arc::clone(schema), redo.clone()))
+                // The view's own redo: the input's, projected (every row; the join's redo
+                // takes its filtered probe rows from `lineage`).
+                let (input, outputs) = (redo.clone(), outputs.to_vec());
+                let redo = Redo::new(move || Ok(input.run()?.project(&outputs)?));
+                Ok(Chunk::Device(batch, Arc::clone(schema), redo))
             }
         }
     }
