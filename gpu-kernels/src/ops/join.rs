@@ -146,7 +146,7 @@ impl JoinTable {
     /// least `8 + 8 * extra` bytes, word 0 the matches' count and words 1.. the caller's,
     /// which work queued before the probe may already write (an expression program's error
     /// word, at word 1, when the buffer was its status: the probe's one wait then reads it
-    /// too, see [`Probed::read`]). `None`: a zeroed buffer is made here.
+    /// too, see [`QueuedProbe::finish_unless_failed`]). `None`: a zeroed buffer is made here.
     pub fn probe_queued_into<'a>(
         &'a self,
         keys: &[&DeviceColumn],
@@ -240,10 +240,6 @@ pub struct Probed {
     /// matches than its outputs had room for and ran again with exact sizes: the work
     /// queued over the pending matches then counts for nothing.
     pub words: Option<Vec<u64>>,
-    /// The caller's extra words as the probe's first wait read them, whatever happened
-    /// after: a word that work queued before the probe wrote holds its value here even
-    /// when `words` is `None`.
-    pub read: Vec<u64>,
 }
 
 impl QueuedProbe<'_> {
@@ -282,6 +278,24 @@ impl QueuedProbe<'_> {
     /// Waits once for the probe's total and the caller's words; a probe whose matches
     /// overflowed the outputs runs again with exact sizes (waiting for the total).
     pub fn finish(self) -> Result<Probed> {
+        self.finish_with(false)?
+            .ok_or_else(|| KernelError::InvalidData("a probe stopped with no cause".into()))
+    }
+
+    /// [`finish`](Self::finish) for a probe whose first caller word is the error word of
+    /// work queued before it (a fused filter's program, whose output is the probe's row
+    /// mask): `None` when that word is set, read in the same one wait — the matches are not
+    /// to be used, and the probe does not run again however many there were.
+    pub fn finish_unless_failed(self) -> Result<Option<Probed>> {
+        if self.extra == 0 {
+            return Err(KernelError::Unsupported(
+                "a probe without a caller word cannot carry an error word".into(),
+            ));
+        }
+        self.finish_with(true)
+    }
+
+    fn finish_with(self, stop_on_first_word: bool) -> Result<Option<Probed>> {
         let words = self.totals.prefix_to_host(8 + 8 * self.extra)?;
         let words: Vec<u64> = words
             .chunks_exact(8)
@@ -290,13 +304,16 @@ impl QueuedProbe<'_> {
         let Some(&total) = words.first() else {
             return Err(KernelError::InvalidData("a short probe status read".into()));
         };
+        if stop_on_first_word && words.get(1).is_some_and(|&w| w != 0) {
+            return Ok(None);
+        }
         let total = total as usize;
         let table = self.table;
         let seen = (total.saturating_mul(1024)).div_ceil(self.n) as u64;
         table.matches_per_row.fetch_max(seen, Ordering::Relaxed);
         if total <= self.cap {
             let (build, probe) = self.matches;
-            return Ok(Probed {
+            return Ok(Some(Probed {
                 pairs: (total > 0).then(|| {
                     (
                         RowIndices::new(build, total, table.rows, false),
@@ -304,16 +321,14 @@ impl QueuedProbe<'_> {
                     )
                 }),
                 words: Some(words[1..].to_vec()),
-                read: words[1..].to_vec(),
-            });
+            }));
         }
         drop(self.matches);
         let check = table.check(&self.probe_descriptors);
         let found = (table.table).probe(&self.hashes, self.valid, self.n, Some(&check))?;
-        Ok(Probed {
+        Ok(Some(Probed {
             pairs: (!found.build.is_empty()).then_some((found.build, found.probe)),
             words: None,
-            read: words[1..].to_vec(),
-        })
+        }))
     }
 }

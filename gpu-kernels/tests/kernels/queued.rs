@@ -221,6 +221,47 @@ fn probe_strings(d: &Device, count_waits: bool) {
     }
 }
 
+/// A probe queued over the caller's totals, whose first caller word is the error word of
+/// work queued before it (a fused filter's program), stops in its one wait when that word
+/// is set, without running again for the matches that overflowed its guess; with the word
+/// clear it runs again and gives every match.
+#[test]
+fn a_probe_whose_error_word_is_set_stops_in_its_one_wait() {
+    let d = emulated();
+    // 3000 build rows, each key 30 times; 2000 probe rows, two in three matching: a fresh
+    // table's first guess (about one match a row) overflows.
+    let build: Int64Array = (0..3000).map(|i| Some(i % 100)).collect();
+    let probe: Int64Array = (0..2000).map(|i| Some(i * 7 % 150)).collect();
+    let up = |a: &dyn Array| DeviceColumn::upload(&d, a).unwrap();
+    let keys = up(&probe);
+    let want_pairs = (0..2000).filter(|&p| probe.value(p) < 100).count() * 30;
+    for failed in [true, false] {
+        let table = JoinTable::build(&d, vec![up(&build)], None, 3000, false).unwrap();
+        let mut words = vec![0u8; 16];
+        words[8] = u8::from(failed);
+        let totals = d.upload(&words).unwrap();
+        let before = d.counts().syncs;
+        let queued = table
+            .probe_queued_into(&[&keys], None, 2000, 1, Some(totals))
+            .unwrap()
+            .unwrap();
+        let probed = queued.finish_unless_failed().unwrap();
+        let waits = d.counts().syncs - before;
+        match probed {
+            None => {
+                assert!(failed);
+                assert_eq!(waits, 1, "one wait, no exact-size rerun");
+            }
+            Some(probed) => {
+                assert!(!failed);
+                assert!(probed.words.is_none(), "the guess was outgrown");
+                assert!(waits > 1, "the probe ran again with exact sizes");
+                assert_eq!(probed.pairs.unwrap().0.len(), want_pairs);
+            }
+        }
+    }
+}
+
 /// A join's pairs and the probe columns they index come down in one wait (what a join whose
 /// output goes to the host takes there), equal to reading them apart.
 #[test]

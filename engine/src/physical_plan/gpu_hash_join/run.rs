@@ -645,10 +645,14 @@ impl DeviceProbing {
                 let first = queued.extra_word(lead + starts.len())?;
                 starts.extend(gather::queue_strings_starts(&columns, pending, first)?);
             }
-            let probed = queued.finish()?;
-            if lead == 1 && probed.read.first().is_some_and(|&error| error != 0) {
-                return Ok(None);
-            }
+            // A fused filter's failed program: its mask is not to be used (nor rerun over).
+            let probed = match lead {
+                0 => queued.finish()?,
+                _ => match queued.finish_unless_failed()? {
+                    Some(probed) => probed,
+                    None => return Ok(None),
+                },
+            };
             // After a probe that ran again with exact sizes the queued starts are void.
             let started: HashMap<usize, (gather::QueuedStarts, u64)> = match probed.words {
                 Some(totals) => strings
