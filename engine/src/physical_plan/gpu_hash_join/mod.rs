@@ -163,6 +163,14 @@ impl GpuHashJoinExec {
         self.work.filter.is_some()
     }
 
+    /// The same operator (fused or not) over a new CPU twin.
+    fn over(&self, inner: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+        let fused = self.fused.is_some();
+        let gpu = Self::planned(inner, Arc::clone(&self.devices), self.batch, fused)
+            .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
+        Ok(Arc::new(gpu))
+    }
+
     /// The predicate of the probe side's filter this stage takes in, if it is a fused stage.
     pub fn fused_filter(&self) -> Option<&Arc<dyn PhysicalExpr>> {
         self.fused.as_ref().map(|f| f.predicate())
@@ -235,14 +243,7 @@ impl ExecutionPlan for GpuHashJoinExec {
             (_, Err(other)) => other,
         };
         let inner = Arc::clone(&self.inner).replace_children(children, recompute())?;
-        let gpu = Self::planned(
-            inner,
-            Arc::clone(&self.devices),
-            self.batch,
-            self.fused.is_some(),
-        )
-        .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
-        Ok(Arc::new(gpu))
+        self.over(inner)
     }
 
     /// A fresh join for executing the plan again: DataFusion's reset drops the
@@ -250,14 +251,7 @@ impl ExecutionPlan for GpuHashJoinExec {
     /// the GPU join built on it fills none either; the collected build side goes too.
     fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
         let inner = Arc::clone(&self.inner).reset_state()?;
-        let gpu = Self::planned(
-            inner,
-            Arc::clone(&self.devices),
-            self.batch,
-            self.fused.is_some(),
-        )
-        .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
-        Ok(Arc::new(gpu))
+        self.over(inner)
     }
 
     fn execute(
