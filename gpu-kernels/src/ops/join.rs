@@ -36,6 +36,25 @@ pub struct Matches {
     pub probe: Vec<u32>,
 }
 
+impl Matches {
+    /// The pairs of a probe's outputs brought to the host (in probe order, a probe row's
+    /// first 64 matches in build order), each probe row's longer run (a hot key) put in
+    /// build order here.
+    pub fn from_probe(mut build: Vec<u32>, probe: Vec<u32>) -> Self {
+        let total = build.len().min(probe.len());
+        let mut start = 0;
+        while start < total {
+            let mut end = start + 1;
+            while end < total && probe[end] == probe[start] {
+                end += 1;
+            }
+            build[start..end].sort_unstable();
+            start = end;
+        }
+        Self { build, probe }
+    }
+}
+
 impl JoinTable {
     /// Builds the table over `keys` (the build side's key columns, `rows` rows);
     /// `valid` (a bitmap, `None`: all) marks the rows that can match. Unless
@@ -92,23 +111,12 @@ impl JoinTable {
         let Some((build_rows, probe_rows)) = self.probe_on_device(keys, valid, n)? else {
             return Ok(Matches::default());
         };
-        let total = build_rows.len();
         let mut both = RowIndices::all_to_host(&[&build_rows, &probe_rows])?;
-        let (probe, mut build) = (
+        let (probe, build) = (
             both.pop().unwrap_or_default(),
             both.pop().unwrap_or_default(),
         );
-        // The device sorts short runs; a longer one (a hot key) is sorted here.
-        let mut start = 0;
-        while start < total {
-            let mut end = start + 1;
-            while end < total && probe[end] == probe[start] {
-                end += 1;
-            }
-            build[start..end].sort_unstable();
-            start = end;
-        }
-        Ok(Matches { build, probe })
+        Ok(Matches::from_probe(build, probe))
     }
 
     /// The matching pairs left on the device as row indices (build rows into the build
