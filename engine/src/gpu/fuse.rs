@@ -33,11 +33,13 @@
 //! `l_extendedprice * (1 - l_discount)`): its expressions are inlined into the
 //! aggregate's, which the one program then evaluates.
 //!
-//! **An inner join over a filter on its probe side** (TPC-H Q3's `lineitem` under
-//! `l_shipdate > …`) becomes a [`GpuHashJoinExec::try_fused`] stage: its CPU twin is the
-//! join over the filter's own CPU twin, its children the build side and the filter's
-//! input, and on the device the predicate's bitmap is the probe's row mask (see
-//! `physical_plan/gpu_hash_join/fused.rs`). Only inner joins without a residual filter.
+//! **A join over a filter on its probe side** (TPC-H Q3's `lineitem` under
+//! `l_shipdate > …`, Q4's `orders` under a semi join, Q13's under a left join) becomes a
+//! [`GpuHashJoinExec::try_fused`] stage: its CPU twin is the join over the filter's own CPU
+//! twin, its children the build side and the filter's input, and on the device the
+//! predicate's bitmap is the probe's row mask (see `physical_plan/gpu_hash_join/fused.rs`).
+//! Inner, left, left semi, left anti and right semi joins, with or without a residual
+//! filter: not those that emit probe rows without a match (right, full, right anti).
 //!
 //! Not folded: an aggregate with an ORDER BY; keyless, one with its own FILTER or no
 //! argument, or another function than those above; grouped, a `count(DISTINCT …)`; and a
@@ -55,7 +57,8 @@ use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 
 #[allow(unused_imports)] // named by the module docs
-use crate::physical_plan::{GpuAggregateExec, GpuHashJoinExec};
+use crate::physical_plan::GpuAggregateExec;
+use crate::physical_plan::GpuHashJoinExec;
 use crate::physical_plan::{GpuFilterExec, GpuProjectionExec};
 use datafusion::physical_plan::joins::HashJoinExec;
 
@@ -284,12 +287,12 @@ fn rebuilt(
         .ok()
 }
 
-/// `node` (an inner hash join without a residual filter, whose probe side is a filter
+/// `node` (a hash join of a type that takes the filter in, whose probe side is a filter
 /// placed on the device) over the filter's CPU twin, for a [`GpuHashJoinExec::try_fused`]
 /// stage to take the filter in; `None` where the rewrite does not apply.
 pub fn fold_filter_into_join(node: &Arc<dyn ExecutionPlan>) -> Option<Arc<dyn ExecutionPlan>> {
     let join = node.downcast_ref::<HashJoinExec>()?;
-    if *join.join_type() != datafusion::common::JoinType::Inner || join.filter().is_some() {
+    if !GpuHashJoinExec::takes_in_probe_filter(*join.join_type()) {
         return None;
     }
     let filter = join.right().downcast_ref::<GpuFilterExec>()?.cpu();

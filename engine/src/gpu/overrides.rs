@@ -322,13 +322,13 @@ fn operator_lines(
                 on(gpu.devices())
             ))
         } else if let Some(gpu) = node.downcast_ref::<GpuHashJoinExec>() {
-            let filter = if gpu.has_filter() {
-                ", its filter on the CPU"
-            } else if gpu.fused_filter().is_some() {
-                ", the filter on its probe side fused in"
-            } else {
-                ""
-            };
+            let mut filter = String::new();
+            if gpu.has_filter() {
+                filter.push_str(", its filter on the CPU");
+            }
+            if gpu.fused_filter().is_some() {
+                filter.push_str(", the filter on its probe side fused in");
+            }
             Some(format!(
                 "GpuHashJoinExec ({}{filter}) runs on {}",
                 gpu.join_type(),

@@ -10,7 +10,7 @@ use super::{
 
 /// A session forcing the GPU on `set` with device batches of `batch_rows`, TPC-H SF 0.01
 /// registered.
-fn fused_session(set: &str, batch_rows: usize) -> crate::FulmenContext {
+pub(super) fn fused_session(set: &str, batch_rows: usize) -> crate::FulmenContext {
     let ctx = session(
         crate::FulmenConfig {
             gpu_batch_rows: batch_rows,
@@ -127,7 +127,7 @@ async fn work_per_batch(
 }
 
 /// [`work_per_batch`] of any query over TPC-H's tables (`label` names it in messages).
-async fn work_per_batch_of(
+pub(super) async fn work_per_batch_of(
     label: &str,
     sql: &str,
     sets: [&str; 3],
@@ -349,150 +349,4 @@ async fn the_fused_q1_stage_survives_every_device_fault() {
         async || tpch_run(&gpu, 1).await.0,
     )
     .await;
-}
-
-/// The tables of the fused joins' tests, on `ctx`: a build side `b` of 4 rows (a NULL key,
-/// a key twice) and a probe side `p` of 400 rows (NULL keys, NULL and zero values, strings).
-async fn join_tables(ctx: &crate::FulmenContext) {
-    for sql in [
-        "CREATE TABLE b AS VALUES (1, 'one'), (3, 'three'), (NULL, 'none'), (3, 'drei')",
-        "CREATE TABLE p AS SELECT \
-           CASE WHEN value % 11 = 0 THEN NULL ELSE value % 7 END AS k, \
-           CASE WHEN value % 13 = 0 THEN NULL ELSE value % 5 END AS v, \
-           concat('row', value) AS s FROM generate_series(1, 400)",
-    ] {
-        ctx.sql(sql).await.unwrap().collect().await.unwrap();
-    }
-}
-
-/// An inner join takes in the filter on its probe side: the plan has no filter operator
-/// and the join shows the predicate; rows the filter drops (false or NULL) match nothing,
-/// whatever their keys; the output goes to the host or stays on the device for an
-/// aggregate; a predicate that meets a row it leaves to the CPU (a division by zero) sends
-/// the batch there by rule, which filters first, as DataFusion does; and the answers are
-/// DataFusion's.
-#[tokio::test]
-async fn an_inner_join_takes_the_filter_on_its_probe_side_in() {
-    let gpu = fused_session("emulated:1/fused-join", 1 << 20);
-    let (_, cpu) = tpch_contexts("emulated:1/fused-join-cpu", 1, None);
-    for ctx in [&gpu, &cpu] {
-        join_tables(ctx).await;
-    }
-    for (sql, by_rule) in [
-        (
-            "SELECT b.column2 AS name, p.v, p.s FROM b JOIN p ON b.column1 = p.k \
-             WHERE p.v > 2 ORDER BY p.s, name",
-            false,
-        ),
-        (
-            "SELECT b.column2 AS name, p.k, p.s FROM b JOIN p ON b.column1 = p.k \
-             WHERE p.s LIKE '%1%' OR p.v IS NULL ORDER BY p.s, name",
-            false,
-        ),
-        (
-            "SELECT b.column2 AS name, sum(p.v) AS total, count(*) AS n FROM b \
-             JOIN p ON b.column1 = p.k WHERE p.v >= 1 GROUP BY b.column2 ORDER BY name",
-            false,
-        ),
-        (
-            "SELECT b.column2 AS name, p.s FROM b JOIN p ON b.column1 = p.k \
-             WHERE 10 / p.v > 3 ORDER BY p.s, name",
-            true,
-        ),
-        (
-            "SELECT p.s FROM b JOIN p ON b.column1 = p.k WHERE p.v > 100",
-            false,
-        ),
-    ] {
-        let (got, plan_text, work) = answer(&gpu, sql).await;
-        let (want, _, _) = answer(&cpu, sql).await;
-        assert_eq!(got, want, "{sql}");
-        assert!(!plan_text.contains("GpuFilterExec"), "{plan_text}");
-        assert!(plan_text.contains("GpuHashJoinExec"), "{plan_text}");
-        assert!(plan_text.contains("fused_filter="), "{plan_text}");
-        assert!(work.nothing_fell_back(), "{sql}: {work:?}");
-        match by_rule {
-            true => assert!(work.cpu_rule_batches >= 1, "{sql}: {work:?}"),
-            false => assert!(
-                work.gpu_batches >= 1 && work.cpu_rule_batches == 0,
-                "{sql}: {work:?}"
-            ),
-        }
-    }
-    // Not folded: an outer join (rows the filter drops would come out unmatched) and a
-    // filter with a row limit.
-    for sql in [
-        "SELECT b.column2 AS name, p.s FROM b RIGHT JOIN p ON b.column1 = p.k \
-         WHERE p.v > 2 ORDER BY p.s, name",
-        "SELECT count(*) AS n FROM b JOIN (SELECT * FROM p WHERE p.v > 2 LIMIT 5) q \
-         ON b.column1 = q.k",
-    ] {
-        let (got, plan_text, _) = answer(&gpu, sql).await;
-        let (want, _, _) = answer(&cpu, sql).await;
-        assert_eq!(got, want, "{sql}");
-        assert!(!plan_text.contains("fused_filter="), "{plan_text}");
-    }
-}
-
-/// Failing each allocation, then each launch, of a fused join in turn still gives
-/// DataFusion's answer: a batch the device gives up is filtered and matched on the host.
-#[tokio::test]
-async fn a_fused_join_survives_every_device_fault() {
-    if super::needs_emulator("a_fused_join_survives_every_device_fault") {
-        return;
-    }
-    let gpu = fused_session("emulated:1/fused-join-faults", 1 << 20);
-    let (_, cpu) = tpch_contexts("emulated:1/fused-join-faults-cpu", 1, None);
-    for ctx in [&gpu, &cpu] {
-        join_tables(ctx).await;
-    }
-    let sql = "SELECT b.column2 AS name, p.v, p.s FROM b JOIN p ON b.column1 = p.k \
-               WHERE p.v > 2 ORDER BY p.s, name";
-    let device = devices_of("emulated:1/fused-join-faults")[0].clone();
-    let (_, want) = run(&cpu, sql).await;
-    let (allocations, launches) = device.counters();
-    let (text, clean) = run(&gpu, sql).await;
-    assert_eq!(clean, want);
-    assert!(text.contains("fused_filter="), "{text}");
-    let (a, l) = device.counters();
-    fail_each_in_turn(
-        &device,
-        (a - allocations, l - launches),
-        &want,
-        "fused join",
-        async || run(&gpu, sql).await.1,
-    )
-    .await;
-}
-
-/// A fused join's device batch: 5 launches (the predicate's program, then the probe's keys
-/// hashed, matches counted, their offsets scanned and the matches written; this output, a
-/// build-side string beside two probe columns, is taken on the host from the pairs) and 2
-/// host waits (the probe's, which brings the program's error word up too, and the output's
-/// download). No compaction and no gathered filter output. Unfused, the same query cost 43
-/// launches and 18 waits over the 7 extra input batches (the filter's and the join's),
-/// fused 35 and 14.
-#[tokio::test]
-async fn a_fused_join_probes_each_batch_with_one_wait() {
-    let sql = "SELECT p_name, l_quantity, l_shipdate FROM part JOIN lineitem \
-               ON p_partkey = l_partkey WHERE l_quantity < 10 \
-               ORDER BY l_shipdate, p_name, l_quantity";
-    let (launches, syncs) = work_per_batch_of(
-        "a fused join",
-        sql,
-        [
-            "emulated:1/fused-join-waits-cpu",
-            "emulated:1/fused-join-waits-a",
-            "emulated:1/fused-join-waits-b",
-        ],
-        |text, plan| {
-            assert!(!plan_has(plan, "GpuFilterExec"), "{text}");
-            assert!(text.contains("fused_filter=l_quantity@"), "{text}");
-        },
-    )
-    .await;
-    assert!(
-        launches <= 5.0 && syncs <= 2.0,
-        "{launches} launches, {syncs} syncs"
-    );
 }

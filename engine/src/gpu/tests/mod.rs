@@ -32,6 +32,7 @@ mod cache_lifecycle;
 mod dictionary;
 mod filter_projection;
 mod fused;
+mod fused_join;
 mod join;
 mod residency;
 mod tpch;

@@ -70,10 +70,11 @@ async fn check_tpch_on(devices: &str, partitions: usize) {
     // The floors are what the plans had when aggregation came to the GPU: a drop means an
     // operator went back to the CPU. Every aggregation runs on the device. (Fewer filters
     // and a projection fewer since aggregates take them in, gpu/fuse.rs: Q6's keyless one,
-    // Q1's filter and projection, and the filters under three more grouped aggregates; and
-    // 9 filters fewer since inner joins take in those on their probe sides.)
+    // Q1's filter and projection, and the filters under three more grouped aggregates; 9
+    // filters fewer since inner joins take in those on their probe sides, and 5 more since
+    // left, semi and anti joins and joins with a residual filter do too.)
     assert!(
-        placement.filters >= 31
+        placement.filters >= 26
             && placement.projections >= 10
             && placement.aggregates >= 60
             && placement.joins >= 62,

@@ -1,4 +1,4 @@
-//! A fused stage: an inner join that takes in the device filter on its probe side.
+//! A fused stage: a join that takes in the device filter on its probe side.
 //!
 //! ```text
 //!   GpuHashJoinExec(inner, on k)            GpuHashJoinExec(inner, on k,
@@ -11,19 +11,32 @@
 //! filter's input; its children are the build side and the filter's input. On the device
 //! each probe batch of the input runs the predicate as one expression program, whose
 //! boolean output (a bitmap, set where the predicate is true: NULL and false alike clear)
-//! is the probe's row mask: a row the filter drops matches nothing, and an inner join emits
-//! nothing for a row without a match. The probe's pairs then index the input's rows, and
-//! the output columns are gathered from them: no selection indices, no compaction, no
-//! gathered intermediate columns, and no host wait of the filter's own (the program's error
-//! word comes up in the probe's one wait). A batch matched on the host (no room on the
-//! device, a program that leaves a row to the CPU) is filtered there first, by the twin.
+//! is the probe's row mask: a row the filter drops matches nothing. The program's error
+//! word comes up in the probe's one wait, and a batch whose program left a row to the CPU
+//! (or that the device cannot take) is filtered on the host first, by the twin.
 //!
-//! Only inner joins without a residual filter (whose output may stay on the device), over
-//! a filter without a row limit.
+//! - An inner join without a residual filter emits nothing for a row without a match: the
+//!   probe's pairs index the input's rows, and the output columns are gathered from them
+//!   on the device (`run.rs`, `DeviceProbing`): no selection indices, no compaction, no
+//!   gathered intermediate columns, no host wait of the filter's own.
+//! - A join that assembles its output on the host (a residual filter; left, left semi,
+//!   left anti and right semi joins) brings down the mask with the pairs, in one more
+//!   read: the host takes the filter's output rows out of the input batch it holds (no
+//!   column comes down) and numbers the pairs' probe rows among them, and the join goes on
+//!   as over the filter's own output ([`FusedFilter::matches`]). The filter's compaction
+//!   and gathers, its output's download and the keys' second upload are gone.
+//!
+//! Not taken in: a filter under a right, full or right anti join (they emit the probe rows
+//! that match nothing, so a batch against an empty build side would need the filter on its
+//! own), a filter with a row limit, and, under a join assembled on the host, a filter whose
+//! input lies on the device (a cached table's chunks: its own filter reads them there,
+//! where the host path would bring them down whole).
 
 use super::*;
 use crate::physical_plan::gpu_filter::FilterWork;
 use crate::physical_plan::gpu_stream::BatchWork;
+use datafusion::arrow::array::AsArray;
+use datafusion::arrow::compute::{filter_record_batch, prep_null_mask_filter};
 use datafusion::physical_plan::filter::FilterExec;
 use fulmen_kernels::ops::{expr, status_bytes};
 
@@ -38,8 +51,8 @@ pub(super) struct FusedFilter {
 impl FusedFilter {
     /// The filter under `join`'s probe side that a fused stage takes in, or why none.
     pub(super) fn plan(join: &HashJoinExec) -> Result<Self, Reason> {
-        if *join.join_type() != JoinType::Inner || join.filter().is_some() {
-            return Err("a fused filter under a join that is not inner or has a filter".into());
+        if !takes_in_probe_filter(*join.join_type()) {
+            return Err(format!("a fused filter under a {} join", join.join_type()));
         }
         let filter = Arc::clone(join.right());
         let Some(cpu) = filter.downcast_ref::<FilterExec>() else {
@@ -137,4 +150,123 @@ impl FusedFilter {
             Ok(Some((kept.remove(0), status)))
         })
     }
+
+    /// The input columns a host batch of the filter's input uploads when it is matched
+    /// on the device (the program's inputs and the probe keys `right_keys`, numbered in
+    /// the filter's output): what sizes its device batches.
+    pub(super) fn uploaded(&self, right_keys: &[usize]) -> Vec<usize> {
+        let outputs = self.work.outputs();
+        let mut columns: Vec<usize> = (self.work.program().inputs.iter().copied())
+            .chain(right_keys.iter().filter_map(|&c| outputs.get(c).copied()))
+            .collect();
+        columns.sort_unstable();
+        columns.dedup();
+        columns
+    }
+
+    /// Matches a host batch of the filter's input on the device, for a join that assembles
+    /// its output on the host: the predicate's program and the probe under its row mask
+    /// (one wait for the probe's total and the program's error word together), then the
+    /// pairs and the mask in one read. Returns the filter's output (the input's rows the
+    /// mask keeps, in the filter's output schema `schema`, taken on the host from the batch
+    /// it holds) and the matches over it, numbered among those rows; `None` when the
+    /// program left a row to the CPU. The build side must have rows.
+    pub(super) fn matches(
+        &self,
+        table: &JoinTable,
+        input: &RecordBatch,
+        right_keys: &[usize],
+        schema: &SchemaRef,
+        device: &Device,
+        metrics: &GpuMetrics,
+    ) -> Result<Option<(RecordBatch, Matches)>, KernelError> {
+        let invalid = |e: datafusion::arrow::error::ArrowError| {
+            KernelError::InvalidData(format!("a fused filter's output: {e}"))
+        };
+        let chunk = Chunk::Host(input.clone());
+        let mut columns = HashMap::new();
+        // Word 0 the probe's matches, word 1 the program's error.
+        let Some((kept, status)) = self.select(&chunk, device, metrics, 0, &mut columns)? else {
+            return Ok(None);
+        };
+        let outputs = self.work.outputs();
+        let mut keys = Vec::with_capacity(right_keys.len());
+        for &c in right_keys {
+            let i = *outputs.get(c).ok_or_else(|| {
+                KernelError::InvalidData(format!("probe key {c} past the filter's output"))
+            })?;
+            if let std::collections::hash_map::Entry::Vacant(slot) = columns.entry(i) {
+                slot.insert(chunk.device_column(i, device, metrics)?);
+            }
+            keys.push(i);
+        }
+        let keys: Vec<&DeviceColumn> = keys.iter().map(|i| &columns[i]).collect();
+        let n = input.num_rows();
+        // `None` out of the closure: the program left a row to the CPU. A probe that is not
+        // queued (no input rows) had no row to evaluate either.
+        let probed = metrics.kernel(|| {
+            match table.probe_queued_into(&keys, Some(kept.values()), n, 1, Some(status))? {
+                Some(queued) => Ok(queued.finish_unless_failed()?.map(|p| p.pairs)),
+                None => Ok(Some(None)),
+            }
+        })?;
+        drop(keys);
+        let Some(pairs) = probed else {
+            return Ok(None);
+        };
+        let mask = [(&kept, &DataType::Boolean)];
+        let (mut lists, arrays) = match &pairs {
+            Some((build, probe)) => metrics.download_with_indices(&[build, probe], &mask)?,
+            None => metrics.download_with_indices(&[], &mask)?,
+        };
+        let mask = match arrays.first().map(|a| a.as_boolean()) {
+            Some(m) if m.len() == n => m.clone(),
+            _ => {
+                return Err(KernelError::InvalidData(
+                    "a fused filter's mask is short".into(),
+                ));
+            }
+        };
+        let mask = match mask.null_count() {
+            0 => mask,
+            _ => prep_null_mask_filter(&mask),
+        };
+        let Chunk::Host(view) = self.view(&chunk, schema)? else {
+            return Err(KernelError::InvalidData("a host view off the host".into()));
+        };
+        let filtered = filter_record_batch(&view, &mask).map_err(invalid)?;
+        // Each kept input row's place among the kept rows: the pairs' probe rows (all kept,
+        // the mask having been the probe's) in the filter's output.
+        let mut place = vec![u32::MAX; n];
+        for (k, i) in mask.values().set_indices().enumerate() {
+            place[i] = k as u32;
+        }
+        let (probe, build) = (
+            lists.pop().unwrap_or_default(),
+            lists.pop().unwrap_or_default(),
+        );
+        let probe = (probe.into_iter())
+            .map(|p| match place.get(p as usize) {
+                Some(&k) if k != u32::MAX => Ok(k),
+                _ => Err(KernelError::InvalidData(format!(
+                    "a probe matched row {p}, which its mask drops"
+                ))),
+            })
+            .collect::<Result<Vec<u32>, _>>()?;
+        Ok(Some((filtered, Matches::from_probe(build, probe))))
+    }
+}
+
+/// Whether a join of this type may take in the filter on its probe side: one that never
+/// emits a probe row without a match (whose rows the filter must drop even where no build
+/// row is there to probe against).
+pub(super) fn takes_in_probe_filter(join_type: JoinType) -> bool {
+    matches!(
+        join_type,
+        JoinType::Inner
+            | JoinType::Left
+            | JoinType::LeftSemi
+            | JoinType::LeftAnti
+            | JoinType::RightSemi
+    )
 }

@@ -19,9 +19,9 @@
 //!                   host instead, with the same rules
 //! ```
 //!
-//! An inner join without a residual filter may take in the device filter on its probe
-//! side (a fused stage, see `fused.rs`): it probes the filter's input under the predicate's
-//! row mask.
+//! A join that emits no probe row without a match (inner, left, left semi, left anti,
+//! right semi) may take in the device filter on its probe side (a fused stage, see
+//! `fused.rs`): it probes the filter's input under the predicate's row mask.
 //!
 //! Inner, left, right, full, left/right semi and left/right anti joins, on one or more
 //! column keys, with NULL keys matching nothing (or, with `NullEqualsNull`, each other), in
@@ -104,10 +104,11 @@ impl GpuHashJoinExec {
         Self::planned(cpu, devices, batch, false)
     }
 
-    /// A fused stage: the GPU twin of `cpu`, an inner join without a residual filter whose
-    /// probe side is a `FilterExec` (without a row limit) that the stage takes in. Its
-    /// children are the build side and the filter's input; the device evaluates the
-    /// predicate and probes only the rows it keeps (see `fused.rs`).
+    /// A fused stage: the GPU twin of `cpu`, a join (of a type
+    /// [`takes_in_probe_filter`](Self::takes_in_probe_filter) accepts) whose probe side is a
+    /// `FilterExec` (without a row limit) that the stage takes in. Its children are the
+    /// build side and the filter's input; the device evaluates the predicate and probes
+    /// only the rows it keeps (see `fused.rs`).
     pub fn try_fused(
         cpu: Arc<dyn ExecutionPlan>,
         devices: Arc<Vec<Device>>,
@@ -131,6 +132,17 @@ impl GpuHashJoinExec {
             None if fused => return Err("a fused stage that is not a HashJoinExec".into()),
             _ => None,
         };
+        // A join that assembles its output on the host reads host batches of its probe
+        // child: a filter whose input lies on the device (a cached table's scan) stays its
+        // own, reading the chunks where they lie, rather than bring them down whole.
+        if let Some(filter) = &fused
+            && !work.device_output()
+            && super::resident_on(filter.input(), &devices).is_some()
+        {
+            return Err(
+                "a fused filter over device chunks under a join assembled on the host".into(),
+            );
+        }
         let probe_filter = cpu
             .downcast_ref::<HashJoinExec>()
             .and_then(|join| ProbeFilter::plan(join, &work))
@@ -169,6 +181,12 @@ impl GpuHashJoinExec {
         let gpu = Self::planned(inner, Arc::clone(&self.devices), self.batch, fused)
             .map_err(|reason| internal_datafusion_err!("GpuHashJoinExec: {reason}"))?;
         Ok(Arc::new(gpu))
+    }
+
+    /// Whether a join of this type may take in the device filter on its probe side (a
+    /// fused stage): one that never emits a probe row without a match.
+    pub fn takes_in_probe_filter(join_type: JoinType) -> bool {
+        takes_in_probe_filter(join_type)
     }
 
     /// The predicate of the probe side's filter this stage takes in, if it is a fused stage.
@@ -259,8 +277,10 @@ impl ExecutionPlan for GpuHashJoinExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        // A fused stage's probe rows go through the device (the filter is its own).
-        if self.fused.is_some() || self.probes_resident_rows() {
+        // A fused stage whose output may stay on the device probes and gathers there; one
+        // that assembles its output on the host matches its input's batches under the
+        // filter's mask (`Probing`).
+        if (self.fused.is_some() && self.work.device_output()) || self.probes_resident_rows() {
             let (stream, work, metrics) = self.device_stream(partition, context, true)?;
             // Only the joined rows come down; a chunk whose device was lost is made again
             // on the CPU from its inputs.

@@ -82,9 +82,13 @@ pub(super) struct Probing {
     pub(super) table: Option<Arc<JoinTable>>,
     pub(super) host: Option<HostIndex>,
     pub(super) visited: Vec<bool>,
+    /// The probe child's batches: the join's right side, or a fused filter's input.
     pub(super) probe: SendableRecordBatchStream,
-    /// Probe batches waiting to make up a device batch, sized by their key columns (only
-    /// those go to the device).
+    /// The probe batches' columns that go to the device: the keys (and a fused filter's
+    /// program inputs).
+    pub(super) uploaded: Vec<usize>,
+    /// Probe batches waiting to make up a device batch, sized by the columns that go to the
+    /// device.
     pub(super) pending: Coalescer<PartlyUploaded>,
     pub(super) done: bool,
 }
@@ -100,6 +104,10 @@ impl JoinRun {
         };
         let visited = vec![false; build.num_rows()];
         let pending = Coalescer::new(self.batch);
+        let uploaded = match &self.fused {
+            Some(fused) => fused.uploaded(&self.work.right_keys),
+            None => self.work.right_keys.clone(),
+        };
         let state = Probing {
             run: self,
             build,
@@ -107,6 +115,7 @@ impl JoinRun {
             host: None,
             visited,
             probe,
+            uploaded,
             pending,
             done: false,
         };
@@ -316,13 +325,13 @@ impl Probing {
     /// One step: the output of the next device batch, or of the end (`None`: nothing to
     /// emit yet).
     pub(super) async fn step(&mut self) -> Result<Option<RecordBatch>> {
-        // Every probe batch has the join's right schema (they are concatenated into one),
+        // Every probe batch has the probe child's schema (they are concatenated into one),
         // so only the limit closes a device batch.
         while !self.pending.is_full() {
             match self.probe.next().await {
                 Some(batch) => self
                     .pending
-                    .push(PartlyUploaded::new(batch?, &self.run.work.right_keys)),
+                    .push(PartlyUploaded::new(batch?, &self.uploaded)),
                 None => break,
             }
         }
@@ -331,10 +340,10 @@ impl Probing {
             return self.finish();
         }
         let pending: Vec<RecordBatch> = self.pending.take().into_iter().map(|p| p.batch).collect();
-        let probe = concat_batches(&self.run.work.right_schema, &pending).map_err(arrow_err)?;
+        let input = concat_batches(&self.probe.schema(), &pending).map_err(arrow_err)?;
         let elapsed = self.run.metrics.baseline.elapsed_compute().clone();
         let timer = elapsed.timer();
-        let matches = self.matches(&probe)?;
+        let (probe, matches) = self.matches(&input)?;
         let matches = self.run.work.filter_pairs(&self.build, &probe, matches)?;
         let out = self
             .run
@@ -348,24 +357,39 @@ impl Probing {
         Ok(out)
     }
 
-    /// The (build, probe) row pairs of a probe batch whose keys match. A batch the device
-    /// has no memory for is matched in halves (see `coalesce::Pieces`); a piece the device
-    /// cannot match is matched on the host.
-    pub(super) fn matches(&mut self, probe: &RecordBatch) -> Result<Matches> {
+    /// The probe rows of a batch of the probe child (a fused filter's output, taken from
+    /// its input) and the (build, probe) row pairs among them whose keys match. A batch the
+    /// device has no memory for is matched in halves (see `coalesce::Pieces`); a piece the
+    /// device cannot match is matched on the host (filtered there first by a fused filter's
+    /// twin).
+    pub(super) fn matches(&mut self, input: &RecordBatch) -> Result<(RecordBatch, Matches)> {
         let mut all = Matches::default();
-        if self.build.num_rows() == 0 || probe.num_rows() == 0 {
-            return Ok(all);
+        let schema = &self.run.work.right_schema;
+        if self.build.num_rows() == 0 || input.num_rows() == 0 {
+            // The join types that take a filter in emit no probe row without a match.
+            let probe = match &self.run.fused {
+                Some(_) => RecordBatch::new_empty(Arc::clone(schema)),
+                None => input.clone(),
+            };
+            return Ok((probe, all));
         }
-        let mut pieces = Pieces::new(Chunk::Host(probe.clone()), &self.run.metrics.split_batches);
+        let mut pieces = Pieces::new(Chunk::Host(input.clone()), &self.run.metrics.split_batches);
+        let mut probes = Vec::new();
         // Pieces run in row order, so each starts where the last one ended.
         let mut at = 0u32;
         while let Some(piece) = pieces.next() {
             let Chunk::Host(batch) = &piece else {
                 return Err(internal_datafusion_err!("a probe piece left the host"));
             };
+            let mut on = BatchOn::Fallback;
             let on_device = match self.table.clone() {
-                Some(table) => match self.run.device_matches(&table, batch) {
-                    Ok(m) => Some(m),
+                Some(table) => match self.device_matches(&table, batch) {
+                    Ok(Some(m)) => Some(m),
+                    // A fused filter's program left a row to the CPU.
+                    Ok(None) => {
+                        on = BatchOn::Rule;
+                        None
+                    }
                     Err(e) if pieces.split(&piece, &e) => continue,
                     Err(e) => {
                         self.run
@@ -376,21 +400,51 @@ impl Probing {
                 },
                 None => None,
             };
-            let m = match on_device {
-                Some(m) => {
+            let (probe, m) = match on_device {
+                Some(found) => {
                     count_batch(&self.run.metrics, BatchOn::Device);
-                    m
+                    found
                 }
                 None => {
-                    count_batch(&self.run.metrics, BatchOn::Fallback);
-                    host_matches(&mut self.host, &self.run.work, &self.build, batch)?
+                    count_batch(&self.run.metrics, on);
+                    let probe = match &self.run.fused {
+                        Some(fused) => fused.cpu(batch)?,
+                        None => batch.clone(),
+                    };
+                    let m = host_matches(&mut self.host, &self.run.work, &self.build, &probe)?;
+                    (probe, m)
                 }
             };
             all.build.extend(m.build);
             all.probe.extend(m.probe.iter().map(|&p| p + at));
-            at += batch.num_rows() as u32;
+            at += probe.num_rows() as u32;
+            probes.push(probe);
         }
-        Ok(all)
+        let probe = match probes.len() {
+            1 => probes
+                .pop()
+                .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))),
+            _ => concat_batches(schema, &probes).map_err(arrow_err)?,
+        };
+        Ok((probe, all))
+    }
+
+    /// A piece's probe rows and matches on the device (`None`: a fused filter's program
+    /// left a row to the CPU).
+    fn device_matches(
+        &self,
+        table: &JoinTable,
+        batch: &RecordBatch,
+    ) -> Result<Option<(RecordBatch, Matches)>, KernelError> {
+        let run = &self.run;
+        match &run.fused {
+            Some(fused) => {
+                let keys = &run.work.right_keys;
+                let schema = &run.work.right_schema;
+                fused.matches(table, batch, keys, schema, &run.device, &run.metrics)
+            }
+            None => Ok(Some((batch.clone(), run.device_matches(table, batch)?))),
+        }
     }
 
     /// The build rows the join type emits once this partition (or, for CollectLeft, the
