@@ -21,8 +21,8 @@
 //! `FilterExec: …`, and tree-format boxes are titled `GpuFilterExec`; the validator reads
 //! the two as the same before comparing (re-centring a box title as DataFusion centres
 //! it). A fused stage (`GpuHashJoinExec: …, fused_filter=P` over the filter's input) is
-//! read as the operator over its `FilterExec: P` where the plans differ only by that
-//! (indent format; see [`unfused`]), and nothing else is normalised.
+//! read as the operator over its `FilterExec: P` as the last child, where the plans
+//! differ only by that (indent format; see [`unfused`]), and nothing else is normalised.
 //!
 //! `cargo test -p fulmen-tests --test datafusion_slt -- NAME` runs the files whose path
 //! contains NAME. `FULMEN_DF_SLT_LIMIT=N` runs only the first N files (a smoke run);
@@ -129,66 +129,82 @@ fn plan_line(line: &str) -> Option<(usize, &str)> {
 
 /// A plan with fused stages read as DataFusion's plan: a GPU join or aggregation that took
 /// in the filter under it prints `…, fused_filter=P` over the filter's input, where
-/// DataFusion's plan has the operator over `FilterExec: P[, projection=…]`. Each such
-/// `fused_filter=P` is dropped from the actual plan, and the expected plan loses the
-/// `FilterExec: P` directly under a `HashJoinExec` or `AggregateExec`, its input moved up a
-/// level and the lines renumbered. Nothing else changes, so any other difference still fails.
+/// DataFusion's plan has the operator over `FilterExec: P[, projection=…]` as its last (the
+/// probe side's, or only) child. For each fused line of the actual plan, in order, the
+/// expected line at the same place must be that line without the mark, and its last child
+/// that `FilterExec`; the mark is dropped, the filter removed, its input moved up a level
+/// and the lines renumbered. Where any of that does not hold, both plans are returned as
+/// they were, so the comparison fails as it would have.
 fn unfused(actual: Vec<Vec<String>>, expected: &[String]) -> (Vec<Vec<String>>, Vec<String>) {
     const MARK: &str = ", fused_filter=";
-    let mut fused = Vec::new();
-    let actual = (actual.into_iter())
-        .map(|row| {
-            (row.into_iter())
-                .map(|cell| match cell.find(MARK) {
-                    Some(at) if plan_line(&cell).is_some() => {
-                        fused.push(cell[at + MARK.len()..].trim_end().to_string());
-                        cell[..at].to_string()
-                    }
-                    _ => cell,
-                })
-                .collect()
-        })
-        .collect();
-    if fused.is_empty() {
-        return (actual, expected.to_vec());
-    }
+    let unchanged = |actual| (actual, expected.to_vec());
+    let text: Vec<String> = actual.iter().map(|row| row.join(" ")).collect();
     // (depth, content) of the expected lines; `None` for a line outside a plan.
     let mut lines: Vec<(Option<(usize, String)>, String)> = (expected.iter())
         .map(|l| (plan_line(l).map(|(d, c)| (d, c.to_string())), l.clone()))
         .collect();
-    let mut i = 0;
-    while i < lines.len() {
-        let taken_in = match &lines[i].0 {
-            Some((depth, content)) => content.strip_prefix("FilterExec: ").is_some_and(|f| {
-                // The nearest line above that is less deep.
-                let parent = (lines[..i].iter().rev())
-                    .map_while(|(p, _)| p.as_ref())
-                    .find(|(d, _)| d < depth);
-                let under_stage = parent.is_some_and(|(d, c)| {
-                    *d + 2 == *depth
-                        && (c.starts_with("HashJoinExec: ") || c.starts_with("AggregateExec: "))
-                });
-                under_stage
-                    && fused.iter().any(|p| {
-                        f.strip_prefix(p.as_str())
-                            .is_some_and(|r| r.is_empty() || r.starts_with(", projection="))
-                    })
-            }),
-            None => false,
-        };
-        if !taken_in {
-            i += 1;
+    let mut marked = Vec::new();
+    for (i, line) in text.iter().enumerate() {
+        let (Some((depth, content)), Some(at)) = (plan_line(line), line.find(MARK)) else {
             continue;
+        };
+        let predicate = line[at + MARK.len()..].trim_end();
+        let stage = content
+            .split_once(MARK)
+            .map_or(content, |(c, _)| c)
+            .trim_end();
+        // Lines before `i` are aligned: each filter removed so far was below an earlier one.
+        match lines.get(i) {
+            Some((Some((d, c)), _)) if *d == depth && c.trim_end() == stage => {}
+            _ => return unchanged(actual),
         }
-        let depth = lines[i].0.as_ref().map_or(0, |(d, _)| *d);
-        lines.remove(i);
-        for (line, _) in lines[i..].iter_mut() {
+        // The stage's last child: the last line below it one level deeper.
+        let mut last = None;
+        for (j, (line, _)) in lines.iter().enumerate().skip(i + 1) {
             match line {
-                Some((d, _)) if *d > depth => *d -= 2,
+                Some((d, _)) if *d > depth => {
+                    if *d == depth + 2 {
+                        last = Some(j);
+                    }
+                }
                 _ => break,
             }
         }
+        let Some(j) = last else {
+            return unchanged(actual);
+        };
+        let is_filter = lines[j].0.as_ref().is_some_and(|(_, c)| {
+            (c.strip_prefix("FilterExec: ")
+                .and_then(|f| f.strip_prefix(predicate)))
+            .is_some_and(|rest| rest.trim_end().is_empty() || rest.starts_with(", projection="))
+        });
+        if !is_filter {
+            return unchanged(actual);
+        }
+        lines.remove(j);
+        for (line, _) in lines[j..].iter_mut() {
+            match line {
+                Some((d, _)) if *d > depth + 2 => *d -= 2,
+                _ => break,
+            }
+        }
+        marked.push(i);
     }
+    if marked.is_empty() {
+        return unchanged(actual);
+    }
+    let actual = (actual.into_iter().enumerate())
+        .map(|(i, row)| match marked.contains(&i) {
+            true => row
+                .into_iter()
+                .map(|cell| {
+                    cell.split_once(MARK)
+                        .map_or(cell.clone(), |(c, _)| c.to_string())
+                })
+                .collect(),
+            false => row,
+        })
+        .collect();
     // Renumbered from 01 in each run of plan lines.
     let mut number = 0;
     let expected = (lines.into_iter())
@@ -373,7 +389,41 @@ fn record_regressions(
     Ok((records, off.len(), suspects))
 }
 
+/// [`unfused`] reads a fused stage as the operator over the filter it took in, and nothing
+/// else: not a filter on the build side, nor one of another predicate. Checked before the
+/// suite runs (this test has no harness for `#[test]` functions).
+fn check_unfused() {
+    let lines = |text: &str| -> Vec<String> { text.lines().map(str::to_string).collect() };
+    let actual: Vec<Vec<String>> = [
+        "physical_plan",
+        "01)SortExec: x",
+        "02)--HashJoinExec: mode=CollectLeft, on=[(a@0, b@0)], fused_filter=p@1 = 1",
+        "03)----DataSourceExec: l",
+        "04)----DataSourceExec: r",
+    ]
+    .iter()
+    .map(|l| vec![l.to_string()])
+    .collect();
+    let probe_side = lines(
+        "physical_plan\n01)SortExec: x\n02)--HashJoinExec: mode=CollectLeft, on=[(a@0, b@0)]\n\
+         03)----DataSourceExec: l\n04)----FilterExec: p@1 = 1, projection=[b@0]\n\
+         05)------DataSourceExec: r",
+    );
+    let build_side = lines(
+        "physical_plan\n01)SortExec: x\n02)--HashJoinExec: mode=CollectLeft, on=[(a@0, b@0)]\n\
+         03)----FilterExec: p@1 = 1\n04)------DataSourceExec: l\n05)----DataSourceExec: r",
+    );
+    let other = probe_side
+        .iter()
+        .map(|l| l.replace("p@1 = 1", "p@1 = 2"))
+        .collect::<Vec<_>>();
+    assert!(validator(value_normalizer, &actual, &probe_side));
+    assert!(!validator(value_normalizer, &actual, &build_side));
+    assert!(!validator(value_normalizer, &actual, &other));
+}
+
 fn main() -> ExitCode {
+    check_unfused();
     let Some(root) = suite_root() else {
         eprintln!(
             "DataFusion's sqllogictest suite was not found: build the workspace once (it \

@@ -39,7 +39,9 @@
 //! twin, its children the build side and the filter's input, and on the device the
 //! predicate's bitmap is the probe's row mask (see `physical_plan/gpu_hash_join/fused.rs`).
 //! Inner, left, left semi, left anti and right semi joins, with or without a residual
-//! filter: not those that emit probe rows without a match (right, full, right anti).
+//! filter: not those that emit probe rows without a match (right, full, right anti), and
+//! not, where the join assembles its output on the host, a filter over device chunks
+//! (`GpuHashJoinExec::try_fused` declines it).
 //!
 //! Not folded: an aggregate with an ORDER BY; keyless, one with its own FILTER or no
 //! argument, or another function than those above; grouped, a `count(DISTINCT …)`; and a

@@ -91,8 +91,8 @@ async fn an_inner_join_takes_the_filter_on_its_probe_side_in() {
 
 /// A join that assembles its output on the host takes in the filter on its probe side too:
 /// left, left semi, left anti and right semi joins, and an inner join with a residual
-/// filter. The device probes under the predicate's mask, which comes down with the pairs;
-/// the host takes the kept rows out of the input batch it holds. A row the filter drops
+/// filter. The device probes under the predicate's mask and only the pairs come down,
+/// indexing the input batch the host holds. A row the filter drops
 /// (false or NULL: `row78`, key 1, has a NULL `v`) matches nothing and never comes out, so
 /// a build row it alone would match comes out unmatched (left, anti) or not at all (semi);
 /// a predicate that meets a row it leaves to the CPU (a division by zero in a CASE branch
@@ -296,11 +296,11 @@ async fn a_fused_join_assembled_on_the_host_survives_every_device_fault() {
     .await;
 }
 
-/// A fused join assembled on the host (a right semi join probed by lineitem under a filter,
-/// as TPC-H Q4's by orders): per device batch 5 launches (the predicate's program, then the probe's keys
+/// A fused join assembled on the host (a right semi join probed by lineitem under a
+/// filter): per device batch 5 launches (the predicate's program, then the probe's keys
 /// hashed, matches counted, their offsets scanned and the matches written) and 2 host waits
-/// (the probe's, which brings the program's error word up too, and the read of the pairs
-/// with the mask). No compaction, no gathered filter output, no second upload of the keys.
+/// (the probe's, which brings the program's error word up too, and the read of the pairs).
+/// No compaction, no gathered filter output, no second upload of the keys.
 #[tokio::test]
 async fn a_fused_semi_join_probes_each_batch_with_two_waits() {
     let sql = "SELECT l_orderkey, l_linenumber, l_quantity FROM lineitem \

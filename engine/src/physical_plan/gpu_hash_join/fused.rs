@@ -20,11 +20,12 @@
 //!   on the device (`run.rs`, `DeviceProbing`): no selection indices, no compaction, no
 //!   gathered intermediate columns, no host wait of the filter's own.
 //! - A join that assembles its output on the host (a residual filter; left, left semi,
-//!   left anti and right semi joins) brings down the mask with the pairs, in one more
-//!   read: the host takes the filter's output rows out of the input batch it holds (no
-//!   column comes down) and numbers the pairs' probe rows among them, and the join goes on
-//!   as over the filter's own output ([`FusedFilter::matches`]). The filter's compaction
-//!   and gathers, its output's download and the keys' second upload are gone.
+//!   left anti and right semi joins) brings down only the pairs, whose probe rows index
+//!   the input batch it holds: these joins read probe rows only through the pairs (and a
+//!   right semi join emits only the probe rows with a match), never a row without one, so
+//!   the filter's dropped rows are never read and need not be taken out
+//!   ([`FusedFilter::matches`]). The filter's compaction and gathers, its output's
+//!   download, its waits and the keys' second upload are gone.
 //!
 //! Not taken in: a filter under a right, full or right anti join (they emit the probe rows
 //! that match nothing, so a batch against an empty build side would need the filter on its
@@ -35,8 +36,6 @@
 use super::*;
 use crate::physical_plan::gpu_filter::FilterWork;
 use crate::physical_plan::gpu_stream::BatchWork;
-use datafusion::arrow::array::AsArray;
-use datafusion::arrow::compute::{filter_record_batch, prep_null_mask_filter};
 use datafusion::physical_plan::filter::FilterExec;
 use fulmen_kernels::ops::{expr, status_bytes};
 
@@ -85,13 +84,9 @@ impl FusedFilter {
     pub(super) fn view(&self, chunk: &Chunk, schema: &SchemaRef) -> Result<Chunk, KernelError> {
         let outputs = self.work.outputs();
         match chunk {
-            Chunk::Host(b) => {
-                let columns = outputs.iter().map(|&c| Arc::clone(b.column(c))).collect();
-                let options = RecordBatchOptions::new().with_row_count(Some(b.num_rows()));
-                RecordBatch::try_new_with_options(Arc::clone(schema), columns, &options)
-                    .map(Chunk::Host)
-                    .map_err(|e| KernelError::InvalidData(e.to_string()))
-            }
+            Chunk::Host(b) => (self.host_view(b, schema))
+                .map(Chunk::Host)
+                .map_err(|e| KernelError::InvalidData(e.to_string())),
             Chunk::Device(b, _, redo) => {
                 let device_schema = b
                     .schema()
@@ -165,24 +160,26 @@ impl FusedFilter {
     }
 
     /// Matches a host batch of the filter's input on the device, for a join that assembles
-    /// its output on the host: the predicate's program and the probe under its row mask
-    /// (one wait for the probe's total and the program's error word together), then the
-    /// pairs and the mask in one read. Returns the filter's output (the input's rows the
-    /// mask keeps, in the filter's output schema `schema`, taken on the host from the batch
-    /// it holds) and the matches over it, numbered among those rows; `None` when the
-    /// program left a row to the CPU. The build side must have rows.
+    /// its output on the host: the predicate's program and the probe under its row mask,
+    /// with one wait for the probe's total and the program's error word together, then one
+    /// read of the pairs (none when nothing matched). The pairs' probe rows are the input's:
+    /// a row the filter drops matched nothing, and the join types that take a filter in
+    /// emit no probe row without a match, so the join reads the input through
+    /// [`host_view`](Self::host_view) as it would read the filter's output. `None`: the
+    /// program left a row to the CPU.
     pub(super) fn matches(
         &self,
         table: &JoinTable,
         input: &RecordBatch,
         right_keys: &[usize],
-        schema: &SchemaRef,
         device: &Device,
         metrics: &GpuMetrics,
-    ) -> Result<Option<(RecordBatch, Matches)>, KernelError> {
-        let invalid = |e: datafusion::arrow::error::ArrowError| {
-            KernelError::InvalidData(format!("a fused filter's output: {e}"))
-        };
+    ) -> Result<Option<Matches>, KernelError> {
+        let n = input.num_rows();
+        if n == 0 || table.rows() == 0 {
+            // Nothing can match, and no probe row comes out without a match.
+            return Ok(Some(Matches::default()));
+        }
         let chunk = Chunk::Host(input.clone());
         let mut columns = HashMap::new();
         // Word 0 the probe's matches, word 1 the program's error.
@@ -201,59 +198,44 @@ impl FusedFilter {
             keys.push(i);
         }
         let keys: Vec<&DeviceColumn> = keys.iter().map(|i| &columns[i]).collect();
-        let n = input.num_rows();
-        // `None` out of the closure: the program left a row to the CPU. A probe that is not
-        // queued (no input rows) had no row to evaluate either.
-        let probed = metrics.kernel(|| {
-            match table.probe_queued_into(&keys, Some(kept.values()), n, 1, Some(status))? {
+        // `None` out of the closure: the program left a row to the CPU.
+        let pairs = metrics.kernel(|| {
+            let valid = Some(kept.values());
+            match table.probe_queued_into(&keys, valid, n, 1, Some(status))? {
                 Some(queued) => Ok(queued.finish_unless_failed()?.map(|p| p.pairs)),
-                None => Ok(Some(None)),
+                None => Err(KernelError::InvalidData(
+                    "a probe with rows not queued".into(),
+                )),
             }
         })?;
-        drop(keys);
-        let Some(pairs) = probed else {
+        let Some(pairs) = pairs else {
             return Ok(None);
         };
-        let mask = [(&kept, &DataType::Boolean)];
-        let (mut lists, arrays) = match &pairs {
-            Some((build, probe)) => metrics.download_with_indices(&[build, probe], &mask)?,
-            None => metrics.download_with_indices(&[], &mask)?,
+        let Some((build, probe)) = pairs else {
+            return Ok(Some(Matches::default()));
         };
-        let mask = match arrays.first().map(|a| a.as_boolean()) {
-            Some(m) if m.len() == n => m.clone(),
-            _ => {
-                return Err(KernelError::InvalidData(
-                    "a fused filter's mask is short".into(),
-                ));
-            }
-        };
-        let mask = match mask.null_count() {
-            0 => mask,
-            _ => prep_null_mask_filter(&mask),
-        };
-        let Chunk::Host(view) = self.view(&chunk, schema)? else {
-            return Err(KernelError::InvalidData("a host view off the host".into()));
-        };
-        let filtered = filter_record_batch(&view, &mask).map_err(invalid)?;
-        // Each kept input row's place among the kept rows: the pairs' probe rows (all kept,
-        // the mask having been the probe's) in the filter's output.
-        let mut place = vec![u32::MAX; n];
-        for (k, i) in mask.values().set_indices().enumerate() {
-            place[i] = k as u32;
-        }
+        let mut both = metrics.download_with_indices(&[&build, &probe], &[])?.0;
         let (probe, build) = (
-            lists.pop().unwrap_or_default(),
-            lists.pop().unwrap_or_default(),
+            both.pop().unwrap_or_default(),
+            both.pop().unwrap_or_default(),
         );
-        let probe = (probe.into_iter())
-            .map(|p| match place.get(p as usize) {
-                Some(&k) if k != u32::MAX => Ok(k),
-                _ => Err(KernelError::InvalidData(format!(
-                    "a probe matched row {p}, which its mask drops"
-                ))),
-            })
-            .collect::<Result<Vec<u32>, _>>()?;
-        Ok(Some((filtered, Matches::from_probe(build, probe))))
+        Ok(Some(Matches::from_probe(build, probe)))
+    }
+
+    /// A host batch of the filter's input as the join reads it after
+    /// [`matches`](Self::matches): the columns the filter outputs (`schema`), every row.
+    pub(super) fn host_view(&self, input: &RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
+        let outputs = self.work.outputs();
+        let columns = outputs
+            .iter()
+            .map(|&c| Arc::clone(input.column(c)))
+            .collect();
+        let options = RecordBatchOptions::new().with_row_count(Some(input.num_rows()));
+        Ok(RecordBatch::try_new_with_options(
+            Arc::clone(schema),
+            columns,
+            &options,
+        )?)
     }
 }
 

@@ -21,7 +21,8 @@
 //!
 //! A join that emits no probe row without a match (inner, left, left semi, left anti,
 //! right semi) may take in the device filter on its probe side (a fused stage, see
-//! `fused.rs`): it probes the filter's input under the predicate's row mask.
+//! `fused.rs`): it probes the filter's input under the predicate's row mask (not, where
+//! it assembles its output on the host, a filter over device chunks, which stays its own).
 //!
 //! Inner, left, right, full, left/right semi and left/right anti joins, on one or more
 //! column keys, with NULL keys matching nothing (or, with `NullEqualsNull`, each other), in

@@ -357,11 +357,12 @@ impl Probing {
         Ok(out)
     }
 
-    /// The probe rows of a batch of the probe child (a fused filter's output, taken from
-    /// its input) and the (build, probe) row pairs among them whose keys match. A batch the
-    /// device has no memory for is matched in halves (see `coalesce::Pieces`); a piece the
-    /// device cannot match is matched on the host (filtered there first by a fused filter's
-    /// twin).
+    /// The probe rows of a batch of the probe child and the (build, probe) row pairs among
+    /// them whose keys match. Under a fused filter, a piece matched on the device keeps
+    /// every input row (its pairs only index rows the filter keeps), and one matched on
+    /// the host is filtered there first by the filter's twin. A batch the device has no
+    /// memory for is matched in halves (see `coalesce::Pieces`); a piece the device cannot
+    /// match is matched on the host.
     pub(super) fn matches(&mut self, input: &RecordBatch) -> Result<(RecordBatch, Matches)> {
         let mut all = Matches::default();
         let schema = &self.run.work.right_schema;
@@ -401,9 +402,14 @@ impl Probing {
                 None => None,
             };
             let (probe, m) = match on_device {
-                Some(found) => {
+                Some(m) => {
                     count_batch(&self.run.metrics, BatchOn::Device);
-                    found
+                    // A fused filter's pairs index the input's rows (see `fused.rs`).
+                    let probe = match &self.run.fused {
+                        Some(fused) => fused.host_view(batch, schema)?,
+                        None => batch.clone(),
+                    };
+                    (probe, m)
                 }
                 None => {
                     count_batch(&self.run.metrics, on);
@@ -429,21 +435,20 @@ impl Probing {
         Ok((probe, all))
     }
 
-    /// A piece's probe rows and matches on the device (`None`: a fused filter's program
-    /// left a row to the CPU).
+    /// A piece's matches on the device (`None`: a fused filter's program left a row to the
+    /// CPU).
     fn device_matches(
         &self,
         table: &JoinTable,
         batch: &RecordBatch,
-    ) -> Result<Option<(RecordBatch, Matches)>, KernelError> {
+    ) -> Result<Option<Matches>, KernelError> {
         let run = &self.run;
         match &run.fused {
             Some(fused) => {
                 let keys = &run.work.right_keys;
-                let schema = &run.work.right_schema;
-                fused.matches(table, batch, keys, schema, &run.device, &run.metrics)
+                fused.matches(table, batch, keys, &run.device, &run.metrics)
             }
-            None => Ok(Some((batch.clone(), run.device_matches(table, batch)?))),
+            None => run.device_matches(table, batch).map(Some),
         }
     }
 
