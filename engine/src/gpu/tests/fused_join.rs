@@ -202,25 +202,49 @@ async fn a_fused_join_survives_every_device_fault() {
     if super::needs_emulator("a_fused_join_survives_every_device_fault") {
         return;
     }
-    let gpu = fused_session("emulated:1/fused-join-faults", 1 << 20);
-    let (_, cpu) = tpch_contexts("emulated:1/fused-join-faults-cpu", 1, None);
-    for ctx in [&gpu, &cpu] {
-        join_tables(ctx).await;
-    }
     let sql = "SELECT b.column2 AS name, p.v, p.s FROM b JOIN p ON b.column1 = p.k \
                WHERE p.v > 2 ORDER BY p.s, name";
-    let device = devices_of("emulated:1/fused-join-faults")[0].clone();
+    let shown = ["fused_filter="];
+    survives_every_fault(
+        "emulated:1/fused-join-faults",
+        &[],
+        sql,
+        &shown,
+        "fused join",
+    )
+    .await;
+}
+
+/// Runs `sql` over the join tables on `set` (after `settings`, on both sides), clean and
+/// then with each of its device allocations and launches failed in turn: DataFusion's
+/// answer every time; the plan shows each of `shown`.
+async fn survives_every_fault(
+    set: &str,
+    settings: &[&str],
+    sql: &str,
+    shown: &[&str],
+    label: &str,
+) {
+    let gpu = fused_session(set, 1 << 20);
+    let (_, cpu) = tpch_contexts(&format!("{set}-cpu"), 1, None);
+    for ctx in [&gpu, &cpu] {
+        join_tables(ctx).await;
+        for setting in settings {
+            ctx.sql(setting).await.unwrap().collect().await.unwrap();
+        }
+    }
+    let device = devices_of(set)[0].clone();
     let (_, want) = run(&cpu, sql).await;
     let (allocations, launches) = device.counters();
     let (text, clean) = run(&gpu, sql).await;
     assert_eq!(clean, want);
-    assert!(text.contains("fused_filter="), "{text}");
+    assert!(shown.iter().all(|s| text.contains(s)), "{text}");
     let (a, l) = device.counters();
     fail_each_in_turn(
         &device,
         (a - allocations, l - launches),
         &want,
-        "fused join",
+        label,
         async || run(&gpu, sql).await.1,
     )
     .await;
@@ -266,34 +290,14 @@ async fn a_fused_join_assembled_on_the_host_survives_every_device_fault() {
     if super::needs_emulator("a_fused_join_assembled_on_the_host_survives_every_device_fault") {
         return;
     }
-    let gpu = fused_session("emulated:1/fused-host-join-faults", 1 << 20);
-    let (_, cpu) = tpch_contexts("emulated:1/fused-host-join-faults-cpu", 1, None);
-    for ctx in [&gpu, &cpu] {
-        join_tables(ctx).await;
-        // So that `b` is the build side (see above).
-        let set = "SET datafusion.optimizer.join_reordering = false";
-        ctx.sql(set).await.unwrap().collect().await.unwrap();
-    }
+    // So that `b` is the build side (see above).
+    let settings = ["SET datafusion.optimizer.join_reordering = false"];
     let sql = "SELECT column2 AS name FROM b WHERE NOT EXISTS (SELECT 1 FROM p WHERE \
                p.k = b.column1 AND p.v <> length(b.column2) AND p.s LIKE '%3%') ORDER BY name";
-    let device = devices_of("emulated:1/fused-host-join-faults")[0].clone();
-    let (_, want) = run(&cpu, sql).await;
-    let (allocations, launches) = device.counters();
-    let (text, clean) = run(&gpu, sql).await;
-    assert_eq!(clean, want);
-    assert!(
-        text.contains("join_type=LeftAnti") && text.contains("fused_filter="),
-        "{text}"
-    );
-    let (a, l) = device.counters();
-    fail_each_in_turn(
-        &device,
-        (a - allocations, l - launches),
-        &want,
-        "fused join assembled on the host",
-        async || run(&gpu, sql).await.1,
-    )
-    .await;
+    let shown = ["join_type=LeftAnti", "fused_filter="];
+    let set = "emulated:1/fused-host-join-faults";
+    let label = "fused join assembled on the host";
+    survives_every_fault(set, &settings, sql, &shown, label).await;
 }
 
 /// A fused join assembled on the host (a right semi join probed by lineitem under a
