@@ -20,6 +20,33 @@ async fn join_tables(ctx: &crate::FulmenContext) {
     }
 }
 
+/// `sql` on `gpu` and on `cpu` (DataFusion): the same answer (or error), from a fused join
+/// (`shown` and `fused_filter=` in the plan, no filter operator) with nothing fallen back,
+/// whose batches ran on the device (or, `by_rule`, one went to the CPU by rule).
+async fn fused_answer(
+    gpu: &crate::FulmenContext,
+    cpu: &crate::FulmenContext,
+    sql: &str,
+    shown: &str,
+    by_rule: bool,
+) -> Result<String, String> {
+    let (got, plan_text, work) = answer(gpu, sql).await;
+    let (want, _, _) = answer(cpu, sql).await;
+    assert_eq!(got, want, "{sql}");
+    assert!(!plan_text.contains("GpuFilterExec"), "{plan_text}");
+    assert!(plan_text.contains(shown), "{sql}: {plan_text}");
+    assert!(plan_text.contains("fused_filter="), "{plan_text}");
+    assert!(work.nothing_fell_back(), "{sql}: {work:?}");
+    match by_rule {
+        true => assert!(work.cpu_rule_batches >= 1, "{sql}: {work:?}"),
+        false => assert!(
+            work.gpu_batches >= 1 && work.cpu_rule_batches == 0,
+            "{sql}: {work:?}"
+        ),
+    }
+    got
+}
+
 /// An inner join takes in the filter on its probe side: the plan has no filter operator
 /// and the join shows the predicate; rows the filter drops (false or NULL) match nothing,
 /// whatever their keys; the output goes to the host or stays on the device for an
@@ -59,20 +86,7 @@ async fn an_inner_join_takes_the_filter_on_its_probe_side_in() {
             false,
         ),
     ] {
-        let (got, plan_text, work) = answer(&gpu, sql).await;
-        let (want, _, _) = answer(&cpu, sql).await;
-        assert_eq!(got, want, "{sql}");
-        assert!(!plan_text.contains("GpuFilterExec"), "{plan_text}");
-        assert!(plan_text.contains("GpuHashJoinExec"), "{plan_text}");
-        assert!(plan_text.contains("fused_filter="), "{plan_text}");
-        assert!(work.nothing_fell_back(), "{sql}: {work:?}");
-        match by_rule {
-            true => assert!(work.cpu_rule_batches >= 1, "{sql}: {work:?}"),
-            false => assert!(
-                work.gpu_batches >= 1 && work.cpu_rule_batches == 0,
-                "{sql}: {work:?}"
-            ),
-        }
+        let _answer = fused_answer(&gpu, &cpu, sql, "GpuHashJoinExec", by_rule).await;
     }
     // Not folded: a right join (rows the filter drops would come out unmatched) and a
     // filter with a row limit.
@@ -162,22 +176,9 @@ async fn a_join_assembled_on_the_host_takes_the_filter_on_its_probe_side_in() {
     ] {
         // A right semi join is DataFusion's swap of `p`'s semi join over the small `b`.
         reorder(join_type == "RightSemi").await;
-        let (got, plan_text, work) = answer(&gpu, &sql).await;
-        let (want, _, _) = answer(&cpu, &sql).await;
-        assert_eq!(got, want, "{sql}");
-        assert!(got.is_ok(), "{sql}: {got:?}");
-        assert!(!plan_text.contains("GpuFilterExec"), "{plan_text}");
         let join = format!("join_type={join_type},");
-        assert!(plan_text.contains(&join), "{sql}: {plan_text}");
-        assert!(plan_text.contains("fused_filter="), "{plan_text}");
-        assert!(work.nothing_fell_back(), "{sql}: {work:?}");
-        match by_rule {
-            true => assert!(work.cpu_rule_batches >= 1, "{sql}: {work:?}"),
-            false => assert!(
-                work.gpu_batches >= 1 && work.cpu_rule_batches == 0,
-                "{sql}: {work:?}"
-            ),
-        }
+        let got = fused_answer(&gpu, &cpu, &sql, &join, by_rule).await;
+        assert!(got.is_ok(), "{sql}: {got:?}");
     }
     // The filter's rows decide the semi and anti joins: only key 3 is matched.
     reorder(false).await;
