@@ -10,8 +10,9 @@
 //! field metadata or nullability) closes the waiting batch first; a device chunk (a GPU
 //! child's output) goes on alone; one host batch larger than the limit is not cut here. A
 //! host batch the device runs out of memory for is split in halves ([`Pieces`]), down to
-//! [`MIN_SPLIT_ROWS`], by every GPU operator (the filter and projection stream, the
-//! aggregate, the join's probe); a piece that still fails goes to the operator's CPU path.
+//! [`MIN_SPLIT_ROWS`]; a piece that still fails goes to the operator's CPU path. Every GPU
+//! operator (the filter and projection stream, the aggregate, the join's probe) runs both
+//! through one loop, `device_loop.rs`; the cache's loader sizes its chunks here too.
 
 use std::collections::VecDeque;
 
@@ -43,7 +44,7 @@ pub fn halves(chunk: &Chunk) -> Option<[Chunk; 2]> {
 
 /// The pieces of one device batch, in order: the batch itself at first; a host piece the
 /// device had no memory for is replaced by its two halves (see [`halves`]), which run next.
-/// Every GPU operator's batch loop runs through this:
+/// The loop every GPU operator shares runs through this (`device_loop::run_pieces`):
 ///
 /// ```text
 /// while let Some(piece) = pieces.next() {
@@ -205,6 +206,12 @@ impl PartlyUploaded {
     }
 }
 
+impl From<PartlyUploaded> for Chunk {
+    fn from(p: PartlyUploaded) -> Self {
+        Chunk::Host(p.batch)
+    }
+}
+
 impl Pending for PartlyUploaded {
     fn rows(&self) -> usize {
         self.batch.num_rows()
@@ -289,11 +296,6 @@ impl<T: Pending> Coalescer<T> {
         self.waiting.is_empty()
     }
 
-    /// What waits, oldest first.
-    pub fn waiting(&self) -> &[T] {
-        &self.waiting
-    }
-
     /// The rows waiting.
     pub fn rows(&self) -> usize {
         self.rows
@@ -309,15 +311,6 @@ impl<T: Pending> Coalescer<T> {
         self.rows = 0;
         self.bytes = 0;
         std::mem::take(&mut self.waiting)
-    }
-
-    /// Puts back what could not be processed (in front of anything pushed since).
-    pub fn put_back(&mut self, items: Vec<T>) {
-        let mut items = items;
-        items.append(&mut self.waiting);
-        self.rows = items.iter().map(Pending::rows).sum();
-        self.bytes = items.iter().map(Pending::bytes).sum();
-        self.waiting = items;
     }
 }
 
@@ -378,7 +371,7 @@ mod tests {
     }
 
     #[test]
-    fn another_schema_closes_what_waits_and_what_is_put_back_comes_first() {
+    fn another_schema_closes_what_waits() {
         let mut c = Coalescer::new(BatchLimit::new(1 << 20, 1 << 30));
         let a = ints(10);
         assert!(!c.closes_before(&a));
@@ -387,10 +380,5 @@ mod tests {
         let b = RecordBatch::try_new(other, vec![Arc::new(Int64Array::from(vec![1, 2]))]).unwrap();
         assert!(c.closes_before(&b));
         assert!(!c.closes_before(&ints(3)));
-        let first = c.take();
-        c.push(ints(5));
-        c.put_back(first);
-        let rows: Vec<usize> = c.take().iter().map(RecordBatch::num_rows).collect();
-        assert_eq!(rows, [10, 5]);
     }
 }

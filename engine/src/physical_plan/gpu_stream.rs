@@ -9,6 +9,8 @@
 //!    └─input ends─▶ Flush (the last partial batch) ─▶ Process ─▶ Done
 //!   Process = device work; on Err or "leave to the CPU" → the operator's CPU twin
 //! ```
+//!
+//! Coalescing and Process are the loop every GPU operator shares (`device_loop.rs`).
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -17,7 +19,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use datafusion::arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions};
-use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::common::internal_err;
 use datafusion::error::{DataFusionError, Result};
@@ -26,7 +27,8 @@ use datafusion::physical_plan::ExecutionPlan;
 use fulmen_kernels::{Device, DeviceBatch, DeviceColumn, KernelError};
 use futures::{Stream, StreamExt};
 
-use super::coalesce::{BatchLimit, Coalescer, Pieces};
+use super::coalesce::BatchLimit;
+use super::device_loop::{DeviceBatches, OnDevice, PieceError, PieceWork, one_chunk, run_pieces};
 pub use super::gpu_metrics::*;
 use crate::gpu::compile::Reason;
 
@@ -40,6 +42,12 @@ pub enum Chunk {
     /// they stand for, and how to compute the same batch on the CPU should the device be
     /// lost before the consumer has read it.
     Device(DeviceBatch, SchemaRef, Redo),
+}
+
+impl From<RecordBatch> for Chunk {
+    fn from(batch: RecordBatch) -> Self {
+        Chunk::Host(batch)
+    }
 }
 
 /// How to compute a device chunk's batch on the CPU instead: what the producing operator's
@@ -327,8 +335,8 @@ pub struct GpuStream<W: BatchWork> {
     input_done: bool,
     work: Arc<W>,
     device: Device,
-    /// Host batches waiting to make up a device batch.
-    pending: Coalescer<RecordBatch>,
+    /// Input waiting to make up device batches.
+    batches: DeviceBatches<Chunk>,
     /// DataFusion's batch size: outputs are cut to it, as operators downstream (and their
     /// memory accounting) expect.
     output_rows: usize,
@@ -360,7 +368,7 @@ impl<W: BatchWork> GpuStream<W> {
             input_done: false,
             work,
             device,
-            pending: Coalescer::new(batch),
+            batches: DeviceBatches::new(batch),
             output_rows: output_rows.max(1),
             resident: resident && fetch.is_none(),
             ready: VecDeque::new(),
@@ -369,32 +377,14 @@ impl<W: BatchWork> GpuStream<W> {
         }
     }
 
-    /// Runs a chunk on the device and queues its output. A host chunk the device has no
-    /// memory for is split in halves, each run on its own (down to `MIN_SPLIT_ROWS`, see
-    /// `coalesce::halves`); what is left goes to the CPU.
+    /// Runs a device batch (see `device_loop.rs`) and queues its output, cut to DataFusion's
+    /// batch size on the host.
     fn process(&mut self, chunk: Chunk) -> Result<()> {
-        let mut pieces = Pieces::new(chunk, &self.metrics.split_batches);
-        while let Some(piece) = pieces.next() {
-            let timer = self.metrics.baseline.elapsed_compute().timer();
-            let out = match self.on_device(&piece) {
-                Ok(Some(out)) => {
-                    count_batch(&self.metrics, BatchOn::Device);
-                    out
-                }
-                Err(e) if pieces.split(&piece, &e) => continue,
-                outcome => {
-                    match outcome {
-                        Err(e) => {
-                            self.metrics.recover(&e, "redoing a batch on the CPU")?;
-                            count_batch(&self.metrics, BatchOn::Fallback);
-                        }
-                        _ => count_batch(&self.metrics, BatchOn::Rule),
-                    }
-                    let batch = piece.host_for_cpu(&self.metrics)?;
-                    Chunk::Host(self.work.cpu(&batch)?)
-                }
-            };
-            timer.done();
+        let elapsed = self.metrics.baseline.elapsed_compute().clone();
+        let timer = elapsed.timer();
+        let outputs = run_pieces(self, chunk);
+        timer.done();
+        for out in outputs? {
             match out {
                 Chunk::Host(out) => {
                     let mut at = 0;
@@ -427,34 +417,19 @@ impl<W: BatchWork> GpuStream<W> {
             .map(|b| Some(Chunk::Host(b)))
     }
 
-    /// Adds an input chunk. Host batches are coalesced into device batches (see
-    /// `coalesce.rs`); a device chunk is processed as it is.
+    /// Adds an input chunk, and runs the device batches it completes: host batches are
+    /// coalesced (see `device_loop.rs`), a device chunk goes alone.
     fn push(&mut self, chunk: Chunk) -> Result<()> {
-        let batch = match chunk {
-            Chunk::Host(b) => b,
-            device => {
-                self.flush()?;
-                return self.process(device);
-            }
-        };
-        if self.pending.closes_before(&batch) {
-            self.flush()?;
-        }
-        self.pending.push(batch);
-        if self.pending.is_full() {
-            self.flush()?;
-        }
-        Ok(())
+        self.batches.push(chunk);
+        self.run_ready()
     }
 
-    fn flush(&mut self) -> Result<()> {
-        let mut pending = self.pending.take();
-        let batch = match pending.len() {
-            0 => return Ok(()),
-            1 => pending.remove(0),
-            _ => concat_batches(&pending[0].schema(), &pending).map_err(arrow_err)?,
-        };
-        self.process(Chunk::Host(batch))
+    /// Runs the device batches made up so far.
+    fn run_ready(&mut self) -> Result<()> {
+        while let Some(items) = self.batches.pop() {
+            self.process(one_chunk(items)?)?;
+        }
+        Ok(())
     }
 
     fn emit(&mut self, chunk: Chunk) -> Chunk {
@@ -466,6 +441,29 @@ impl<W: BatchWork> GpuStream<W> {
             }
             (_, chunk) => chunk,
         }
+    }
+}
+
+/// A batch operator's pieces: its device work, or its CPU twin for a piece the device
+/// leaves (by rule, or after a failure).
+impl<W: BatchWork> PieceWork for GpuStream<W> {
+    type Out = Chunk;
+    const ON_FAILURE: Option<&'static str> = Some("redoing a batch on the CPU");
+
+    fn metrics(&self) -> &GpuMetrics {
+        &self.metrics
+    }
+
+    fn run_on_device(&mut self, piece: &Chunk) -> Result<OnDevice<Chunk>, PieceError> {
+        Ok(match self.on_device(piece)? {
+            Some(out) => OnDevice::Out(out),
+            None => OnDevice::ByRule,
+        })
+    }
+
+    fn run_on_cpu(&mut self, piece: &Chunk, _: BatchOn) -> Result<Chunk, PieceError> {
+        let batch = piece.host_for_cpu(&self.metrics)?;
+        Ok(Chunk::Host(self.work.cpu(&batch)?))
     }
 }
 
@@ -501,7 +499,8 @@ impl<W: BatchWork> Stream for GpuStream<W> {
                 }
                 Poll::Ready(None) => {
                     this.input_done = true;
-                    if let Err(e) = this.flush() {
+                    this.batches.finish();
+                    if let Err(e) = this.run_ready() {
                         return Poll::Ready(Some(Err(e)));
                     }
                 }

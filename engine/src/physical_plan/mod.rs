@@ -114,6 +114,7 @@ pub(crate) fn fmt_gpu_operator(
 }
 
 pub mod coalesce;
+pub mod device_loop;
 pub mod gpu_aggregate;
 pub mod gpu_batch_exec;
 pub mod gpu_filter;

@@ -1,12 +1,14 @@
 //! `GpuAggregateExec`: DataFusion's `AggregateExec` on a GPU, in every mode (Partial,
 //! PartialReduce, Final, FinalPartitioned, Single, SinglePartitioned).
 //!
-//! This file holds the operator and a partition's run (coalescing batches, splitting those
-//! that do not fit, finishing on the CPU); `plan.rs` plans the device work, `update.rs`
-//! adds a batch to the device tables and `states.rs` brings their groups down.
+//! This file holds the operator and a partition's run (its input goes through the loop every
+//! GPU operator shares, `device_loop.rs`: coalescing batches, splitting those that do not
+//! fit; this file finishes on the CPU when the loop stops at a device failure); `plan.rs`
+//! plans the device work, `update.rs` adds a batch to the device tables and `states.rs`
+//! brings their groups down.
 //!
 //! Each partition keeps one device [`GroupTable`] for its whole input: batches (coalesced
-//! to `fulmen.gpu.batch_bytes` or `_rows`, see `coalesce.rs`) are uploaded, computed keys,
+//! to `fulmen.gpu.batch_bytes` or `_rows`, see `device_loop.rs`) are uploaded, computed keys,
 //! arguments and `FILTER` clauses run as one expression program, and the table finds or
 //! adds every row's group and updates the accumulators of all aggregates in one pass. When
 //! the input ends the table's keys and accumulator states come back once:
@@ -49,7 +51,6 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use datafusion::arrow::array::RecordBatch;
-use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::common::{exec_err, internal_datafusion_err};
 use datafusion::error::{DataFusionError, Result};
@@ -68,7 +69,10 @@ use fulmen_kernels::ops::aggregate::GroupTable;
 use fulmen_kernels::{Device, KernelError};
 use futures::{StreamExt, TryStreamExt};
 
-use super::coalesce::{BatchLimit, Coalescer, Pieces};
+use super::coalesce::BatchLimit;
+use super::device_loop::{
+    DeviceBatches, OnDevice, PieceError, PieceWork, Stopped, one_chunk, run_pieces,
+};
 use super::gpu_stream::{
     BatchOn, Chunk, ChunkStream, GpuMetrics, OperatorKind, count_batch, count_operator,
     device_error, device_for, input_chunks,
@@ -83,7 +87,6 @@ mod update;
 pub use plan::AggregateWork;
 use plan::*;
 pub(crate) use states::canonical_zeros;
-use update::*;
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -326,34 +329,71 @@ struct Run {
     extra: ExtraMetrics,
 }
 
+/// A partition's device batches going into its table.
+struct Adding<'a> {
+    run: &'a Run,
+    tables: &'a mut Tables,
+}
+
+impl Adding<'_> {
+    /// Keeps a piece added for a CPU merge after the device's loss, where the aggregate
+    /// merges partial states.
+    fn added(&self, piece: &Chunk) {
+        if let Some(retained) = &self.run.retained {
+            lock(retained).push(piece.clone());
+        }
+    }
+}
+
+impl PieceWork for Adding<'_> {
+    type Out = ();
+    /// The groups are on the device: after a failure the rest goes to the CPU as a whole.
+    const ON_FAILURE: Option<&'static str> = None;
+
+    fn metrics(&self) -> &GpuMetrics {
+        &self.run.metrics
+    }
+
+    fn run_on_device(&mut self, piece: &Chunk) -> Result<OnDevice<()>, PieceError> {
+        let run = self.run;
+        if !run
+            .work
+            .update(self.tables, &run.device, piece, &run.metrics)?
+        {
+            return Ok(OnDevice::ByRule);
+        }
+        self.added(piece);
+        Ok(OnDevice::Out(()))
+    }
+
+    fn run_on_cpu(&mut self, piece: &Chunk, _: BatchOn) -> Result<(), PieceError> {
+        let run = self.run;
+        run.work
+            .update_on_cpu(self.tables, &run.device, piece, &run.metrics)?;
+        self.added(piece);
+        Ok(())
+    }
+}
+
 impl Run {
     async fn execute(self, mut input: ChunkStream) -> Result<SendableRecordBatchStream> {
         let schema = self.work.schema.clone();
         // The device table comes with the first rows: a partition without input costs the
         // device nothing (unless the aggregate has no GROUP BY, whose one row it computes).
         let mut table: Option<Tables> = None;
-        // Host batches wait here to make up a device batch (see `coalesce.rs`); a device
-        // chunk (from a GPU child) is added as it is.
-        let mut pending = Coalescer::new(self.batch);
-        loop {
-            let Some(chunk) = input.next().await else {
-                if let Err(e) = self.flush(&mut table, &mut pending) {
-                    return self.handle(e, table, pending.take(), input);
+        // Host batches wait here to make up a device batch (see `device_loop.rs`); a device
+        // chunk (from a GPU child) goes alone.
+        let mut batches = DeviceBatches::new(self.batch);
+        while let Some(items) = batches.next_from(&mut input, |chunk| chunk).await? {
+            match self.add(&mut table, items) {
+                Ok(()) => {}
+                Err(Stopped::Query(e)) => return Err(e),
+                Err(Stopped::Device { error, mut rest }) => {
+                    self.metrics
+                        .recover(&error, "the aggregation continues on the CPU")?;
+                    rest.extend(batches.drain());
+                    return self.fallback(table, rest, input);
                 }
-                break;
-            };
-            let chunk = chunk?;
-            if pending.closes_before(&chunk)
-                && let Err(e) = self.flush(&mut table, &mut pending)
-            {
-                pending.push(chunk);
-                return self.handle(e, table, pending.take(), input);
-            }
-            pending.push(chunk);
-            if pending.is_full()
-                && let Err(e) = self.flush(&mut table, &mut pending)
-            {
-                return self.handle(e, table, pending.take(), input);
             }
         }
         let table = match table {
@@ -443,81 +483,24 @@ impl Run {
         )))
     }
 
-    /// Processes the pending input batches as one device batch. When the device runs out
-    /// of memory for it, the batch is split in halves (down to `MIN_SPLIT_ROWS`), each
-    /// added on its own. On error, `pending` holds what was not added (the table is as it
-    /// was before those rows).
-    fn flush(
-        &self,
-        table: &mut Option<Tables>,
-        pending: &mut Coalescer<Chunk>,
-    ) -> Result<(), UpdateError> {
-        if pending.rows() == 0 {
-            pending.take();
-            return Ok(());
-        }
-        let table = match table {
-            Some(table) => table,
-            None => table.insert(self.work.new_tables(&self.device)?),
+    /// Adds one device batch's items to the table (made with the first rows), through the
+    /// loop every GPU operator shares (`device_loop.rs`): in halves when the device runs out
+    /// of memory for it; at another device failure it stops with what was not added (whose
+    /// accumulators the table does not hold: at most it holds groups for a failed piece's
+    /// first keys, with empty states, and those rows are in what was not added).
+    fn add(&self, table: &mut Option<Tables>, items: Vec<Chunk>) -> Result<(), Stopped> {
+        let tables = match table {
+            Some(tables) => tables,
+            None => match self.work.new_tables(&self.device) {
+                Ok(tables) => table.insert(tables),
+                Err(error) => return Err(Stopped::Device { error, rest: items }),
+            },
         };
-        let waiting = pending.waiting();
-        let chunk = match waiting.len() {
-            0 => return Ok(()),
-            1 => waiting[0].clone(),
-            _ => {
-                let batches = waiting
-                    .iter()
-                    .map(|c| c.to_host(&self.metrics))
-                    .collect::<Result<Vec<_>, _>>()?;
-                Chunk::Host(
-                    concat_batches(&batches[0].schema(), batches.iter())
-                        .map_err(|e| UpdateError::Query(arrow_err(e)))?,
-                )
-            }
-        };
-        pending.take();
-        let mut pieces = Pieces::new(chunk, &self.metrics.split_batches);
-        while let Some(piece) = pieces.next() {
-            let timer = self.metrics.baseline.elapsed_compute().timer();
-            let outcome = self.work.update(table, &self.device, &piece, &self.metrics);
-            timer.done();
-            match outcome {
-                Ok(on_device) => {
-                    let on = if on_device {
-                        BatchOn::Device
-                    } else {
-                        BatchOn::Rule
-                    };
-                    count_batch(&self.metrics, on);
-                    if let Some(retained) = &self.retained {
-                        lock(retained).push(piece.clone());
-                    }
-                }
-                Err(UpdateError::Device(e)) if pieces.split(&piece, &e) => continue,
-                Err(e) => {
-                    pending.put_back(pieces.rest(piece));
-                    return Err(e);
-                }
-            }
-        }
+        let chunk = one_chunk(items).map_err(Stopped::Query)?;
+        let elapsed = self.metrics.baseline.elapsed_compute().clone();
+        let _timer = elapsed.timer();
+        run_pieces(&mut Adding { run: self, tables }, chunk)?;
         Ok(())
-    }
-
-    fn handle(
-        self,
-        error: UpdateError,
-        table: Option<Tables>,
-        rest: Vec<Chunk>,
-        input: ChunkStream,
-    ) -> Result<SendableRecordBatchStream> {
-        match error {
-            UpdateError::Query(e) => Err(e),
-            UpdateError::Device(e) => {
-                self.metrics
-                    .recover(&e, "the aggregation continues on the CPU")?;
-                self.fallback(table, rest, input)
-            }
-        }
     }
 
     /// The device was lost with this partition's groups. Merging partial states, the CPU

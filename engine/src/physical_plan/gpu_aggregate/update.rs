@@ -6,35 +6,45 @@ use std::collections::HashMap;
 use datafusion::arrow::array::{Array, AsArray, UInt32Array};
 use datafusion::arrow::compute::take;
 use datafusion::common::internal_datafusion_err;
-use datafusion::error::{DataFusionError, Result};
+use datafusion::error::Result;
 use fulmen_kernels::ops::aggregate::{AccInput, Fused, GroupTable, STATUS_BYTES, UpdateWith};
 use fulmen_kernels::ops::compact::selection_indices;
 use fulmen_kernels::ops::expr;
 use fulmen_kernels::ops::gather::gather_columns;
 use fulmen_kernels::{Device, DeviceColumn, KernelError};
 
+use super::super::device_loop::PieceError;
 use super::super::gpu_stream::{Chunk, GpuMetrics};
 use super::arrow_err;
 use super::plan::{AggregateWork, DistinctCount, NewKeys, Source, Tables};
 
 impl AggregateWork {
-    /// Adds one batch to `table`. `Ok(false)`: the program left some row to the CPU, and
-    /// DataFusion evaluated the batch's expressions instead (over the rows of the fused
-    /// filter, which it applied first; an error it raises is the query's).
+    /// Adds one batch to `tables` on the device. `Ok(false)`: the program left some row to
+    /// the CPU, and nothing was added (see [`Self::update_on_cpu`]).
     pub(super) fn update(
         &self,
         tables: &mut Tables,
         device: &Device,
         input: &Chunk,
         metrics: &GpuMetrics,
-    ) -> Result<bool, UpdateError> {
-        if self.update_rows(tables, device, input, metrics, false)? {
-            return Ok(true);
-        }
+    ) -> Result<bool, PieceError> {
+        self.update_rows(tables, device, input, metrics, false)
+    }
+
+    /// Adds one batch to `tables`, its expressions evaluated by DataFusion (over the rows
+    /// of the fused filter, which it applies first; an error it raises is the query's): for
+    /// a batch the program left to the CPU.
+    pub(super) fn update_on_cpu(
+        &self,
+        tables: &mut Tables,
+        device: &Device,
+        input: &Chunk,
+        metrics: &GpuMetrics,
+    ) -> Result<(), PieceError> {
         let batch = input.to_host(metrics)?;
-        let rows = Chunk::Host(self.cpu_rows(batch).map_err(UpdateError::Query)?);
+        let rows = Chunk::Host(self.cpu_rows(batch).map_err(PieceError::Query)?);
         self.update_rows(tables, device, &rows, metrics, true)?;
-        Ok(false)
+        Ok(())
     }
 
     /// Adds the batch `input`, its computed columns evaluated by the device program, or by
@@ -47,7 +57,7 @@ impl AggregateWork {
         input: &Chunk,
         metrics: &GpuMetrics,
         on_cpu: bool,
-    ) -> Result<bool, UpdateError> {
+    ) -> Result<bool, PieceError> {
         let n = input.num_rows();
         let mut uploaded: HashMap<usize, DeviceColumn> = HashMap::new();
         let upload =
@@ -108,7 +118,7 @@ impl AggregateWork {
                     let array = e
                         .evaluate(&batch)
                         .and_then(|v| v.into_array(n))
-                        .map_err(UpdateError::Query)?;
+                        .map_err(PieceError::Query)?;
                     columns.push(metrics.upload(device, array.as_ref())?);
                 }
                 columns
@@ -184,7 +194,7 @@ impl AggregateWork {
         for (d, pairs) in self.distinct.iter().zip(&mut tables.distinct) {
             if raw {
                 let values = column(&d.values).ok_or_else(|| {
-                    UpdateError::Query(internal_datafusion_err!("count(DISTINCT …) without values"))
+                    PieceError::Query(internal_datafusion_err!("count(DISTINCT …) without values"))
                 })?;
                 let filter = d.filter.as_ref().and_then(column);
                 metrics.kernel(|| insert_pairs(pairs, device, &keys, values, filter, n))?;
@@ -208,9 +218,9 @@ impl AggregateWork {
         device: &Device,
         input: &Chunk,
         metrics: &GpuMetrics,
-    ) -> Result<(), UpdateError> {
+    ) -> Result<(), PieceError> {
         let internal = |what: &str| {
-            UpdateError::Query(internal_datafusion_err!("count(DISTINCT …) states: {what}"))
+            PieceError::Query(internal_datafusion_err!("count(DISTINCT …) states: {what}"))
         };
         let Source::Input(c) = distinct.values else {
             return Err(internal("not an input column"));
@@ -241,10 +251,10 @@ impl AggregateWork {
                 return Err(internal("a computed group key"));
             };
             let keys = take(batch.column(*k), &parents, None)
-                .map_err(|e| UpdateError::Query(arrow_err(e)))?;
+                .map_err(|e| PieceError::Query(arrow_err(e)))?;
             columns.push(metrics.upload(device, keys.as_ref())?);
         }
-        let values = take(elements, &at, None).map_err(|e| UpdateError::Query(arrow_err(e)))?;
+        let values = take(elements, &at, None).map_err(|e| PieceError::Query(arrow_err(e)))?;
         columns.push(metrics.upload(device, values.as_ref())?);
         let columns: Vec<&DeviceColumn> = columns.iter().collect();
         metrics.kernel(|| pairs.update(&columns, &[], parents.len()))?;
@@ -267,8 +277,8 @@ fn insert_new_keys(
     metrics: &GpuMetrics,
     uploaded: &HashMap<usize, DeviceColumn>,
     n: usize,
-) -> Result<bool, UpdateError> {
-    let missing = || UpdateError::Query(internal_datafusion_err!("a key column not uploaded"));
+) -> Result<bool, PieceError> {
+    let missing = || PieceError::Query(internal_datafusion_err!("a key column not uploaded"));
     let uploaded: HashMap<usize, DeviceColumn> = uploaded
         .iter()
         .map(|(&c, column)| (c, column.prefix(n)))
@@ -309,20 +319,6 @@ fn insert_new_keys(
         status: status.as_ref(),
     };
     Ok(metrics.kernel(|| tables.groups.insert_groups(&keys, n, with))?)
-}
-
-/// Why a batch could not be added on the device.
-pub(super) enum UpdateError {
-    /// The device failed (fault, memory): finish on the CPU.
-    Device(KernelError),
-    /// DataFusion's own evaluation failed: the query fails as it would on the CPU.
-    Query(DataFusionError),
-}
-
-impl From<KernelError> for UpdateError {
-    fn from(e: KernelError) -> Self {
-        Self::Device(e)
-    }
 }
 
 /// Inserts the pairs (group keys…, value) of a batch's rows whose value is not NULL and

@@ -5,7 +5,8 @@
 //! device, over a build side from a GPU child on the same devices, builds its table from
 //! the child's chunks where they lie, concatenated on the device; a CollectLeft join builds
 //! one table per device, shared by the device's partitions: see `build_side.rs`.) Probe batches (right, coalesced to
-//! `fulmen.gpu.batch_bytes` or `_rows`, see `coalesce.rs`) upload their keys; the device
+//! `fulmen.gpu.batch_bytes` or `_rows`, through the loop every GPU operator shares,
+//! `device_loop.rs`) upload their keys; the device
 //! hashes them, counts and writes the pairs whose hashes and keys are equal (the keys
 //! compared in the probe's own passes) and returns them in probe order. The host then applies the residual filter (DataFusion's
 //! expression, when the join has one) and gathers the output columns with Arrow's `take`,
@@ -61,10 +62,11 @@ use fulmen_kernels::ops::join::{JoinTable, Matches};
 use fulmen_kernels::{Device, DeviceBuffer, DeviceColumn, KernelError};
 use futures::StreamExt;
 
-use super::coalesce::{BatchLimit, Coalescer, PartlyUploaded, Pieces};
+use super::coalesce::{BatchLimit, PartlyUploaded};
+use super::device_loop::{DeviceBatches, OnDevice, PieceError, PieceWork, one_chunk, run_pieces};
 use super::gpu_stream::{
     BatchOn, Chunk, ChunkStream, Col, DeviceResident, DeviceWork, GpuMetrics, OperatorKind, Output,
-    Redo, count_batch, count_operator, device_for, input_chunks,
+    Redo, count_operator, device_for, input_chunks,
 };
 use crate::gpu::compile::Reason;
 

@@ -87,9 +87,9 @@ pub(super) struct Probing {
     /// The probe batches' columns that go to the device: the keys (and a fused filter's
     /// program inputs).
     pub(super) uploaded: Vec<usize>,
-    /// Probe batches waiting to make up a device batch, sized by the columns that go to the
-    /// device.
-    pub(super) pending: Coalescer<PartlyUploaded>,
+    /// Probe batches waiting to make up device batches, sized by the columns that go to
+    /// the device.
+    pub(super) batches: DeviceBatches<PartlyUploaded>,
     pub(super) done: bool,
 }
 
@@ -103,7 +103,7 @@ impl JoinRun {
             None => self.host_table(&build)?,
         };
         let visited = vec![false; build.num_rows()];
-        let pending = Coalescer::new(self.batch);
+        let batches = DeviceBatches::new(self.batch);
         let uploaded = match &self.fused {
             Some(fused) => fused.uploaded(&self.work.right_keys),
             None => self.work.right_keys.clone(),
@@ -116,7 +116,7 @@ impl JoinRun {
             visited,
             probe,
             uploaded,
-            pending,
+            batches,
             done: false,
         };
         Ok(Box::pin(futures::stream::try_unfold(
@@ -233,7 +233,7 @@ impl JoinRun {
                 (Arc::new(side), table, columns)
             }
         };
-        let pending = Coalescer::new(self.batch);
+        let batches = DeviceBatches::new(self.batch);
         let state = DeviceProbing {
             run: self,
             build,
@@ -241,8 +241,7 @@ impl JoinRun {
             build_columns,
             host: None,
             probe,
-            pending,
-            held: None,
+            batches,
             to_host,
             ready: std::collections::VecDeque::new(),
         };
@@ -325,21 +324,16 @@ impl Probing {
     /// One step: the output of the next device batch, or of the end (`None`: nothing to
     /// emit yet).
     pub(super) async fn step(&mut self) -> Result<Option<RecordBatch>> {
-        // Every probe batch has the probe child's schema (they are concatenated into one),
-        // so only the limit closes a device batch.
-        while !self.pending.is_full() {
-            match self.probe.next().await {
-                Some(batch) => self
-                    .pending
-                    .push(PartlyUploaded::new(batch?, &self.uploaded)),
-                None => break,
-            }
-        }
-        if self.pending.is_empty() {
+        let uploaded = &self.uploaded;
+        let next = self
+            .batches
+            .next_from(&mut self.probe, |b| PartlyUploaded::new(b, uploaded))
+            .await?;
+        let Some(pending) = next else {
             self.done = true;
             return self.finish();
-        }
-        let pending: Vec<RecordBatch> = self.pending.take().into_iter().map(|p| p.batch).collect();
+        };
+        let pending: Vec<RecordBatch> = pending.into_iter().map(|p| p.batch).collect();
         let input = concat_batches(&self.probe.schema(), &pending).map_err(arrow_err)?;
         let elapsed = self.run.metrics.baseline.elapsed_compute().clone();
         let timer = elapsed.timer();
@@ -361,66 +355,23 @@ impl Probing {
     /// them whose keys match. Under a fused filter, a piece matched on the device keeps
     /// every input row (its pairs only index rows the filter keeps), and one matched on
     /// the host is filtered there first by the filter's twin. A batch the device has no
-    /// memory for is matched in halves (see `coalesce::Pieces`); a piece the device cannot
-    /// match is matched on the host.
+    /// memory for is matched in halves; a piece the device cannot match is matched on the
+    /// host (the loop every GPU operator shares, `device_loop.rs`).
     pub(super) fn matches(&mut self, input: &RecordBatch) -> Result<(RecordBatch, Matches)> {
         let mut all = Matches::default();
-        let schema = &self.run.work.right_schema;
+        let schema = Arc::clone(&self.run.work.right_schema);
         if self.build.num_rows() == 0 || input.num_rows() == 0 {
             // The join types that take a filter in emit no probe row without a match.
             let probe = match &self.run.fused {
-                Some(_) => RecordBatch::new_empty(Arc::clone(schema)),
+                Some(_) => RecordBatch::new_empty(schema),
                 None => input.clone(),
             };
             return Ok((probe, all));
         }
-        let mut pieces = Pieces::new(Chunk::Host(input.clone()), &self.run.metrics.split_batches);
-        let mut probes = Vec::new();
         // Pieces run in row order, so each starts where the last one ended.
+        let mut probes = Vec::new();
         let mut at = 0u32;
-        while let Some(piece) = pieces.next() {
-            let Chunk::Host(batch) = &piece else {
-                return Err(internal_datafusion_err!("a probe piece left the host"));
-            };
-            let mut on = BatchOn::Fallback;
-            let on_device = match self.table.clone() {
-                Some(table) => match self.device_matches(&table, batch) {
-                    Ok(Some(m)) => Some(m),
-                    // A fused filter's program left a row to the CPU.
-                    Ok(None) => {
-                        on = BatchOn::Rule;
-                        None
-                    }
-                    Err(e) if pieces.split(&piece, &e) => continue,
-                    Err(e) => {
-                        self.run
-                            .metrics
-                            .recover(&e, "matching a batch on the host")?;
-                        None
-                    }
-                },
-                None => None,
-            };
-            let (probe, m) = match on_device {
-                Some(m) => {
-                    count_batch(&self.run.metrics, BatchOn::Device);
-                    // A fused filter's pairs index the input's rows (see `fused.rs`).
-                    let probe = match &self.run.fused {
-                        Some(fused) => fused.host_view(batch, schema)?,
-                        None => batch.clone(),
-                    };
-                    (probe, m)
-                }
-                None => {
-                    count_batch(&self.run.metrics, on);
-                    let probe = match &self.run.fused {
-                        Some(fused) => fused.cpu(batch)?,
-                        None => batch.clone(),
-                    };
-                    let m = host_matches(&mut self.host, &self.run.work, &self.build, &probe)?;
-                    (probe, m)
-                }
-            };
+        for (probe, m) in run_pieces(self, Chunk::Host(input.clone()))? {
             all.build.extend(m.build);
             all.probe.extend(m.probe.iter().map(|&p| p + at));
             at += probe.num_rows() as u32;
@@ -429,8 +380,8 @@ impl Probing {
         let probe = match probes.len() {
             1 => probes
                 .pop()
-                .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))),
-            _ => concat_batches(schema, &probes).map_err(arrow_err)?,
+                .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(&schema))),
+            _ => concat_batches(&schema, &probes).map_err(arrow_err)?,
         };
         Ok((probe, all))
     }
@@ -495,10 +446,8 @@ pub(super) struct DeviceProbing {
     pub(super) build_columns: HashMap<usize, DeviceColumn>,
     pub(super) host: Option<HostIndex>,
     pub(super) probe: ChunkStream,
-    /// Host probe chunks waiting to make up a device batch (a device chunk goes alone), and
-    /// a chunk that closed the last one.
-    pub(super) pending: Coalescer<Chunk>,
-    pub(super) held: Option<Chunk>,
+    /// Probe chunks waiting to make up device batches (a device chunk goes alone).
+    pub(super) batches: DeviceBatches<Chunk>,
     /// The output goes to the host (the join's parent is a CPU operator).
     pub(super) to_host: bool,
     /// Output of a probe chunk that was split, not emitted yet.
@@ -506,89 +455,27 @@ pub(super) struct DeviceProbing {
 }
 
 impl DeviceProbing {
-    /// The next device batch of probe rows: host chunks coalesced (see `coalesce.rs`), a
+    /// The next device batch of probe rows: host chunks coalesced (see `device_loop.rs`), a
     /// device chunk as it is; `None` once the probe side has ended.
     pub(super) async fn next_batch(&mut self) -> Result<Option<Chunk>> {
-        loop {
-            if let Some(held) = self.held.take() {
-                self.pending.push(held);
-            }
-            if self.pending.is_full() {
-                break;
-            }
-            match self.probe.next().await {
-                Some(chunk) => {
-                    let chunk = chunk?;
-                    if self.pending.closes_before(&chunk) {
-                        self.held = Some(chunk);
-                        break;
-                    }
-                    self.pending.push(chunk);
-                }
-                None => break,
-            }
+        match self.batches.next_from(&mut self.probe, |c| c).await? {
+            Some(items) => one_chunk(items).map(Some),
+            None => Ok(None),
         }
-        let mut waiting = self.pending.take();
-        if waiting.len() <= 1 {
-            return Ok(waiting.pop());
-        }
-        let batches = waiting
-            .iter()
-            .map(|c| match c {
-                Chunk::Host(b) => Ok(b.clone()),
-                Chunk::Device(..) => Err(internal_datafusion_err!(
-                    "a device chunk was coalesced with others"
-                )),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let probe = concat_batches(&batches[0].schema(), &batches).map_err(arrow_err)?;
-        Ok(Some(Chunk::Host(probe)))
     }
 
     /// The output for one probe chunk, in order (empty: nothing matched). A host chunk the
-    /// device has no memory for is probed in halves (see `coalesce::Pieces`), each with
-    /// output of its own; a piece the device cannot probe is probed on the host.
+    /// device has no memory for is probed in halves, each with
+    /// output of its own; a piece the device cannot probe is probed on the host (the loop
+    /// every GPU operator shares, `device_loop.rs`).
     pub(super) fn step(&mut self, chunk: Chunk) -> Result<Vec<Chunk>> {
-        let mut outputs = Vec::new();
         if self.build.num_rows() == 0 || chunk.num_rows() == 0 {
-            return Ok(outputs);
+            return Ok(Vec::new());
         }
         let elapsed = self.run.metrics.baseline.elapsed_compute().clone();
         let _timer = elapsed.timer();
-        let mut pieces = Pieces::new(chunk, &self.run.metrics.split_batches);
-        while let Some(piece) = pieces.next() {
-            let mut on = BatchOn::Fallback;
-            if let Some(table) = self.table.clone() {
-                match self.on_device(&table, &piece) {
-                    Ok(Probe::Out(out)) => {
-                        count_batch(&self.run.metrics, BatchOn::Device);
-                        if let Some(out) = out {
-                            self.run.metrics.record_chunk(&out);
-                            outputs.push(out);
-                        }
-                        continue;
-                    }
-                    // A fused filter's program left a row to the CPU.
-                    Ok(Probe::ToCpu) => on = BatchOn::Rule,
-                    Err(e) if pieces.split(&piece, &e) => continue,
-                    Err(e) => self
-                        .run
-                        .metrics
-                        .recover(&e, "matching a batch on the host")?,
-                }
-            }
-            count_batch(&self.run.metrics, on);
-            let mut probe = piece.host_for_cpu(&self.run.metrics)?;
-            if let Some(fused) = &self.run.fused {
-                probe = fused.cpu(&probe)?;
-            }
-            let build = self.build.host(&self.run.metrics)?;
-            if let Some(out) = host_probe(&mut self.host, &self.run.work, &build, &probe)? {
-                self.run.metrics.record_batch(&out);
-                outputs.push(Chunk::Host(out));
-            }
-        }
-        Ok(outputs)
+        let outputs = run_pieces(self, chunk)?;
+        Ok(outputs.into_iter().flatten().collect())
     }
 
     pub(super) fn on_device(&self, table: &JoinTable, input: &Chunk) -> Result<Probe, KernelError> {
@@ -928,4 +815,97 @@ pub(super) fn host_probe(
     let matches = host_matches(host, work, build, probe)?;
     let mut visited = vec![false; build.num_rows()];
     work.probe_output(build, probe, &matches, &mut visited)
+}
+
+/// A host-assembled join's probe pieces: matched on the device (under a fused filter, the
+/// pairs index the input's rows, see `fused.rs`), or on the host (the fused filter's twin
+/// first).
+impl PieceWork for Probing {
+    type Out = (RecordBatch, Matches);
+    const ON_FAILURE: Option<&'static str> = Some("matching a batch on the host");
+
+    fn metrics(&self) -> &GpuMetrics {
+        &self.run.metrics
+    }
+
+    fn run_on_device(
+        &mut self,
+        piece: &Chunk,
+    ) -> Result<OnDevice<(RecordBatch, Matches)>, PieceError> {
+        let batch = host_piece(piece)?;
+        let Some(table) = self.table.clone() else {
+            return Ok(OnDevice::GivenUp);
+        };
+        // `None`: a fused filter's program left a row to the CPU.
+        let Some(matches) = self.device_matches(&table, batch)? else {
+            return Ok(OnDevice::ByRule);
+        };
+        let probe = match &self.run.fused {
+            Some(fused) => fused.host_view(batch, &self.run.work.right_schema)?,
+            None => batch.clone(),
+        };
+        Ok(OnDevice::Out((probe, matches)))
+    }
+
+    fn run_on_cpu(
+        &mut self,
+        piece: &Chunk,
+        _: BatchOn,
+    ) -> Result<(RecordBatch, Matches), PieceError> {
+        let batch = host_piece(piece)?;
+        let probe = match &self.run.fused {
+            Some(fused) => fused.cpu(batch)?,
+            None => batch.clone(),
+        };
+        let matches = host_matches(&mut self.host, &self.run.work, &self.build, &probe)?;
+        Ok((probe, matches))
+    }
+}
+
+fn host_piece(piece: &Chunk) -> Result<&RecordBatch> {
+    match piece {
+        Chunk::Host(batch) => Ok(batch),
+        Chunk::Device(..) => Err(internal_datafusion_err!("a probe piece left the host")),
+    }
+}
+
+/// A device-assembled join's probe pieces: probed on the device, output gathered there (or
+/// taken on the host, see `DeviceProbing::gather_pays`), or probed on the host.
+impl PieceWork for DeviceProbing {
+    type Out = Option<Chunk>;
+    const ON_FAILURE: Option<&'static str> = Some("matching a batch on the host");
+
+    fn metrics(&self) -> &GpuMetrics {
+        &self.run.metrics
+    }
+
+    fn run_on_device(&mut self, piece: &Chunk) -> Result<OnDevice<Option<Chunk>>, PieceError> {
+        let Some(table) = self.table.clone() else {
+            return Ok(OnDevice::GivenUp);
+        };
+        match self.on_device(&table, piece)? {
+            Probe::Out(out) => {
+                if let Some(out) = &out {
+                    self.run.metrics.record_chunk(out);
+                }
+                Ok(OnDevice::Out(out))
+            }
+            // A fused filter's program left a row to the CPU.
+            Probe::ToCpu => Ok(OnDevice::ByRule),
+        }
+    }
+
+    fn run_on_cpu(&mut self, piece: &Chunk, _: BatchOn) -> Result<Option<Chunk>, PieceError> {
+        let run = &self.run;
+        let mut probe = piece.host_for_cpu(&run.metrics)?;
+        if let Some(fused) = &run.fused {
+            probe = fused.cpu(&probe)?;
+        }
+        let build = self.build.host(&run.metrics)?;
+        let out = host_probe(&mut self.host, &run.work, &build, &probe)?;
+        if let Some(out) = &out {
+            run.metrics.record_batch(out);
+        }
+        Ok(out.map(Chunk::Host))
+    }
 }
