@@ -428,26 +428,15 @@ mod tests {
         }
     }
 
-    struct PerPiece(Work);
-    struct Stops(Work);
+    /// `Work` for an operator with a CPU path per piece (`STOPS` false) or without one.
+    struct Loop<const STOPS: bool>(Work);
 
-    impl PieceWork for PerPiece {
+    impl<const STOPS: bool> PieceWork for Loop<STOPS> {
         type Out = i64;
-        const ON_FAILURE: Option<&'static str> = Some("redoing a piece on the CPU");
-        fn metrics(&self) -> &GpuMetrics {
-            &self.0.metrics
-        }
-        fn run_on_device(&mut self, piece: &Chunk) -> Result<OnDevice<i64>, PieceError> {
-            self.0.device(piece)
-        }
-        fn run_on_cpu(&mut self, piece: &Chunk, on: BatchOn) -> Result<i64, PieceError> {
-            self.0.cpu(piece, on)
-        }
-    }
-
-    impl PieceWork for Stops {
-        type Out = i64;
-        const ON_FAILURE: Option<&'static str> = None;
+        const ON_FAILURE: Option<&'static str> = match STOPS {
+            true => None,
+            false => Some("redoing a piece on the CPU"),
+        };
         fn metrics(&self) -> &GpuMetrics {
             &self.0.metrics
         }
@@ -472,7 +461,7 @@ mod tests {
     fn pieces_split_when_the_device_has_no_memory_and_go_to_the_cpu_by_rule_or_failure() {
         // 32 768 rows, room for 8 192: halves, then quarters; the quarter at 16 384 is left
         // to the CPU by rule, the one at 24 576 fails and is redone there.
-        let mut work = PerPiece(Work::new(8192, 16384, 24576));
+        let mut work = Loop::<false>(Work::new(8192, 16384, 24576));
         let out = run_pieces(&mut work, Chunk::Host(ints(0, 32768))).unwrap();
         assert_eq!(out, [0, 8192, -16384, -24576]);
         assert_eq!(
@@ -488,7 +477,7 @@ mod tests {
         assert_eq!(counts(&work.0.metrics), [2, 3, 1, 1]);
 
         // A piece that cannot be split further goes to the CPU.
-        let mut work = PerPiece(Work::new(1000, -1, -1));
+        let mut work = Loop::<false>(Work::new(1000, -1, -1));
         let out = run_pieces(&mut work, Chunk::Host(ints(0, 5000))).unwrap();
         assert_eq!(out, [0]);
         assert_eq!(work.0.ran, [(0, 5000, "fallback")]);
@@ -497,7 +486,7 @@ mod tests {
 
     #[test]
     fn an_operator_without_a_cpu_path_per_piece_stops_with_what_was_not_run() {
-        let mut work = Stops(Work::new(8192, 16384, 8192));
+        let mut work = Loop::<true>(Work::new(8192, 16384, 8192));
         let Err(Stopped::Device { error, rest }) =
             run_pieces(&mut work, Chunk::Host(ints(0, 32768)))
         else {
@@ -514,7 +503,7 @@ mod tests {
         assert_eq!(counts(&work.0.metrics), [1, 2, 0, 0]);
 
         // A rule still sends a piece to the CPU path, which such an operator has for it.
-        let mut work = Stops(Work::new(1 << 20, 0, -1));
+        let mut work = Loop::<true>(Work::new(1 << 20, 0, -1));
         assert_eq!(
             run_pieces(&mut work, Chunk::Host(ints(0, 10))).unwrap(),
             [0]
@@ -523,7 +512,7 @@ mod tests {
 
         // A piece whose CPU path has no device memory for it is split too, and its halves
         // go to the device again (counted once each, where they ran).
-        let mut work = Stops(Work::new(1 << 20, 0, -1));
+        let mut work = Loop::<true>(Work::new(1 << 20, 0, -1));
         work.0.cpu_fits = 8192;
         assert_eq!(
             run_pieces(&mut work, Chunk::Host(ints(0, 16384))).unwrap(),
