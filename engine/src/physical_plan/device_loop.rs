@@ -370,6 +370,19 @@ mod tests {
         }
     }
 
+    /// The device's (emulated) answer to `piece` when it has room for `fits` rows.
+    fn no_memory(piece: &Chunk, fits: usize) -> Result<(), PieceError> {
+        match piece.num_rows() > fits {
+            true => Err(PieceError::Device(KernelError::OutOfDeviceMemory {
+                device: "emulated:0".into(),
+                requested: piece.num_rows(),
+                in_use: 0,
+                budget: fits,
+            })),
+            false => Ok(()),
+        }
+    }
+
     impl Work {
         fn new(fits: usize, by_rule: i64, faulty: i64) -> Self {
             let device = Device::emulated(0, &EmulatorOptions::default());
@@ -391,14 +404,7 @@ mod tests {
 
         fn device(&mut self, piece: &Chunk) -> Result<OnDevice<i64>, PieceError> {
             let first = first_value(piece);
-            if piece.num_rows() > self.fits {
-                return Err(PieceError::Device(KernelError::OutOfDeviceMemory {
-                    device: "emulated:0".into(),
-                    requested: piece.num_rows(),
-                    in_use: 0,
-                    budget: self.fits,
-                }));
-            }
+            no_memory(piece, self.fits)?;
             if first == self.faulty {
                 return Err(PieceError::Device(fault("launch")));
             }
@@ -410,14 +416,7 @@ mod tests {
         }
 
         fn cpu(&mut self, piece: &Chunk, on: BatchOn) -> Result<i64, PieceError> {
-            if piece.num_rows() > self.cpu_fits {
-                return Err(PieceError::Device(KernelError::OutOfDeviceMemory {
-                    device: "emulated:0".into(),
-                    requested: piece.num_rows(),
-                    in_use: 0,
-                    budget: self.cpu_fits,
-                }));
-            }
+            no_memory(piece, self.cpu_fits)?;
             let on = match on {
                 BatchOn::Rule => "rule",
                 BatchOn::Fallback => "fallback",
