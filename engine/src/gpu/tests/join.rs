@@ -378,3 +378,103 @@ async fn a_join_probes_a_batch_the_device_has_no_memory_for_in_halves() {
         assert!(work.nothing_fell_back(), "{sql}: {work:?}");
     }
 }
+
+/// A selective inner join whose output stays on the device (an aggregate above it), over
+/// probe rows from the host: its keys go up whole, and of the other probe columns it
+/// outputs only the matched rows, taken on the host (`probe_takes`), where all of
+/// lineitem's rows of four decimals went up to be gathered on the device. A join that keeps
+/// every probe row uploads those columns whole and gathers them there, as before. The
+/// answers are DataFusion's, on one partition and on two.
+#[tokio::test]
+async fn a_selective_join_uploads_only_the_probe_rows_it_matched() {
+    use super::build_sides::{metric, output_rows};
+    let selective = "SELECT p_brand, sum(l_extendedprice), sum(l_discount), sum(l_tax), \
+                     sum(l_quantity), count(*) FROM part JOIN lineitem ON p_partkey = l_partkey \
+                     WHERE p_size = 15 GROUP BY p_brand ORDER BY 1";
+    let keeps_all = "SELECT o_orderpriority, sum(l_extendedprice), sum(l_discount), count(*) \
+                     FROM orders JOIN lineitem ON o_orderkey = l_orderkey \
+                     GROUP BY o_orderpriority ORDER BY 1";
+    for partitions in [1, 2] {
+        let devices = format!("emulated:1/probe-takes-{partitions}");
+        let (gpu, cpu) = super::tpch_contexts(&devices, partitions, None);
+        let lineitem: usize = super::cache::text(&cpu, "SELECT count(*) AS n FROM lineitem")
+            .await
+            .lines()
+            .filter_map(|l| l.trim_matches(|c| c == '|' || c == ' ').parse().ok())
+            .next()
+            .expect("lineitem's row count");
+        for (sql, takes) in [(selective, true), (keeps_all, false)] {
+            let what = format!("{partitions} partitions: {sql}");
+            let want = super::rows_of(&cpu, &super::plan_of(&cpu, sql).await).await;
+            let plan = super::plan_of(&gpu, sql).await;
+            assert_eq!(super::rows_of(&gpu, &plan).await, want, "{what}");
+            let work = super::Work::of(&plan);
+            assert!(
+                work.gpu_batches > 0 && work.nothing_fell_back(),
+                "{what}: {work:?}"
+            );
+            let mut join = None;
+            let _ = plan.apply(|node| {
+                if node.name() == "GpuHashJoinExec" {
+                    join = Some(Arc::clone(node));
+                }
+                Ok(TreeNodeRecursion::Continue)
+            });
+            let shown = super::cache::shown(&plan);
+            let join = join.unwrap_or_else(|| panic!("{what}: no GPU join\n{shown}"));
+            assert!(shown.contains("GpuAggregateExec"), "{what}\n{shown}");
+            let (up, rows, taken) = (
+                metric(&join, "h2d_bytes"),
+                output_rows(&join),
+                metric(&join, "probe_takes"),
+            );
+            println!("{what}: {up} B up for {rows} of {lineitem} rows, {taken} batches taken");
+            match takes {
+                // The 8-byte keys whole, and less than one more 8-byte column's worth.
+                true => {
+                    assert!(rows > 0 && rows * 20 < lineitem, "{what}: {rows} rows");
+                    assert!(taken > 0, "{what}: nothing taken on the host\n{shown}");
+                    assert!(
+                        up < lineitem * 16,
+                        "{what}: {up} bytes up for {lineitem} probe rows\n{shown}"
+                    );
+                }
+                // Keys and two decimals (8 bytes each on the device), every row.
+                false => {
+                    assert_eq!(taken, 0, "{what}\n{shown}");
+                    assert!(up >= lineitem * 24, "{what}: {up} bytes up\n{shown}");
+                }
+            }
+        }
+    }
+}
+
+/// The selective join above survives every device fault: each of its allocations (the
+/// taken rows' uploads among them) and then each of its launches failed in turn, the
+/// answer is DataFusion's (a batch the device gives up is matched on the host).
+#[tokio::test]
+async fn a_selective_join_survives_every_device_fault() {
+    if super::needs_emulator("a_selective_join_survives_every_device_fault") {
+        return;
+    }
+    let sql = "SELECT p_brand, sum(l_extendedprice), sum(l_tax), count(*) FROM part \
+               JOIN lineitem ON p_partkey = l_partkey WHERE p_size = 15 \
+               GROUP BY p_brand ORDER BY 1";
+    let set = "emulated:1/probe-takes-faults";
+    let (gpu, cpu) = super::tpch_contexts(set, 1, None);
+    let device = devices_of(set)[0].clone();
+    let (_, want) = run(&cpu, sql).await;
+    let (allocations, launches) = device.counters();
+    let (text, clean) = run(&gpu, sql).await;
+    assert_eq!(clean, want);
+    assert!(text.contains("GpuHashJoinExec"), "{text}");
+    let (a, l) = device.counters();
+    super::fail_each_in_turn(
+        &device,
+        (a - allocations, l - launches),
+        &want,
+        "selective join",
+        async || run(&gpu, sql).await.1,
+    )
+    .await;
+}

@@ -332,6 +332,9 @@ impl GpuHashJoinExec {
             host_takes: MetricBuilder::new(&self.metrics)
                 .with_label(label())
                 .counter("host_takes", partition),
+            probe_takes: MetricBuilder::new(&self.metrics)
+                .with_label(label())
+                .counter("probe_takes", partition),
         };
         count_operator(&self.executed, OperatorKind::Join);
         super::gpu_stream::count_partition();

@@ -504,7 +504,7 @@ pub(super) fn host_matches(
 
 /// The bytes a value of `data_type` takes on the device (a string: a nominal 20 bytes and
 /// its offset; a boolean: one).
-fn row_bytes(data_type: &DataType) -> usize {
+pub(super) fn row_bytes(data_type: &DataType) -> usize {
     use fulmen_kernels::column::{Layout, device_type, layout_of};
     match device_type(data_type, 0).ok().as_ref().and_then(layout_of) {
         Some(Layout::Fixed(width)) => width,
