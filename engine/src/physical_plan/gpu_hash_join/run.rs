@@ -646,6 +646,12 @@ impl DeviceProbing {
                 taken.insert(c, metrics.upload(device, column.as_ref())?);
             }
             run.extra.probe_takes.add(1);
+            log::debug!(
+                "a join probe takes {rows} of {n} host rows of {} columns; {} probe string \
+                 columns went up whole before the probe",
+                missing.len(),
+                strings.iter().filter(|&&i| !sources[i].0).count()
+            );
         }
         for &(from_build, c) in &sources {
             if !from_build
