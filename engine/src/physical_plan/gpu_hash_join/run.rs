@@ -628,13 +628,15 @@ impl DeviceProbing {
             return Ok(Probe::Out(Some(out)));
         }
         // The probe columns the output wants that are not up yet: out of a host chunk, the
-        // matched rows taken there and only they uploaded, when that costs less than
-        // uploading the columns whole and gathering them on the device (`take_pays`), as
-        // for a selective join over a wide probe side; else uploaded whole.
-        let missing: Vec<usize> = (sources.iter())
+        // matched rows taken there and only they uploaded, when that costs less than half
+        // as much as uploading the columns whole and gathering them on the device
+        // (`take_pays`), as for a selective join over a wide probe side; else uploaded whole.
+        let mut missing: Vec<usize> = (sources.iter())
             .filter(|&&(from_build, c)| !from_build && !probe_columns.contains_key(&c))
             .map(|&(_, c)| c)
             .collect();
+        missing.sort_unstable();
+        missing.dedup();
         let mut taken: HashMap<usize, DeviceColumn> = HashMap::new();
         if let Chunk::Host(batch) = chunk
             && self.take_pays(batch, &missing, rows)
@@ -645,7 +647,6 @@ impl DeviceProbing {
                     .map_err(|e| KernelError::InvalidData(e.to_string()))?;
                 taken.insert(c, metrics.upload(device, column.as_ref())?);
             }
-            run.extra.probe_takes.add(1);
             log::debug!(
                 "a join probe takes {rows} of {n} host rows of {} columns; {} probe string \
                  columns went up whole before the probe",
@@ -706,9 +707,12 @@ impl DeviceProbing {
             let out = host_probe(&mut None, &work, &build, &probe)?;
             Ok(out.unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(&work.schema))))
         });
-        Output { columns, rows }
-            .to_device(&run.work.schema, device, metrics, redo)
-            .map(|out| Probe::Out(Some(out)))
+        let out = Output { columns, rows }.to_device(&run.work.schema, device, metrics, redo)?;
+        // Counted once the batch's output is made (a piece split after a failure takes again).
+        if !taken.is_empty() {
+            run.extra.probe_takes.add(1);
+        }
+        Ok(Probe::Out(Some(out)))
     }
 }
 
@@ -785,7 +789,7 @@ impl DeviceProbing {
 
     /// For output that stays on the device, out of a host chunk: whether taking the `rows`
     /// matched probe rows of the columns `missing` on the host and uploading only them
-    /// costs at most half as much in the H200 model (one more wait, the probe's row indices
+    /// costs less than half as much in the H200 model (one more wait, the probe's row indices
     /// down, the taken rows up) as uploading those columns whole for the device to gather
     /// (their gather launches, six columns to a launch, saved too). The margin stands for
     /// what the model leaves out: the host's own pass over the taken rows, and the device
