@@ -474,8 +474,12 @@ async fn a_selective_join_survives_every_device_fault() {
         super::rows_of(&cpu, &super::plan_of(&cpu, sql).await).await
     );
     // The clean run took its matched rows on the host: the faults below meet that path.
-    let taken = super::metric_sum(&plan, "probe_takes");
+    let (taken, work) = (
+        super::metric_sum(&plan, "probe_takes"),
+        super::Work::of(&plan),
+    );
     assert!(taken > 0, "{}", super::cache::shown(&plan));
+    assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
     super::fail_each_in_turn(
         &device,
         (a - allocations, l - launches),

@@ -795,7 +795,7 @@ impl DeviceProbing {
     /// what the model leaves out: the host's own pass over the taken rows, and the device
     /// bytes of the columns it makes; a join that keeps most of its probe rows (TPC-H Q21's
     /// `l1`, 63 %) gathers on the device. A judgement, not measured on a GPU.
-    pub(super) fn take_pays(&self, batch: &RecordBatch, missing: &[usize], rows: usize) -> bool {
+    fn take_pays(&self, batch: &RecordBatch, missing: &[usize], rows: usize) -> bool {
         if missing.is_empty() {
             return false;
         }
