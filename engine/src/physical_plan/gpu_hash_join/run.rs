@@ -676,7 +676,7 @@ impl DeviceProbing {
         // columns together (gather_columns: six fixed-width columns to a launch).
         // Probe rows taken on the host are in output order already.
         let mut gathered: Vec<Option<DeviceColumn>> = (sources.iter())
-            .map(|&(from_build, c)| (!from_build).then(|| taken.get(&c).cloned()).flatten())
+            .map(|&(from_build, c)| taken.get(&c).filter(|_| !from_build).cloned())
             .collect();
         for (side, indices) in [(true, &build_rows), (false, &probe_rows)] {
             let these: Vec<usize> = (0..sources.len())
@@ -792,9 +792,9 @@ impl DeviceProbing {
     /// costs less than half as much in the H200 model (one more wait, the probe's row indices
     /// down, the taken rows up) as uploading those columns whole for the device to gather
     /// (their gather launches, six columns to a launch, saved too). The margin stands for
-    /// what the model leaves out: the host's own pass over the taken rows, and the device
-    /// bytes of the columns it makes; a join that keeps most of its probe rows (TPC-H Q21's
-    /// `l1`, 63 %) gathers on the device. A judgement, not measured on a GPU.
+    /// what the model leaves out, the host's own pass over the taken rows: a join that keeps
+    /// most of its probe rows (TPC-H Q21's `l1`, 63 %) gathers on the device. A judgement,
+    /// not measured on a GPU.
     fn take_pays(&self, batch: &RecordBatch, missing: &[usize], rows: usize) -> bool {
         if missing.is_empty() {
             return false;
