@@ -71,12 +71,14 @@ use super::gpu_stream::{
 use crate::gpu::compile::Reason;
 
 mod build_side;
+mod device_probing;
 mod fused;
 mod probe_filter;
 mod run;
 mod work;
 
 use build_side::*;
+use device_probing::*;
 use fused::*;
 use probe_filter::*;
 use run::*;
