@@ -344,3 +344,99 @@ async fn a_large_replicated_build_side_is_made_again_on_each_device() {
     assert!(rows > 100_000, "{rows} build rows");
     assert_eq!(made, 2 * rows, "made once per device\n{shown}");
 }
+
+/// Left semi and anti joins over build rows a GPU operator made (cached tables under GPU
+/// filters): the build rows stay where they lie (`semi.rs`). The filter under the join
+/// brings nothing down (on the host path it brought its every row down, for the join to
+/// upload their keys again), the join builds its table over them (`device_builds`), and
+/// the answers are DataFusion's: on one partition and on two, and on two devices (the last
+/// partition's device gathers the rows it emits). (A Partitioned join's build side comes
+/// through DataFusion's repartition, on the host.)
+#[tokio::test]
+async fn semi_and_anti_joins_keep_their_build_rows_on_the_device() {
+    let semi = "SELECT c_mktsegment, count(*), sum(c_acctbal) FROM customer \
+                WHERE c_acctbal > 1000 AND c_custkey IN \
+                (SELECT o_custkey FROM orders WHERE o_totalprice > 200000) \
+                GROUP BY c_mktsegment ORDER BY 1";
+    let anti = "SELECT c_mktsegment, count(*), min(c_name) FROM customer \
+                WHERE c_acctbal > 1000 AND NOT EXISTS \
+                (SELECT 1 FROM orders WHERE o_custkey = c_custkey) \
+                GROUP BY c_mktsegment ORDER BY 1";
+    let runs = [
+        ("emulated:1/semi-builds", 1),
+        ("emulated:1/semi-builds", 2),
+        ("emulated:2/semi-builds", 2),
+    ];
+    for (set, partitions) in runs {
+        let (gpu, cpu) = tpch_contexts(set, partitions, None);
+        text(&gpu, "SET fulmen.cache.replicate_below = 0").await;
+        for table in ["customer", "orders"] {
+            gpu.cache_table(table).await.unwrap();
+        }
+        for (sql, join_type) in [(semi, "LeftSemi"), (anti, "LeftAnti")] {
+            let what = format!("{set}, {partitions} partitions: {join_type}");
+            let plan = plan_of(&gpu, sql).await;
+            assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1, "{what}");
+            let shown = shown(&plan);
+            let work = Work::of(&plan);
+            assert!(
+                work.gpu_batches > 0 && work.nothing_fell_back(),
+                "{what}: {work:?}\n{shown}"
+            );
+            let mut joins = 0;
+            let _ = plan.apply(|node| {
+                let line = displayable(node.as_ref()).one_line().to_string();
+                if node.name() == "GpuHashJoinExec" && line.contains(join_type) {
+                    joins += 1;
+                    assert!(metric(node, "device_builds") > 0, "{what}\n{shown}");
+                    let mut build = Arc::clone(node.children()[0]);
+                    if build.name() == "CoalescePartitionsExec" {
+                        build = Arc::clone(build.children()[0]);
+                    }
+                    let (name, down) = (build.name().to_string(), metric(&build, "d2h_bytes"));
+                    assert!(
+                        name.starts_with("Gpu") && down < CONTROL_BYTES,
+                        "{what}: the build side's {name} brought {down} bytes down\n{shown}"
+                    );
+                }
+                Ok(TreeNodeRecursion::Continue)
+            });
+            assert_eq!(joins, 1, "{what}: no GPU {join_type} join\n{shown}");
+        }
+    }
+}
+
+/// The semi join above survives every device fault: each of its allocations and then
+/// each of its launches failed in turn, the answer is DataFusion's (a batch the device
+/// gives up is matched on the host, and the rows emitted are taken from host rows).
+#[tokio::test]
+async fn a_semi_join_over_device_rows_survives_every_device_fault() {
+    if needs_emulator("a_semi_join_over_device_rows_survives_every_device_fault") {
+        return;
+    }
+    let sql = "SELECT c_mktsegment, count(*), sum(c_acctbal) FROM customer \
+               WHERE c_acctbal > 1000 AND c_custkey IN \
+               (SELECT o_custkey FROM orders WHERE o_totalprice > 200000) \
+               GROUP BY c_mktsegment ORDER BY 1";
+    let set = "emulated:1/semi-builds-faults";
+    let (gpu, cpu) = tpch_contexts(set, 2, None);
+    for table in ["customer", "orders"] {
+        gpu.cache_table(table).await.unwrap();
+    }
+    let device = devices_of(set)[0].clone();
+    let (_, want) = run(&cpu, sql).await;
+    let (allocations, launches) = device.counters();
+    let plan = plan_of(&gpu, sql).await;
+    assert_eq!(rows_of(&gpu, &plan).await, want);
+    let (a, l) = device.counters();
+    let built = super::metric_sum(&plan, "device_builds");
+    assert!(built > 0, "{}", shown(&plan));
+    super::fail_each_in_turn(
+        &device,
+        (a - allocations, l - launches),
+        &want,
+        "semi join over device rows",
+        async || run(&gpu, sql).await.1,
+    )
+    .await;
+}

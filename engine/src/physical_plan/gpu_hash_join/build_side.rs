@@ -621,8 +621,10 @@ impl JoinRun {
             }
             None => {
                 let host = build.host(&self.metrics)?;
+                // A semi or anti join takes the few rows it emits from host rows there.
+                let upload = !self.work.build_rows_on_device();
                 self.build_table(&host).and_then(|t| {
-                    for &(from_build, c) in &outputs {
+                    for &(from_build, c) in outputs.iter().filter(|_| upload) {
                         if from_build && !columns.contains_key(&c) {
                             let column =
                                 self.metrics.upload(&self.device, host.column(c).as_ref())?;

@@ -159,10 +159,11 @@ impl FusedFilter {
         columns
     }
 
-    /// Matches a host batch of the filter's input on the device, for a join that assembles
-    /// its output on the host: the predicate's program and the probe under its row mask,
-    /// with one wait for the probe's total and the program's error word together, then one
-    /// read of the pairs (none when nothing matched). The pairs' probe rows are the input's:
+    /// Matches a chunk of the filter's input on the device, for a join that assembles its
+    /// output on the host (or a semi or anti join that emits build rows only): the
+    /// predicate's program and the probe under its row mask, with one wait for the probe's
+    /// total and the program's error word together, then one read of the pairs (none when
+    /// nothing matched). The pairs' probe rows are the input's:
     /// a row the filter drops matched nothing, and the join types that take a filter in
     /// emit no probe row without a match, so the join reads the input through
     /// [`host_view`](Self::host_view) as it would read the filter's output. `None`: the
@@ -170,20 +171,19 @@ impl FusedFilter {
     pub(super) fn matches(
         &self,
         table: &JoinTable,
-        input: &RecordBatch,
+        chunk: &Chunk,
         right_keys: &[usize],
         device: &Device,
         metrics: &GpuMetrics,
     ) -> Result<Option<Matches>, KernelError> {
-        let n = input.num_rows();
+        let n = chunk.num_rows();
         if n == 0 || table.rows() == 0 {
             // Nothing can match, and no probe row comes out without a match.
             return Ok(Some(Matches::default()));
         }
-        let chunk = Chunk::Host(input.clone());
         let mut columns = HashMap::new();
         // Word 0 the probe's matches, word 1 the program's error.
-        let Some((kept, status)) = self.select(&chunk, device, metrics, 0, &mut columns)? else {
+        let Some((kept, status)) = self.select(chunk, device, metrics, 0, &mut columns)? else {
             return Ok(None);
         };
         let outputs = self.work.outputs();

@@ -57,6 +57,7 @@ use datafusion::physical_plan::metrics::{
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties,
 };
+use fulmen_kernels::ops::RowIndices;
 use fulmen_kernels::ops::gather;
 use fulmen_kernels::ops::join::{JoinTable, Matches};
 use fulmen_kernels::{Device, DeviceBuffer, DeviceColumn, KernelError};
@@ -75,6 +76,7 @@ mod device_probing;
 mod fused;
 mod probe_filter;
 mod run;
+mod semi;
 mod work;
 
 use build_side::*;
@@ -285,7 +287,10 @@ impl ExecutionPlan for GpuHashJoinExec {
         // A fused stage whose output may stay on the device probes and gathers there; one
         // that assembles its output on the host matches its input's batches under the
         // filter's mask (`Probing`).
-        if (self.fused.is_some() && self.work.device_output()) || self.probes_resident_rows() {
+        if (self.fused.is_some() && self.work.device_output())
+            || self.probes_resident_rows()
+            || self.build_rows_resident()
+        {
             let (stream, work, metrics) = self.device_stream(partition, context, true)?;
             // Only the joined rows come down; a chunk whose device was lost is made again
             // on the CPU from its inputs.
@@ -376,6 +381,28 @@ impl GpuHashJoinExec {
             && super::resident_on(self.inner.children()[1], &self.devices).is_some()
     }
 
+    /// Whether a left semi or anti join without a residual filter keeps its build rows on
+    /// the device (see `semi.rs`): when its build child is a GPU scan, filter or
+    /// projection on the same devices (alone, or under DataFusion's
+    /// `CoalescePartitionsExec` for CollectLeft), whose rows lie there already. Not over a
+    /// GPU join: an inner join made to leave its output on the device uploads every column
+    /// it outputs where its host output would upload keys and bring pairs down, and over
+    /// TPC-H's three such semi joins (Q2, Q18, Q20) that cost more than it saved (in the
+    /// H200 model at SF 1, 19.8 -> 22.2 ms from host; uploads 555 -> 630 MB).
+    fn build_rows_resident(&self) -> bool {
+        use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+        let left = self.inner.children()[0];
+        let child = match left.downcast_ref::<CoalescePartitionsExec>() {
+            Some(c) if self.work.mode == PartitionMode::CollectLeft && c.fetch().is_none() => {
+                c.input()
+            }
+            _ => left,
+        };
+        self.work.build_rows_on_device()
+            && !child.is::<GpuHashJoinExec>()
+            && super::resident_on(child, &self.devices).is_some()
+    }
+
     /// A partition's output as device chunks, the operator's counted work, and its metrics:
     /// build side and probe rows taken where they lie (see `build_side.rs`).
     fn device_stream(
@@ -399,7 +426,7 @@ impl GpuHashJoinExec {
 
 impl DeviceResident for GpuHashJoinExec {
     fn execute_chunks(&self, partition: usize, context: Arc<TaskContext>) -> Result<ChunkStream> {
-        if !self.work.device_output() {
+        if !self.work.device_output() && !self.build_rows_resident() {
             let batches = self.execute(partition, context)?;
             return Ok(Box::pin(batches.map(|b| b.map(Chunk::Host))));
         }

@@ -222,21 +222,10 @@ impl JoinRun {
         probe: ChunkStream,
         to_host: bool,
     ) -> Result<ChunkStream> {
-        let (build, table, build_columns) = match &self.shared {
-            Some((shared, partitions)) => {
-                let built = self.shared_device_build(shared, *partitions).await?;
-                (
-                    Arc::clone(&built.side),
-                    built.table.clone(),
-                    built.columns.clone(),
-                )
-            }
-            None => {
-                let side = self.device_build_side().await?;
-                let (table, columns) = self.table_for(&side)?;
-                (Arc::new(side), table, columns)
-            }
-        };
+        if self.work.build_rows_on_device() {
+            return self.start_semi(probe, to_host).await;
+        }
+        let (build, table, build_columns) = self.device_build().await?;
         let batches = DeviceBatches::new(self.batch);
         let state = DeviceProbing {
             run: self,
@@ -266,6 +255,49 @@ impl JoinRun {
                 Ok(None)
             },
         )))
+    }
+
+    /// The build side of a partition that probes chunks: shared by the device's partitions
+    /// (CollectLeft) or its own, where its rows lie (see
+    /// [`device_build_side`](Self::device_build_side)); its table on this device, and its
+    /// output columns there.
+    pub(super) async fn device_build(
+        &self,
+    ) -> Result<(Arc<BuildSide>, Option<Arc<JoinTable>>, BuildColumns)> {
+        match &self.shared {
+            Some((shared, partitions)) => {
+                let built = self.shared_device_build(shared, *partitions).await?;
+                Ok((
+                    Arc::clone(&built.side),
+                    built.table.clone(),
+                    built.columns.clone(),
+                ))
+            }
+            None => {
+                let side = self.device_build_side().await?;
+                let (table, columns) = self.table_for(&side)?;
+                Ok((Arc::new(side), table, columns))
+            }
+        }
+    }
+
+    /// The build rows every partition matched, once this one has probed everything: its
+    /// own `visited` (Partitioned), or, for CollectLeft, everyone's merged, from the last
+    /// partition to finish (`None` for the others).
+    pub(super) fn all_visited(&self, visited: &mut Vec<bool>) -> Option<Vec<bool>> {
+        let Some((shared, partitions)) = &self.shared else {
+            return Some(std::mem::take(visited));
+        };
+        let mut state = shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (seen, finished) = &mut *state;
+        if seen.len() < visited.len() {
+            seen.resize(visited.len(), false);
+        }
+        for (s, v) in seen.iter_mut().zip(visited.iter()) {
+            *s |= *v;
+        }
+        *finished += 1;
+        (*finished >= *partitions).then(|| std::mem::take(seen))
     }
 
     /// Uploads the `keys` columns of `batch`, and the bitmap of the rows whose keys can
@@ -401,7 +433,8 @@ impl Probing {
         match &run.fused {
             Some(fused) => {
                 let keys = &run.work.right_keys;
-                fused.matches(table, batch, keys, &run.device, &run.metrics)
+                let chunk = Chunk::Host(batch.clone());
+                fused.matches(table, &chunk, keys, &run.device, &run.metrics)
             }
             None => run.device_matches(table, batch).map(Some),
         }
@@ -414,23 +447,8 @@ impl Probing {
         if !work.emits_build_rows() {
             return Ok(None);
         }
-        let visited = match &self.run.shared {
-            None => std::mem::take(&mut self.visited),
-            Some((shared, partitions)) => {
-                let mut state = shared.state.lock().unwrap_or_else(|p| p.into_inner());
-                let (seen, finished) = &mut *state;
-                if seen.len() < self.visited.len() {
-                    seen.resize(self.visited.len(), false);
-                }
-                for (s, v) in seen.iter_mut().zip(&self.visited) {
-                    *s |= *v;
-                }
-                *finished += 1;
-                if *finished < *partitions {
-                    return Ok(None);
-                }
-                std::mem::take(seen)
-            }
+        let Some(visited) = self.run.all_visited(&mut self.visited) else {
+            return Ok(None);
         };
         let out = work.final_output(&self.build, &visited)?;
         if let Some(b) = &out {

@@ -97,6 +97,14 @@ impl JoinWork {
         self.join_type == JoinType::Inner && self.filter.is_none()
     }
 
+    /// Whether the join emits only build rows, chosen by the probe (left semi and left
+    /// anti joins without a residual filter): a build side on the device stays there, the
+    /// probe marks the rows it matched, and only the rows emitted are gathered there at the
+    /// end (see `semi.rs`).
+    pub(super) fn build_rows_on_device(&self) -> bool {
+        matches!(self.join_type, JoinType::LeftSemi | JoinType::LeftAnti) && self.filter.is_none()
+    }
+
     /// Whether an inner join whose output goes to the host, over probe rows already on the
     /// device, should match and gather there and bring down only its output: when that
     /// output is narrower per probe row than what matching on the host moves (the probe
@@ -133,9 +141,13 @@ impl JoinWork {
         columns
     }
 
-    /// Where each output column of an inner join comes from: (build side?, column).
+    /// Where each output column of an inner join (or a left semi or anti join, whose
+    /// columns are the build side's) comes from: (build side?, column).
     pub(super) fn output_sources(&self) -> Vec<(bool, usize)> {
-        let all = self.left_columns + self.right_schema.fields().len();
+        let all = match self.join_type {
+            JoinType::LeftSemi | JoinType::LeftAnti => self.left_columns,
+            _ => self.left_columns + self.right_schema.fields().len(),
+        };
         let columns: Vec<usize> = match &self.projection {
             Some(p) => p.clone(),
             None => (0..all).collect(),

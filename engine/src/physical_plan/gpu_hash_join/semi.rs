@@ -1,0 +1,224 @@
+//! A left semi or anti join without a residual filter over a build side from a GPU child on
+//! the same devices (`DeviceSemi`): it emits build rows only, so its build side stays
+//! where it lies (its keys are never uploaded again, its rows never come down whole). Each
+//! probe chunk (from the host, or from a GPU child where it lies, under a fused filter's
+//! row mask when the join takes one in) is probed there and only the build rows it matched
+//! come down, to mark them; once the probe side has ended (for CollectLeft, in the last
+//! partition to finish) the rows the join emits, matched (semi) or never matched (anti),
+//! are gathered on the device, for a GPU parent to read where they lie or brought down.
+//!
+//! ```text
+//!   build child ─▶ chunks where they lie ─▶ JoinTable (keys as they lie)
+//!   probe chunk ─▶ (fused filter's mask) ─▶ probe ─▶ matched build rows down ─▶ visited
+//!   probe ends ─▶ emitted rows up ─▶ gather build columns ─▶ chunk (down for a CPU parent)
+//!   device error ─▶ that batch matched on the host; the end taken from host rows
+//! ```
+
+use super::*;
+
+/// A partition of a left semi or anti join whose build rows stay on the device.
+pub(super) struct DeviceSemi {
+    run: JoinRun,
+    build: Arc<BuildSide>,
+    /// Shared by the partitions on this device (CollectLeft); `None`: the device could not
+    /// build it, every batch is matched on the host.
+    table: Option<Arc<JoinTable>>,
+    /// The build side's output columns on the device.
+    build_columns: BuildColumns,
+    host: Option<HostIndex>,
+    probe: ChunkStream,
+    batches: DeviceBatches<Chunk>,
+    /// The build rows this partition matched.
+    visited: Vec<bool>,
+    /// The output goes to the host (the join's parent is a CPU operator).
+    to_host: bool,
+}
+
+impl JoinRun {
+    /// A left semi or anti join's partition over build rows kept where they lie: its one
+    /// output chunk (none when no row is emitted, or for a CollectLeft partition that is not
+    /// the last to finish) after the probe side has ended.
+    pub(super) async fn start_semi(self, probe: ChunkStream, to_host: bool) -> Result<ChunkStream> {
+        let (build, table, build_columns) = self.device_build().await?;
+        let visited = vec![false; build.num_rows()];
+        let mut state = DeviceSemi {
+            batches: DeviceBatches::new(self.batch),
+            run: self,
+            build,
+            table,
+            build_columns,
+            host: None,
+            probe,
+            visited,
+            to_host,
+        };
+        let emitted = async move {
+            while let Some(chunk) = state.next_batch().await? {
+                state.step(chunk)?;
+            }
+            let out = state.finish();
+            state.run.metrics.baseline.done();
+            out
+        };
+        Ok(Box::pin(
+            futures::stream::once(emitted).filter_map(|out| async move { out.transpose() }),
+        ))
+    }
+}
+
+impl DeviceSemi {
+    /// The next device batch of probe rows: host chunks coalesced (see `device_loop.rs`), a
+    /// device chunk as it is; `None` once the probe side has ended.
+    async fn next_batch(&mut self) -> Result<Option<Chunk>> {
+        match self.batches.next_from(&mut self.probe, |c| c).await? {
+            Some(items) => one_chunk(items).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Marks the build rows a probe chunk matches: on the device (in halves when it has no
+    /// memory for the chunk), or on the host (the loop every GPU operator shares).
+    fn step(&mut self, chunk: Chunk) -> Result<()> {
+        if self.build.num_rows() == 0 || chunk.num_rows() == 0 {
+            return Ok(());
+        }
+        let elapsed = self.run.metrics.baseline.elapsed_compute().clone();
+        let _timer = elapsed.timer();
+        for matched in run_pieces(self, chunk)? {
+            for b in matched {
+                self.visited[b as usize] = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// The build rows a chunk matches, probed on the device: under a fused filter's row mask
+    /// when the join takes one in (`None`: its program left a row to the CPU). One wait for
+    /// the probe's total, one for the matched build rows (none when nothing matched).
+    fn on_device(&self, table: &JoinTable, chunk: &Chunk) -> Result<Option<Vec<u32>>, KernelError> {
+        let run = &self.run;
+        let (device, metrics, keys) = (&run.device, &run.metrics, &run.work.right_keys);
+        if let Some(fused) = &run.fused {
+            let matches = fused.matches(table, chunk, keys, device, metrics)?;
+            return Ok(matches.map(|m| m.build));
+        }
+        let columns = (keys.iter())
+            .map(|&c| chunk.device_column(c, device, metrics))
+            .collect::<Result<Vec<_>, _>>()?;
+        let columns: Vec<&DeviceColumn> = columns.iter().collect();
+        // NULL probe keys need no validity: the probe's key check rejects them (unless
+        // NULLs match).
+        let n = chunk.num_rows();
+        let pairs = metrics.kernel(|| match table.probe_queued(&columns, None, n, 0)? {
+            Some(queued) => Ok(queued.finish()?.pairs),
+            None => Ok(None),
+        })?;
+        let Some((build, _)) = pairs else {
+            return Ok(Some(Vec::new()));
+        };
+        let mut lists = metrics.download_with_indices(&[&build], &[])?.0;
+        Ok(Some(lists.pop().unwrap_or_default()))
+    }
+
+    /// The rows the join emits, once this partition (for CollectLeft, the last one) has
+    /// probed everything: gathered from the build side's columns on the device when they
+    /// are there (brought down for a CPU parent), else taken from its host rows.
+    fn finish(&mut self) -> Result<Option<Chunk>> {
+        let Some(visited) = self.run.all_visited(&mut self.visited) else {
+            return Ok(None);
+        };
+        let want = self.run.work.join_type == JoinType::LeftSemi;
+        let rows: Vec<u32> = (0..visited.len() as u32)
+            .filter(|&i| visited[i as usize] == want)
+            .collect();
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let metrics = &self.run.metrics;
+        if self.table.is_some() && self.build.device_batch().is_some() {
+            match self.gather(&rows, &visited) {
+                Ok(chunk) => {
+                    let out = match self.to_host {
+                        true => Chunk::Host(chunk.host_for_cpu(metrics)?),
+                        false => chunk,
+                    };
+                    metrics.record_chunk(&out);
+                    return Ok(Some(out));
+                }
+                Err(e) => metrics.recover(&e, "taking the join's build rows on the host")?,
+            }
+        }
+        let build = self.build.host(metrics)?;
+        let out = self.run.work.final_output(&build, &visited)?;
+        if let Some(b) = &out {
+            metrics.record_batch(b);
+        }
+        Ok(out.map(Chunk::Host))
+    }
+
+    /// The emitted build `rows` gathered on the device (their numbers uploaded); made again
+    /// on the CPU from the build side's lineage should the device be lost before the parent
+    /// reads them.
+    fn gather(&self, rows: &[u32], visited: &[bool]) -> Result<Chunk, KernelError> {
+        let run = &self.run;
+        let (device, metrics) = (&run.device, &run.metrics);
+        let sources = run.work.output_sources();
+        let columns = (sources.iter())
+            .map(|&(_, c)| {
+                self.build_columns.get(&c).ok_or_else(|| {
+                    KernelError::InvalidData(format!("build column {c} is not on the device"))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let gathered = metrics.kernel(|| {
+            let indices = RowIndices::upload(device, rows, self.build.num_rows())?;
+            gather::gather_columns(&columns, &indices)
+        })?;
+        let (work, build, visited) = (
+            Arc::clone(&run.work),
+            self.build.lineage(),
+            visited.to_vec(),
+        );
+        let redo = Redo::new(move || {
+            let out = work.final_output(&build.run()?, &visited)?;
+            Ok(out.unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(&work.schema))))
+        });
+        let output = Output {
+            columns: gathered.into_iter().map(Col::Device).collect(),
+            rows: rows.len(),
+        };
+        output.to_device(&run.work.schema, device, metrics, redo)
+    }
+}
+
+/// A semi or anti join's probe pieces: the build rows each matched, on the device or on the
+/// host (a fused filter's twin first).
+impl PieceWork for DeviceSemi {
+    type Out = Vec<u32>;
+    const ON_FAILURE: Option<&'static str> = Some("matching a batch on the host");
+
+    fn metrics(&self) -> &GpuMetrics {
+        &self.run.metrics
+    }
+
+    fn run_on_device(&mut self, piece: &Chunk) -> Result<OnDevice<Vec<u32>>, PieceError> {
+        let Some(table) = self.table.clone() else {
+            return Ok(OnDevice::GivenUp);
+        };
+        match self.on_device(&table, piece)? {
+            Some(matched) => Ok(OnDevice::Out(matched)),
+            // A fused filter's program left a row to the CPU.
+            None => Ok(OnDevice::ByRule),
+        }
+    }
+
+    fn run_on_cpu(&mut self, piece: &Chunk, _: BatchOn) -> Result<Vec<u32>, PieceError> {
+        let run = &self.run;
+        let mut probe = piece.host_for_cpu(&run.metrics)?;
+        if let Some(fused) = &run.fused {
+            probe = fused.cpu(&probe)?;
+        }
+        let build = self.build.host(&run.metrics)?;
+        Ok(host_matches(&mut self.host, &run.work, &build, &probe)?.build)
+    }
+}
