@@ -191,19 +191,12 @@ proptest! {
     }
 }
 
-/// A GPU join fills the dynamic filter DataFusion's planner gave its probe side's scan
-/// with the build side's key range (as DataFusion's HashJoinExec does), in CollectLeft and
-/// in Partitioned mode, and the Parquet scan prunes row groups with it.
-#[tokio::test]
-async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
-    use datafusion::arrow::array::{Int64Array, RecordBatch};
+/// A Parquet file `probe.parquet` in `dir` of 100 000 rows (`k` 0..100 000, `v` = k % 97)
+/// in row groups of 10 000, for a join's dynamic filter to prune.
+fn probe_parquet(dir: &std::path::Path) -> std::path::PathBuf {
     use datafusion::parquet::arrow::ArrowWriter;
     use datafusion::parquet::file::properties::WriterProperties;
-    use datafusion::physical_plan::displayable;
-    use datafusion::prelude::ParquetReadOptions;
-
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("probe.parquet");
+    let path = dir.join("probe.parquet");
     let k: Vec<i64> = (0..100_000).collect();
     let probe = RecordBatch::try_from_iter(vec![
         ("k", Arc::new(Int64Array::from(k.clone())) as _),
@@ -216,14 +209,23 @@ async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
     let properties = WriterProperties::builder()
         .set_max_row_group_row_count(Some(10_000))
         .build();
-    let mut writer = ArrowWriter::try_new(
-        std::fs::File::create(&path).unwrap(),
-        probe.schema(),
-        Some(properties),
-    )
-    .unwrap();
+    let file = std::fs::File::create(&path).unwrap();
+    let mut writer = ArrowWriter::try_new(file, probe.schema(), Some(properties)).unwrap();
     writer.write(&probe).unwrap();
     writer.close().unwrap();
+    path
+}
+
+/// A GPU join fills the dynamic filter DataFusion's planner gave its probe side's scan
+/// with the build side's key range (as DataFusion's HashJoinExec does), in CollectLeft and
+/// in Partitioned mode, and the Parquet scan prunes row groups with it.
+#[tokio::test]
+async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
+    use datafusion::physical_plan::displayable;
+    use datafusion::prelude::ParquetReadOptions;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = probe_parquet(dir.path());
     let dim = RecordBatch::try_from_iter(vec![(
         "d",
         Arc::new(Int64Array::from_iter_values(20_000..20_010)) as _,
@@ -326,6 +328,96 @@ async fn gpu_joins_fill_the_probe_sides_dynamic_filter() {
             assert!(plan.contains("GpuHashJoinExec"), "{join}\n{plan}");
             assert!(work.nothing_fell_back(), "{join}: {work:?}");
         }
+    }
+}
+
+/// A build side that lies on the device (a GPU filter over a cached table) fills the probe
+/// side's dynamic filter from its key bounds reduced there: the join brings none of its
+/// 99 900 keys down (800 KB, where it used to), the filter holds the range DataFusion's
+/// would, and the Parquet scan prunes with it; every device fault in turn leaves the answer
+/// DataFusion's.
+#[tokio::test]
+async fn a_device_build_side_fills_the_dynamic_filter_from_bounds_reduced_there() {
+    use datafusion::physical_plan::displayable;
+    use datafusion::prelude::ParquetReadOptions;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = probe_parquet(dir.path());
+    // 100 000 build keys in 20 000..=29 999, every 1 000th NULL.
+    let dim = RecordBatch::try_from_iter(vec![(
+        "d",
+        Arc::new(Int64Array::from_iter((0..100_000i64).map(|i| {
+            (i % 1_000 != 7).then_some(20_000 + (i * 7_919) % 10_000)
+        }))) as _,
+    )])
+    .unwrap();
+    let set = "emulated:1/dynamic-filter-bounds";
+    // Under a GPU filter: a cached scan alone comes wrapped in DataFusion's
+    // `CooperativeExec`, which the join collects on the host.
+    let sql = "SELECT count(*) AS n, sum(p.v) AS s FROM dim JOIN probe p ON p.k = dim.d \
+               WHERE dim.d <> 5";
+    let contexts = [true, false].map(|on_gpu| {
+        let config = SessionConfig::new().with_target_partitions(1);
+        let fulmen = if on_gpu {
+            gpu_config(set)
+        } else {
+            cpu_config()
+        };
+        FulmenContext::with_session_config(config, fulmen)
+    });
+    for ctx in &contexts {
+        let session = ctx.session_context();
+        session.register_batch("dim", dim.clone()).unwrap();
+        let options = ParquetReadOptions::default();
+        (session.register_parquet("probe", path.to_str().unwrap(), options))
+            .await
+            .unwrap();
+    }
+    let [gpu, cpu] = &contexts;
+    gpu.cache_table("dim").await.unwrap();
+    let (_, want) = run(cpu, sql).await;
+    let device = devices_of(set)[0].clone();
+    let (allocations, launches) = device.counters();
+    let plan = super::plan_of(gpu, sql).await;
+    assert_eq!(super::rows_of(gpu, &plan).await, want);
+    let (a, l) = device.counters();
+    let work = super::Work::of(&plan);
+    assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
+    let text = displayable(plan.as_ref()).indent(true).to_string();
+    assert!(
+        text.contains("DynamicFilter [ k@0 >= 20000 AND k@0 <= 29999 ]"),
+        "{text}"
+    );
+    let mut join = None;
+    let mut scanned = 0;
+    let _ = plan.apply(|node| {
+        match node.name() {
+            "GpuHashJoinExec" => join = Some(Arc::clone(node)),
+            "DataSourceExec" => {
+                scanned += node.metrics().and_then(|m| m.output_rows()).unwrap_or(0)
+            }
+            _ => {}
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    let join = join.unwrap_or_else(|| panic!("no GPU join\n{text}"));
+    use super::build_sides::metric;
+    assert!(metric(&join, "device_builds") > 0, "{text}");
+    let down = metric(&join, "d2h_bytes");
+    assert!(down < 4096, "the join brought {down} bytes down\n{text}");
+    // Nine of the ten row groups lie outside the range: the scan reads one.
+    assert!(scanned <= 10_000, "{scanned} rows scanned");
+    // Each allocation and then each launch failed in turn (the reduction's among them):
+    // the answer is DataFusion's (the keys come down instead, or the filter stays empty).
+    if !super::needs_emulator("the dynamic filter's bounds under device faults") {
+        super::fail_each_in_turn(
+            &device,
+            (a - allocations, l - launches),
+            &want,
+            "a join filling its dynamic filter from device bounds",
+            async || run(gpu, sql).await.1,
+        )
+        .await;
     }
 }
 

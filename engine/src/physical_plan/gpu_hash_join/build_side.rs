@@ -345,13 +345,15 @@ impl JoinRun {
                     });
                     if self.probe_filter.is_some() {
                         // From the rows other devices take through the host, when they do.
-                        let keys = match !remake && partitions.min(self.devices.len()) > 1 {
-                            true => leader
-                                .host_rows(&self.metrics)
-                                .and_then(|rows| self.host_keys(&rows)),
-                            false => self.keys_of(&leader.chunks),
-                        };
-                        self.report_keys(0, keys);
+                        match !remake && partitions.min(self.devices.len()) > 1 {
+                            true => {
+                                let keys = leader
+                                    .host_rows(&self.metrics)
+                                    .and_then(|rows| self.host_keys(&rows));
+                                self.report_keys(0, keys);
+                            }
+                            false => self.report_chunk_keys(0, &leader.chunks),
+                        }
                     }
                     *state.leader.lock().unwrap_or_else(|p| p.into_inner()) = Some(leader);
                     Ok(())
@@ -423,11 +425,10 @@ impl JoinRun {
             false => vec![None; chunks.len()],
         };
         if self.probe_filter.is_some() {
-            let keys = match host.iter().all(Option::is_some) {
-                true => self.host_keys(&host),
-                false => self.keys_of(&chunks),
-            };
-            self.report_keys(0, keys);
+            match host.iter().all(Option::is_some) {
+                true => self.report_keys(0, self.host_keys(&host)),
+                false => self.report_chunk_keys(0, &chunks),
+            }
         }
         Ok(Gathered { chunks, host })
     }

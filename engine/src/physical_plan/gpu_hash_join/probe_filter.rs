@@ -70,7 +70,16 @@ impl ProbeFilter {
         build: &RecordBatch,
         keys: &[usize],
     ) -> Result<()> {
-        let bounds = key_bounds(build, keys)?;
+        self.report_bounds(partition, key_bounds(build, keys)?)
+    }
+
+    /// Adds build partition `partition`'s key ranges, each key's (min, max) (`None`: no
+    /// row can match); the last partition fills the filter.
+    pub(super) fn report_bounds(
+        &self,
+        partition: usize,
+        bounds: Option<Vec<(ScalarValue, ScalarValue)>>,
+    ) -> Result<()> {
         let mut state = self
             .state
             .lock()
@@ -153,4 +162,160 @@ pub(super) fn key_bounds(
         bounds.push((lo, hi));
     }
     Ok(Some(bounds))
+}
+
+/// Launches a keyless reduction of the build keys' minima and maxima takes on a device, as
+/// the emulator counted them: about two per key (the accumulators' starts) and one per
+/// chunk (each chunk's update), what [`JoinRun::bounds_pay`] weighs (TPC-H Q21's one key
+/// over ten chunks: ten launches more than bringing the keys down).
+fn bounds_launches(keys: usize, chunks: usize) -> usize {
+    2 * keys + chunks
+}
+
+impl JoinRun {
+    /// Fills the probe side's dynamic filter from the keys of build rows in `chunks`: their
+    /// bounds reduced where they lie when every chunk is on a device, every key is of an
+    /// integer-like type and the cost model finds that cheaper than bringing the keys down
+    /// ([`bounds_pay`](Self::bounds_pay)); else from the keys brought down. A device error
+    /// in the reduction brings the keys down instead; failing to get them only costs the
+    /// pruning.
+    pub(super) fn report_chunk_keys(&self, partition: usize, chunks: &[Chunk]) {
+        let Some(filter) = self.probe_filter.as_deref() else {
+            return;
+        };
+        if self.bounds_pay(chunks) {
+            match self.device_bounds(chunks) {
+                Ok(bounds) => {
+                    if let Err(e) = filter.report_bounds(partition, bounds) {
+                        log::warn!("the probe side's dynamic filter stays empty: {e}");
+                    }
+                    return;
+                }
+                Err(e) => {
+                    if let Err(e) = self.metrics.recover(&e, "bringing the build keys down") {
+                        log::warn!("the probe side's dynamic filter stays empty: {e}");
+                        return;
+                    }
+                }
+            }
+        }
+        self.report_keys(partition, self.keys_of(chunks));
+    }
+
+    /// Whether the build keys' bounds are reduced on the device: every chunk there, every
+    /// key integer-like (the device's integer minimum and maximum), and, in the H200 model,
+    /// the reduction's launches costing less than the keys' bytes down (both wait once).
+    pub(super) fn bounds_pay(&self, chunks: &[Chunk]) -> bool {
+        let schema = self.left.schema();
+        let keys = &self.work.left_keys;
+        if !(keys.iter()).all(|&k| integer_like(schema.field(k).data_type())) {
+            return false;
+        }
+        let mut bytes = 0;
+        for chunk in chunks {
+            let Chunk::Device(batch, ..) = chunk else {
+                return false;
+            };
+            bytes += (keys.iter())
+                .map(|&k| batch.columns()[k].device_bytes())
+                .sum::<usize>();
+        }
+        let model = fulmen_kernels::cost::H200;
+        let launches = bounds_launches(keys.len(), chunks.len());
+        launches as f64 * model.launch_s < bytes as f64 / model.pcie_bytes_per_s
+    }
+
+    /// Each key's (min, max) over its non-NULL values in the device `chunks`, reduced on
+    /// the device: one keyless group table per device, updated by each of its chunks and
+    /// read in one wait; `None` when some key has none (no build row can match).
+    fn device_bounds(
+        &self,
+        chunks: &[Chunk],
+    ) -> Result<Option<Vec<(ScalarValue, ScalarValue)>>, KernelError> {
+        use fulmen_kernels::ops::aggregate::{AccInput, AccOp, AccState, AccValues, GroupTable};
+        let keys = &self.work.left_keys;
+        let ops: Vec<AccOp> = (keys.iter())
+            .flat_map(|_| [AccOp::MinInt, AccOp::MaxInt])
+            .collect();
+        let mut tables: Vec<(Device, GroupTable)> = Vec::new();
+        for chunk in chunks.iter().filter(|c| c.num_rows() > 0) {
+            let Chunk::Device(batch, ..) = chunk else {
+                return Err(KernelError::InvalidData("build keys off the device".into()));
+            };
+            let columns: Vec<&DeviceColumn> = keys.iter().map(|&k| &batch.columns()[k]).collect();
+            let inputs: Vec<AccInput<'_>> = (columns.iter())
+                .flat_map(|&c| {
+                    let input = AccInput {
+                        values: Some(c),
+                        filter: None,
+                    };
+                    [input, input]
+                })
+                .collect();
+            let device = columns[0].device();
+            let at = match tables.iter().position(|(d, _)| d == device) {
+                Some(at) => at,
+                None => {
+                    tables.push((device.clone(), GroupTable::new(device, &[], &ops)?));
+                    tables.len() - 1
+                }
+            };
+            let table = &mut tables[at].1;
+            self.metrics
+                .kernel(|| table.update(&[], &inputs, batch.num_rows()))?;
+        }
+        let mut found: Vec<Option<(i64, i64)>> = vec![None; keys.len()];
+        let value = |s: &AccState| match &s.values {
+            AccValues::Int(v) if s.counts.first().is_some_and(|&c| c > 0) => v.first().copied(),
+            _ => None,
+        };
+        for (_, table) in &tables {
+            let states = self.metrics.kernel(|| table.download())?.1;
+            for (i, pair) in states.chunks(2).enumerate() {
+                if let (Some(lo), Some(hi)) = (value(&pair[0]), value(&pair[1])) {
+                    found[i] = Some(match found[i] {
+                        Some((a, b)) => (a.min(lo), b.max(hi)),
+                        None => (lo, hi),
+                    });
+                }
+            }
+        }
+        let schema = self.left.schema();
+        let mut bounds = Vec::with_capacity(keys.len());
+        for (&k, range) in keys.iter().zip(found) {
+            let Some((lo, hi)) = range else {
+                return Ok(None);
+            };
+            let t = schema.field(k).data_type();
+            bounds.push((scalar_of(lo, t)?, scalar_of(hi, t)?));
+        }
+        Ok(Some(bounds))
+    }
+}
+
+/// Whether the device keeps a key of this type as an integer whose minimum and maximum
+/// it reduces (as a GPU aggregate's `min` and `max` of it).
+fn integer_like(t: &DataType) -> bool {
+    use DataType::*;
+    matches!(
+        t,
+        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | Date32 | Date64
+    )
+}
+
+/// The value of type `t` whose device integer is `v` (narrowed to `t`'s width).
+fn scalar_of(v: i64, t: &DataType) -> Result<ScalarValue, KernelError> {
+    let bad = |e: String| KernelError::InvalidData(format!("a key bound of type {t}: {e}"));
+    let width = t
+        .primitive_width()
+        .ok_or_else(|| bad("not primitive".into()))?;
+    let data = datafusion::arrow::array::ArrayData::builder(t.clone())
+        .len(1)
+        .add_buffer(datafusion::arrow::buffer::Buffer::from_slice_ref(
+            &v.to_le_bytes()[..width],
+        ))
+        .build()
+        .map_err(|e| bad(e.to_string()))?;
+    let array = datafusion::arrow::array::make_array(data);
+    ScalarValue::try_from_array(&array, 0).map_err(|e| bad(e.to_string()))
 }

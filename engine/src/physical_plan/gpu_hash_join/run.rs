@@ -190,10 +190,7 @@ impl JoinRun {
         if rows > 0 && chunks.iter().any(|c| matches!(c, Chunk::Device(..))) {
             match self.concat_here(&chunks, &[]) {
                 Ok(chunk) => {
-                    if self.probe_filter.is_some() {
-                        let keys = self.keys_of(std::slice::from_ref(&chunk));
-                        self.report_keys(self.partition, keys);
-                    }
+                    self.report_chunk_keys(self.partition, std::slice::from_ref(&chunk));
                     self.extra.build_rows.add(rows);
                     return Ok(BuildSide::on_device(chunk));
                 }
