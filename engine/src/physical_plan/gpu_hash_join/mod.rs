@@ -284,9 +284,10 @@ impl ExecutionPlan for GpuHashJoinExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        // A fused stage whose output may stay on the device probes and gathers there; one
-        // that assembles its output on the host matches its input's batches under the
-        // filter's mask (`Probing`).
+        // A fused stage whose output may stay on the device probes and gathers there (as
+        // does an inner join over probe rows on the device, and a semi or anti join over
+        // build rows there, `semi.rs`); one that assembles its output on the host matches
+        // its input's batches under the filter's mask (`Probing`).
         if (self.fused.is_some() && self.work.device_output())
             || self.probes_resident_rows()
             || self.build_rows_resident()

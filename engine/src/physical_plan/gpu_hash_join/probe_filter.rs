@@ -227,7 +227,7 @@ impl JoinRun {
 
     /// Each key's (min, max) over its non-NULL values in the device `chunks`, reduced on
     /// the device: one keyless group table per device, updated by each of its chunks and
-    /// read in one wait; `None` when some key has none (no build row can match).
+    /// read in one wait per device; `None` when some key has none (no build row can match).
     fn device_bounds(
         &self,
         chunks: &[Chunk],
@@ -271,7 +271,14 @@ impl JoinRun {
         };
         for (_, table) in &tables {
             let states = self.metrics.kernel(|| table.download())?.1;
-            for (i, pair) in states.chunks(2).enumerate() {
+            if states.len() != ops.len() {
+                return Err(KernelError::InvalidData(format!(
+                    "{} key bounds read for {} keys",
+                    states.len(),
+                    keys.len()
+                )));
+            }
+            for (i, pair) in states.chunks_exact(2).enumerate() {
                 if let (Some(lo), Some(hi)) = (value(&pair[0]), value(&pair[1])) {
                     found[i] = Some(match found[i] {
                         Some((a, b)) => (a.min(lo), b.max(hi)),

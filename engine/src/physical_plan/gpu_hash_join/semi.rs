@@ -2,8 +2,8 @@
 //! the same devices (`DeviceSemi`): it emits build rows only, so its build side stays
 //! where it lies (its keys are never uploaded again, its rows never come down whole). Each
 //! probe chunk (from the host, or from a GPU child where it lies, under a fused filter's
-//! row mask when the join takes one in) is probed there and only the build rows it matched
-//! come down, to mark them; once the probe side has ended (for CollectLeft, in the last
+//! row mask when the join takes one in) is probed there and only the build row of each
+//! match comes down (4 bytes a pair), to mark it; once the probe side has ended (for CollectLeft, in the last
 //! partition to finish) the rows the join emits, matched (semi) or never matched (anti),
 //! are gathered on the device, for a GPU parent to read where they lie or brought down.
 //!
@@ -20,8 +20,8 @@ use super::*;
 pub(super) struct DeviceSemi {
     run: JoinRun,
     build: Arc<BuildSide>,
-    /// Shared by the partitions on this device (CollectLeft); `None`: the device could not
-    /// build it, every batch is matched on the host.
+    /// Shared by the partitions on this device (CollectLeft); `None`: the build side is
+    /// empty, or the device could not build it and every batch is matched on the host.
     table: Option<Arc<JoinTable>>,
     /// The build side's output columns on the device.
     build_columns: BuildColumns,
