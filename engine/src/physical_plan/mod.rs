@@ -137,6 +137,13 @@ use datafusion::physical_plan::ExecutionPlan;
 
 /// `plan` as a GPU operator whose output can stay on its device, if it is one.
 pub fn resident(plan: &Arc<dyn ExecutionPlan>) -> Option<&dyn gpu_stream::DeviceResident> {
+    use datafusion::physical_plan::coop::CooperativeExec;
+    // DataFusion wraps a leaf its parent does not already yield for (a cached table's
+    // scan, in a plan of one partition) in a `CooperativeExec`, which only adds yield
+    // points to its stream: the chunks are taken from the scan beneath, where they lie.
+    if let Some(c) = plan.downcast_ref::<CooperativeExec>() {
+        return resident(c.input());
+    }
     if let Some(p) = plan.downcast_ref::<GpuFilterExec>() {
         Some(p)
     } else if let Some(p) = plan.downcast_ref::<GpuProjectionExec>() {
@@ -169,6 +176,7 @@ pub(crate) fn re_executable(plan: &Arc<dyn ExecutionPlan>) -> bool {
     use datafusion::physical_plan::filter::FilterExec;
     use datafusion::physical_plan::projection::ProjectionExec;
     let passes = plan.is::<DataSourceExec>()
+        || plan.is::<datafusion::physical_plan::coop::CooperativeExec>()
         || plan.is::<FilterExec>()
         || plan.is::<ProjectionExec>()
         || plan.is::<GpuFilterExec>()

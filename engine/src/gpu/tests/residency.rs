@@ -300,3 +300,37 @@ async fn a_join_whose_output_goes_to_the_host_probes_on_the_device() {
         }
     }
 }
+
+/// In a plan of one partition DataFusion wraps each cached table's scan in a
+/// `CooperativeExec` (no repartition or coalesce above it yields for it); the GPU operator
+/// over it still takes the chunks where they lie: no scan brings a row down, and the
+/// queries upload almost nothing (before, each scan's columns came down whole and went up
+/// again: 2.6 MB down for Q1's here). The answers are DataFusion's.
+#[tokio::test]
+async fn cached_scans_in_a_plan_of_one_partition_stay_on_the_device() {
+    use super::cache::{TPCH_TABLES, shown};
+    let (gpu, cpu) = tpch_contexts("emulated:1/one-partition", 1, None);
+    for table in TPCH_TABLES {
+        gpu.cache_table(table).await.unwrap();
+    }
+    for q in [1, 3, 6, 9, 14] {
+        let (got, plan) = tpch_run(&gpu, q).await;
+        assert_eq!(got, run(&cpu, crate::tpch::QUERIES[q - 1]).await.1, "Q{q}");
+        let shown = shown(&plan);
+        assert!(shown.contains("CooperativeExec"), "Q{q}\n{shown}");
+        let work = Work::of(&plan);
+        assert!(
+            work.gpu_batches > 0 && work.nothing_fell_back(),
+            "Q{q}: {work:?}"
+        );
+        let moved = bytes_moved(&plan);
+        for (name, _, down) in &moved {
+            assert!(
+                name != "GpuScanExec" || *down == 0,
+                "Q{q}: a cached scan brought {down} bytes down\n{shown}"
+            );
+        }
+        let up: usize = moved.iter().map(|(_, up, _)| up).sum();
+        assert!(up < 64 << 10, "Q{q}: {up} bytes uploaded\n{shown}");
+    }
+}

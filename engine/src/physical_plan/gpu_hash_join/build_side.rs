@@ -126,7 +126,8 @@ fn replica_steps(child: &Arc<dyn ExecutionPlan>, index: usize) -> (usize, usize)
         filters += usize::from(node.name() == "GpuFilterExec");
         match node.children().first() {
             Some(next) => {
-                operators += 1;
+                // DataFusion's `CooperativeExec` over a scan does no device work.
+                operators += usize::from(node.name() != "CooperativeExec");
                 node = Arc::clone(*next);
             }
             None => return (operators, filters),
