@@ -160,14 +160,11 @@ impl FusedFilter {
     }
 
     /// Matches a chunk of the filter's input on the device, for a join that assembles its
-    /// output on the host (or a semi or anti join that emits build rows only): the
-    /// predicate's program and the probe under its row mask, with one wait for the probe's
-    /// total and the program's error word together, then one read of the pairs (none when
-    /// nothing matched). The pairs' probe rows are the input's:
-    /// a row the filter drops matched nothing, and the join types that take a filter in
-    /// emit no probe row without a match, so the join reads the input through
-    /// [`host_view`](Self::host_view) as it would read the filter's output. `None`: the
-    /// program left a row to the CPU.
+    /// output on the host: [`probe`](Self::probe), then one read of the pairs (none when
+    /// nothing matched). The pairs' probe rows are the input's: a row the filter drops
+    /// matched nothing, and the join types that take a filter in emit no probe row without
+    /// a match, so the join reads the input through [`host_view`](Self::host_view) as it
+    /// would read the filter's output. `None`: the program left a row to the CPU.
     pub(super) fn matches(
         &self,
         table: &JoinTable,
@@ -176,10 +173,36 @@ impl FusedFilter {
         device: &Device,
         metrics: &GpuMetrics,
     ) -> Result<Option<Matches>, KernelError> {
+        let Some(pairs) = self.probe(table, chunk, right_keys, device, metrics)? else {
+            return Ok(None);
+        };
+        let Some((build, probe)) = pairs else {
+            return Ok(Some(Matches::default()));
+        };
+        let mut both = metrics.download_with_indices(&[&build, &probe], &[])?.0;
+        let (probe, build) = (
+            both.pop().unwrap_or_default(),
+            both.pop().unwrap_or_default(),
+        );
+        Ok(Some(Matches::from_probe(build, probe)))
+    }
+
+    /// Probes a chunk of the filter's input on the device: the predicate's program and the
+    /// probe under its row mask, with one wait for the probe's total and the program's
+    /// error word together. The matched (build, probe) rows, left on the device (`None`
+    /// inside: nothing matched); `None`: the program left a row to the CPU.
+    pub(super) fn probe(
+        &self,
+        table: &JoinTable,
+        chunk: &Chunk,
+        right_keys: &[usize],
+        device: &Device,
+        metrics: &GpuMetrics,
+    ) -> Result<Option<Option<(RowIndices, RowIndices)>>, KernelError> {
         let n = chunk.num_rows();
         if n == 0 || table.rows() == 0 {
             // Nothing can match, and no probe row comes out without a match.
-            return Ok(Some(Matches::default()));
+            return Ok(Some(None));
         }
         let mut columns = HashMap::new();
         // Word 0 the probe's matches, word 1 the program's error.
@@ -199,7 +222,7 @@ impl FusedFilter {
         }
         let keys: Vec<&DeviceColumn> = keys.iter().map(|i| &columns[i]).collect();
         // `None` out of the closure: the program left a row to the CPU.
-        let pairs = metrics.kernel(|| {
+        metrics.kernel(|| {
             let valid = Some(kept.values());
             match table.probe_queued_into(&keys, valid, n, 1, Some(status))? {
                 Some(queued) => Ok(queued.finish_unless_failed()?.map(|p| p.pairs)),
@@ -207,19 +230,7 @@ impl FusedFilter {
                     "a probe with rows not queued".into(),
                 )),
             }
-        })?;
-        let Some(pairs) = pairs else {
-            return Ok(None);
-        };
-        let Some((build, probe)) = pairs else {
-            return Ok(Some(Matches::default()));
-        };
-        let mut both = metrics.download_with_indices(&[&build, &probe], &[])?.0;
-        let (probe, build) = (
-            both.pop().unwrap_or_default(),
-            both.pop().unwrap_or_default(),
-        );
-        Ok(Some(Matches::from_probe(build, probe)))
+        })
     }
 
     /// A host batch of the filter's input as the join reads it after

@@ -56,7 +56,10 @@ impl JoinRun {
             while let Some(chunk) = state.next_batch().await? {
                 state.step(chunk)?;
             }
+            let elapsed = state.run.metrics.baseline.elapsed_compute().clone();
+            let timer = elapsed.timer();
             let out = state.finish();
+            timer.done();
             state.run.metrics.baseline.done();
             out
         };
@@ -94,25 +97,30 @@ impl DeviceSemi {
 
     /// The build rows a chunk matches, probed on the device: under a fused filter's row mask
     /// when the join takes one in (`None`: its program left a row to the CPU). One wait for
-    /// the probe's total, one for the matched build rows (none when nothing matched).
+    /// the probe's total, one for the matches' build rows (none when nothing matched; their
+    /// probe rows stay on the device).
     fn on_device(&self, table: &JoinTable, chunk: &Chunk) -> Result<Option<Vec<u32>>, KernelError> {
         let run = &self.run;
         let (device, metrics, keys) = (&run.device, &run.metrics, &run.work.right_keys);
-        if let Some(fused) = &run.fused {
-            let matches = fused.matches(table, chunk, keys, device, metrics)?;
-            return Ok(matches.map(|m| m.build));
-        }
-        let columns = (keys.iter())
-            .map(|&c| chunk.device_column(c, device, metrics))
-            .collect::<Result<Vec<_>, _>>()?;
-        let columns: Vec<&DeviceColumn> = columns.iter().collect();
-        // NULL probe keys need no validity: the probe's key check rejects them (unless
-        // NULLs match).
-        let n = chunk.num_rows();
-        let pairs = metrics.kernel(|| match table.probe_queued(&columns, None, n, 0)? {
-            Some(queued) => Ok(queued.finish()?.pairs),
-            None => Ok(None),
-        })?;
+        let pairs = match &run.fused {
+            Some(fused) => match fused.probe(table, chunk, keys, device, metrics)? {
+                Some(pairs) => pairs,
+                None => return Ok(None),
+            },
+            None => {
+                let columns = (keys.iter())
+                    .map(|&c| chunk.device_column(c, device, metrics))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let columns: Vec<&DeviceColumn> = columns.iter().collect();
+                // NULL probe keys need no validity: the probe's key check rejects them
+                // (unless NULLs match).
+                let n = chunk.num_rows();
+                metrics.kernel(|| match table.probe_queued(&columns, None, n, 0)? {
+                    Some(queued) => Ok(queued.finish()?.pairs),
+                    None => Ok(None),
+                })?
+            }
+        };
         let Some((build, _)) = pairs else {
             return Ok(Some(Vec::new()));
         };
