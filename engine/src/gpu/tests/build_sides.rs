@@ -431,6 +431,8 @@ async fn a_semi_join_over_device_rows_survives_every_device_fault() {
     let (a, l) = device.counters();
     let built = super::metric_sum(&plan, "device_builds");
     assert!(built > 0, "{}", shown(&plan));
+    let work = Work::of(&plan);
+    assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
     super::fail_each_in_turn(
         &device,
         (a - allocations, l - launches),

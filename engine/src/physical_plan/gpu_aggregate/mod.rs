@@ -85,6 +85,7 @@ mod states;
 mod update;
 
 pub use plan::AggregateWork;
+pub(crate) use plan::is_integer_like;
 use plan::*;
 pub(crate) use states::canonical_zeros;
 

@@ -161,7 +161,9 @@ fn distinct_type(t: &DataType) -> Result<(), Reason> {
     }
 }
 
-fn is_integer_like(t: &DataType) -> bool {
+/// Whether the device holds values of `t` as integers whose minimum and maximum its
+/// integer accumulators (`MinInt`, `MaxInt`) reduce.
+pub(crate) fn is_integer_like(t: &DataType) -> bool {
     use DataType::*;
     matches!(
         t,

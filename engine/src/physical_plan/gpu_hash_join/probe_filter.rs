@@ -1,6 +1,7 @@
 //! The probe side's dynamic filter, filled from the build side's key bounds.
 
 use super::*;
+use crate::physical_plan::gpu_aggregate::is_integer_like;
 
 /// The dynamic filter DataFusion's planner attached to the join for its probe side's scan
 /// (`DynamicFilter [ empty ]` until filled), filled here as DataFusion's `HashJoinExec`
@@ -208,7 +209,7 @@ impl JoinRun {
     pub(super) fn bounds_pay(&self, chunks: &[Chunk]) -> bool {
         let schema = self.left.schema();
         let keys = &self.work.left_keys;
-        if !(keys.iter()).all(|&k| integer_like(schema.field(k).data_type())) {
+        if !(keys.iter()).all(|&k| is_integer_like(schema.field(k).data_type())) {
             return false;
         }
         let mut bytes = 0;
@@ -298,16 +299,6 @@ impl JoinRun {
         }
         Ok(Some(bounds))
     }
-}
-
-/// Whether the device keeps a key of this type as an integer whose minimum and maximum
-/// it reduces (as a GPU aggregate's `min` and `max` of it).
-fn integer_like(t: &DataType) -> bool {
-    use DataType::*;
-    matches!(
-        t,
-        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | Date32 | Date64
-    )
 }
 
 /// The value of type `t` whose device integer is `v` (narrowed to `t`'s width).
