@@ -38,9 +38,11 @@
 //   agg_rehash          (slots, mask, group_hashes, groups)  re-inserts committed groups
 //                                               into a fresh (all EMPTY_SLOT) table
 //   agg_fill_u64        (buffer, n, value)
-//   agg_init_state      (to, locks, state0, op0, counts0, … state3, op3, counts3)  groups
-//                                               0..to of up to four accumulators at their
-//                                               identity, and their locks zero (below)
+//   agg_init_state      (to, locks, slots, nslots, state0, op0, counts0, … state3, op3,
+//                        counts3)               groups 0..to of up to four accumulators at
+//                                               their identity, their locks zero, and (when
+//                                               slots is not null) a new table's nslots
+//                                               slots EMPTY_SLOT (below)
 //   agg_update          (accs, nacc, gids, n, groups, shared_groups)
 //       the accumulators (see AggAcc) of every row's group; gids == null means group 0 for
 //       every row; a row whose gid is SKIP is left out. shared_groups != 0: each block first accumulates into per-block tables in
@@ -167,8 +169,10 @@ FULMEN_KERNEL agg_fill_u64(uint64_t* buffer, uint64_t n, uint64_t value) {
 
 // Groups 0..to of up to four accumulators at their identity, in one launch: accumulator
 // k's state words (when state_k is not null) and its counts of values (zero, when counts_k
-// is not null), and the groups' locks (zero, when `locks` is not null). A table's
-// accumulators past the fourth take another launch; unused slots pass nulls.
+// is not null), the groups' locks (zero, when `locks` is not null), and a new keyed
+// table's first `nslots` hash slots empty (when `slots` is not null), so that a table
+// starts in one launch. A table's accumulators past the fourth take another launch;
+// unused slots pass nulls.
 __device__ __forceinline__ void agg_init_one(unsigned long long* state, uint64_t op, unsigned long long* counts,
                                              uint64_t g) {
     if (state) {
@@ -178,12 +182,15 @@ __device__ __forceinline__ void agg_init_one(unsigned long long* state, uint64_t
     if (counts) counts[g] = 0;
 }
 
-FULMEN_KERNEL agg_init_state(uint64_t to, uint32_t* locks, unsigned long long* state0, uint64_t op0,
-                             unsigned long long* counts0, unsigned long long* state1, uint64_t op1,
-                             unsigned long long* counts1, unsigned long long* state2, uint64_t op2,
-                             unsigned long long* counts2, unsigned long long* state3, uint64_t op3,
-                             unsigned long long* counts3) {
-    for (uint64_t g = GRID_START; g < to; g += GRID_STRIDE) {
+FULMEN_KERNEL agg_init_state(uint64_t to, uint32_t* locks, unsigned long long* slots, uint64_t nslots,
+                             unsigned long long* state0, uint64_t op0, unsigned long long* counts0,
+                             unsigned long long* state1, uint64_t op1, unsigned long long* counts1,
+                             unsigned long long* state2, uint64_t op2, unsigned long long* counts2,
+                             unsigned long long* state3, uint64_t op3, unsigned long long* counts3) {
+    uint64_t end = slots && nslots > to ? nslots : to;
+    for (uint64_t g = GRID_START; g < end; g += GRID_STRIDE) {
+        if (slots && g < nslots) slots[g] = (unsigned long long)AGG_EMPTY;
+        if (g >= to) continue;
         agg_init_one(state0, op0, counts0, g);
         agg_init_one(state1, op1, counts1, g);
         agg_init_one(state2, op2, counts2, g);

@@ -948,3 +948,85 @@ fn a_fused_batch_waits_once_and_changes_nothing_unless_added() {
     refused(&|s| s.accs[0].filter = Some(2));
     refused(&|s| s.accs.pop().map(|_| ()).unwrap_or(()));
 }
+
+/// A new table starts in one launch (`agg_init_state`): its accumulators at their
+/// identity, their locks and, with keys, its first hash slots empty, so that its first
+/// batch fills no slots (no `agg_fill_u64`). Also a table grouping without accumulators
+/// (its slots alone), one without keys, and one of five accumulators (four to a launch);
+/// each then aggregates 3 000 rows into 37 groups (a key's sum is its rows times itself).
+#[test]
+fn a_new_group_table_starts_in_one_launch() {
+    let d = device();
+    let fills = |d: &Device| -> u64 {
+        d.kernel_counts()
+            .iter()
+            .filter(|k| k.kernel == fulmen_kernels::Kernel::agg_fill_u64)
+            .map(|k| k.launches)
+            .sum()
+    };
+    let keys: Int64Array = (0..3000).map(|i| Some(i % 37)).collect();
+    let keys = DeviceColumn::upload(&d, &keys).unwrap();
+    let input = AccInput {
+        values: Some(&keys),
+        filter: None,
+    };
+    // The device's first scan sets its look-back state up (a fill, once per stream).
+    let mut warm = GroupTable::new(&d, &[DataType::Int64], &[AccOp::Count]).unwrap();
+    warm.update(&[&keys], &[input], 3000).unwrap();
+    let int64 = [DataType::Int64];
+    for (key_types, ops, launches) in [
+        (&int64[..], vec![AccOp::Count, AccOp::SumInt], 1),
+        (&int64[..], vec![], 1),
+        (&[][..], vec![AccOp::Count, AccOp::SumInt], 1),
+        (&int64[..], vec![AccOp::SumInt; 5], 2),
+    ] {
+        let case = format!("{} keys, {} accumulators", key_types.len(), ops.len());
+        let before = d.counts().launches;
+        let mut table = GroupTable::new(&d, key_types, &ops).unwrap();
+        assert_eq!(d.counts().launches - before, launches, "{case}: launches");
+        let fills_before = fills(&d);
+        let batch_keys: Vec<&DeviceColumn> = match key_types.len() {
+            0 => vec![],
+            _ => vec![&keys],
+        };
+        let inputs: Vec<AccInput> = ops
+            .iter()
+            .map(|op| match op {
+                AccOp::Count => AccInput {
+                    values: None,
+                    filter: None,
+                },
+                _ => input,
+            })
+            .collect();
+        table.update(&batch_keys, &inputs, 3000).unwrap();
+        assert_eq!(fills(&d), fills_before, "{case}: no slot fill");
+        let groups = if key_types.is_empty() { 1 } else { 37 };
+        assert_eq!(table.groups(), groups, "{case}: groups");
+        if ops.is_empty() {
+            continue;
+        }
+        let read_keys = table.keys().unwrap();
+        let group_key = |g: usize| -> i64 {
+            match read_keys.first() {
+                Some(k) => k.as_any().downcast_ref::<Int64Array>().unwrap().value(g),
+                None => -1,
+            }
+        };
+        let sum = table.state(ops.len() - 1).unwrap();
+        for (g, &count) in sum.counts.iter().enumerate() {
+            let k = group_key(g);
+            let (rows, total) = match k {
+                -1 => (3000, (0..3000).map(|i| i % 37).sum::<i64>()),
+                k => ((0..3000).filter(|i| i % 37 == k).count() as u64, 0),
+            };
+            assert_eq!(count, rows, "{case}: group {k}'s rows");
+            let want = if k == -1 { total } else { k * rows as i64 };
+            let got = match &sum.values {
+                AccValues::Int(v) => v[g],
+                other => panic!("{case}: {other:?}"),
+            };
+            assert_eq!(got, want, "{case}: group {k}'s sum");
+        }
+    }
+}

@@ -8,7 +8,13 @@ use super::*;
 const INIT_ACCS: usize = 4;
 
 impl GroupTable {
-    pub(super) fn grown(&self, capacity: usize) -> Result<Grown> {
+    /// `new_slots`: a new keyed table's first hash slots (a buffer and how many u64 it
+    /// holds), set empty in the same launch as the accumulators.
+    pub(super) fn grown(
+        &self,
+        capacity: usize,
+        new_slots: Option<(&DeviceBuffer, u64)>,
+    ) -> Result<Grown> {
         let device = &self.device;
         let keep = self.groups.min(self.group_capacity);
         let mut accs = Vec::with_capacity(self.accs.len());
@@ -28,11 +34,32 @@ impl GroupTable {
             false => None,
         };
         // Every group at its identity and unlocked, four accumulators a launch (the locks
-        // with the first four).
-        for (k, four) in accs.chunks(INIT_ACCS).enumerate() {
+        // and the new slots with the first four).
+        // A table without accumulators (GROUP BY alone) takes one launch for its slots.
+        let launches = accs
+            .len()
+            .div_ceil(INIT_ACCS)
+            .max(usize::from(new_slots.is_some()));
+        for k in 0..launches {
+            let four =
+                &accs[(k * INIT_ACCS).min(accs.len())..((k + 1) * INIT_ACCS).min(accs.len())];
+            let (slots, slot_count) = match new_slots {
+                Some((buffer, count)) if k == 0 => {
+                    if buffer.len() < count as usize * 8 {
+                        return Err(KernelError::InvalidData(format!(
+                            "{count} slots in a {} byte buffer",
+                            buffer.len()
+                        )));
+                    }
+                    (Some(buffer), count)
+                }
+                _ => (None, 0),
+            };
             let mut args = vec![
                 Arg::U64(capacity as u64),
                 Arg::opt(locks.as_ref().filter(|_| k == 0)),
+                Arg::opt(slots),
+                Arg::U64(slot_count),
             ];
             for slot in 0..INIT_ACCS {
                 args.extend(match four.get(slot) {
@@ -46,7 +73,8 @@ impl GroupTable {
             }
             // SAFETY: each accumulator's `state` (when there is one) holds `capacity`
             // groups of its op's words and its `counts` `capacity` u64; `locks` (when
-            // given) `capacity` u32 (capacity.div_ceil(2) u64); unused slots are nulls,
+            // given) `capacity` u32 (capacity.div_ceil(2) u64); the new slots (when given)
+            // `slot_count` u64 (checked); unused accumulator slots are nulls,
             // which the kernel skips; the arguments follow agg.cu's signature.
             unsafe {
                 device.launch(

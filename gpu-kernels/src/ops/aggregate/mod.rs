@@ -34,6 +34,8 @@ pub const MAX_GROUPS: usize = 0x7FFF_FFFF - 1;
 pub const SHARED_BYTES: usize = 48 * 1024;
 
 const EMPTY_SLOT: u64 = u64::MAX;
+/// Hash slots a keyed table has at least (a power of two).
+const MIN_SLOTS: u64 = 2048;
 
 /// Words of one group's exact float sum (`AGG_EXACT_WORDS` in agg.cu): 68 limbs of 31 bits
 /// in units of 2^-1074, and a word of NaN / infinity flags.
@@ -312,8 +314,21 @@ impl GroupTable {
             rows_seen: 0,
             fused_updates: 0,
         };
-        let grown = table.grown(if keyed { 1024 } else { 1 })?;
+        // A keyed table's first slots are set empty with its accumulators, in one launch
+        // (its first batch, which has no count of new groups per row yet, wants no more).
+        let slots = match keyed {
+            true => Some(device.alloc(MIN_SLOTS as usize * 8)?),
+            false => None,
+        };
+        let grown = table.grown(
+            if keyed { 1024 } else { 1 },
+            slots.as_ref().map(|s| (s, MIN_SLOTS)),
+        )?;
         table.install(grown);
+        if let Some(slots) = slots {
+            table.slots = Some(slots);
+            table.capacity = MIN_SLOTS;
+        }
         Ok(table)
     }
 

@@ -181,7 +181,9 @@ impl GroupTable {
         let expected = (n as u64).saturating_mul(self.new_per_row) / 1024;
         let expected = (expected + expected / 8).min(n as u64);
         let inserted_count = loop {
-            let wanted = ((g0 as u64 + expected) * 2).max(2048).next_power_of_two();
+            let wanted = ((g0 as u64 + expected) * 2)
+                .max(MIN_SLOTS)
+                .next_power_of_two();
             if self.slots.is_none() || self.capacity < wanted {
                 let slots = self.rebuilt_slots(wanted)?;
                 self.slots = Some(slots);
@@ -362,7 +364,7 @@ impl GroupTable {
         }
         let total = g0 + new;
         let grown = if total > self.group_capacity {
-            Some(self.grown(total.max(self.group_capacity * 2))?)
+            Some(self.grown(total.max(self.group_capacity * 2), None)?)
         } else {
             None
         };
