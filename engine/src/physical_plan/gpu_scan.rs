@@ -226,7 +226,7 @@ impl GpuScanExec {
         let (data, projection) = (Arc::clone(&self.data), self.projection.clone());
         let host_schema = Arc::clone(&self.schema);
         let out = metrics.clone();
-        let stream = futures::stream::iter(chunks).then(move |j| {
+        let stream = futures::stream::iter(chunks.into_iter().enumerate()).then(move |(i, j)| {
             let cached = &data.shard(d)[j];
             let (part, first, len) = (cached.part, cached.first_row, cached.batch.num_rows());
             let read = Arc::clone(&reread);
@@ -237,6 +237,13 @@ impl GpuScanExec {
             };
             let host_schema = Arc::clone(&host_schema);
             async move {
+                // A yield before each chunk past the first: the chunks are ready at once, so
+                // a GPU operator over them (which takes them from beneath DataFusion's
+                // `CooperativeExec` in a plan of one partition) would otherwise do them all
+                // in one poll, and a statement could not be cancelled until it ended.
+                if i > 0 {
+                    tokio::task::yield_now().await;
+                }
                 let Some(batch) = chunk else {
                     log::debug!("{device} is quarantined: reading cached rows from the source");
                     count_batch(&out, BatchOn::Fallback);

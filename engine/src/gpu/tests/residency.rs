@@ -334,3 +334,61 @@ async fn cached_scans_in_a_plan_of_one_partition_stay_on_the_device() {
         assert!(up < 64 << 10, "Q{q}: {up} bytes uploaded\n{shown}");
     }
 }
+
+/// A statement over a cached table yields to the runtime between the table's chunks, so
+/// that it can be cancelled (the shell's Ctrl-C drops it at its next yield). In a plan of
+/// one partition the GPU aggregation takes the chunks from beneath DataFusion's
+/// `CooperativeExec`, whose yields it skips; the chunks are ready at once, so before, all of
+/// them were done in the first poll. Polled by hand here: the stream returns `Pending`
+/// between its chunks, and its answer is DataFusion's.
+#[tokio::test]
+async fn a_statement_over_cached_chunks_yields_between_them() {
+    use futures::StreamExt;
+    let gpu = super::session(small_chunks_config("emulated:1/yields"), 1);
+    let cpu = super::session(super::cpu_config(), 1);
+    gpu.register_tpch(0.01).unwrap();
+    cpu.register_tpch(0.01).unwrap();
+    let summary = gpu.cache_table("lineitem").await.unwrap();
+    assert!(summary.chunks >= 4, "{summary:?}");
+    let sql = "SELECT l_returnflag, count(*) AS n, sum(l_quantity) AS q FROM lineitem \
+               WHERE l_shipdate < DATE '1998-09-01' GROUP BY l_returnflag ORDER BY l_returnflag";
+    let plan = plan_of(&gpu, sql).await;
+    let mut stream = datafusion::physical_plan::execute_stream(
+        Arc::clone(&plan),
+        gpu.session_context().task_ctx(),
+    )
+    .unwrap();
+    let (mut pending, mut batches) = (0, Vec::new());
+    loop {
+        match futures::poll!(stream.next()) {
+            std::task::Poll::Pending => pending += 1,
+            std::task::Poll::Ready(Some(batch)) => batches.push(batch.unwrap()),
+            std::task::Poll::Ready(None) => break,
+        }
+    }
+    let shown = displayable(plan.as_ref()).indent(true).to_string();
+    assert!(shown.contains("CooperativeExec"), "{shown}");
+    let work = Work::of(&plan);
+    assert!(
+        work.gpu_batches > 0 && work.nothing_fell_back(),
+        "{work:?}\n{shown}"
+    );
+    assert!(
+        pending >= summary.chunks - 1,
+        "{pending} yields over {} chunks\n{shown}",
+        summary.chunks
+    );
+    let got = datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+        .unwrap()
+        .to_string();
+    assert_eq!(got, run(&cpu, sql).await.1);
+}
+
+/// The test devices' settings with cached chunks of at most 1 MiB (lineitem at SF 0.01
+/// in several chunks).
+fn small_chunks_config(devices: &str) -> crate::FulmenConfig {
+    crate::FulmenConfig {
+        cache_chunk_bytes: 1 << 20,
+        ..super::gpu_config(devices)
+    }
+}
