@@ -406,6 +406,52 @@ async fn semi_and_anti_joins_keep_their_build_rows_on_the_device() {
     }
 }
 
+/// A left semi join whose build side is a GPU projection over a GPU join takes that side's
+/// rows on the host, as over a GPU join directly (`build_rows_resident`): a join's rows
+/// cost more kept on the device than they save, and a join's CPU redo after a device fault
+/// need not number them as the device did, which the marks of matched build rows rely on.
+/// The projection brings its rows down, and the answer is DataFusion's.
+#[tokio::test]
+async fn a_semi_join_over_a_projected_join_takes_its_build_rows_on_the_host() {
+    let sql = "SELECT count(*), sum(v) FROM (SELECT c_custkey, c_acctbal + n_nationkey AS v \
+               FROM customer JOIN nation ON c_nationkey = n_nationkey WHERE n_name <> 'PERU') t \
+               WHERE c_custkey IN (SELECT o_custkey FROM orders WHERE o_totalprice > 200000)";
+    let set = "emulated:1/semi-over-join";
+    let (gpu, cpu) = tpch_contexts(set, 1, None);
+    for table in ["customer", "orders", "nation"] {
+        gpu.cache_table(table).await.unwrap();
+    }
+    let plan = plan_of(&gpu, sql).await;
+    assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
+    let shown = shown(&plan);
+    let work = Work::of(&plan);
+    assert!(
+        work.gpu_batches > 0 && work.nothing_fell_back(),
+        "{work:?}\n{shown}"
+    );
+    let mut semis = 0;
+    let _ = plan.apply(|node| {
+        let line = displayable(node.as_ref()).one_line().to_string();
+        if node.name() == "GpuHashJoinExec" && line.contains("LeftSemi") {
+            semis += 1;
+            let build = node.children()[0];
+            let grand = build.children()[0];
+            assert_eq!(
+                (build.name(), grand.name()),
+                ("GpuProjectionExec", "GpuHashJoinExec"),
+                "{shown}"
+            );
+            let down = metric(build, "d2h_bytes");
+            assert!(
+                down > CONTROL_BYTES,
+                "the projection brought {down} bytes down: its rows stayed on the device\n{shown}"
+            );
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    assert_eq!(semis, 1, "{shown}");
+}
+
 /// The semi join above survives every device fault: each of its allocations and then
 /// each of its launches failed in turn, the answer is DataFusion's (a batch the device
 /// gives up is matched on the host, and the rows emitted are taken from host rows).

@@ -386,10 +386,14 @@ impl GpuHashJoinExec {
     /// the device (see `semi.rs`): when its build child is a GPU scan, filter or
     /// projection on the same devices (alone, or under DataFusion's
     /// `CoalescePartitionsExec` for CollectLeft), whose rows lie there already. Not over a
-    /// GPU join: an inner join made to leave its output on the device uploads every column
-    /// it outputs where its host output would upload keys and bring pairs down, and over
-    /// TPC-H's three such semi joins (Q2, Q18, Q20) that cost more than it saved (in the
-    /// H200 model at SF 1, 19.8 -> 22.2 ms from host; uploads 555 -> 630 MB).
+    /// GPU join, directly or under GPU filters and projections: an inner join made to
+    /// leave its output on the device uploads every column it outputs where its host output
+    /// would upload keys and bring pairs down, and over TPC-H's three such semi joins (Q2,
+    /// Q18, Q20) that cost more than it saved (in the H200 model at SF 1, 19.8 -> 22.2 ms
+    /// from host; uploads 555 -> 630 MB). And the matches marked are numbered in the order
+    /// the device made the build rows, which a join's CPU redo (after a device fault) need
+    /// not keep for a probe row of more than 64 matches; scans, filters and projections
+    /// keep their rows' order.
     fn build_rows_resident(&self) -> bool {
         use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
         let left = self.inner.children()[0];
@@ -400,7 +404,7 @@ impl GpuHashJoinExec {
             _ => left,
         };
         self.work.build_rows_on_device()
-            && !child.is::<GpuHashJoinExec>()
+            && !over_a_gpu_join(child)
             && super::resident_on(child, &self.devices).is_some()
     }
 
@@ -423,6 +427,19 @@ impl GpuHashJoinExec {
             });
         Ok((Box::pin(stream), work, metrics))
     }
+}
+
+/// Whether `plan` is a GPU join, or GPU filters and projections (and DataFusion's
+/// `CooperativeExec`) over one: whose device rows a join made.
+fn over_a_gpu_join(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    use datafusion::physical_plan::coop::CooperativeExec;
+    if plan.is::<GpuHashJoinExec>() {
+        return true;
+    }
+    let passes = plan.is::<super::GpuFilterExec>()
+        || plan.is::<super::GpuProjectionExec>()
+        || plan.is::<CooperativeExec>();
+    passes && plan.children().first().is_some_and(|c| over_a_gpu_join(c))
 }
 
 impl DeviceResident for GpuHashJoinExec {
