@@ -174,3 +174,43 @@ __device__ bool keys_equal(const KeyCol* a, uint64_t i, const KeyCol* b, uint64_
     return true;
 }
 
+// Row i's hash over key columns `cols`, as hash_many (hash.cu) hashes the same columns: each
+// column's value hash (NULL_HASH where NULL), the first taken and each later one combined
+// in order. A probe computes its rows' hashes with it where the build side's came from
+// hash_many, so the two must agree (a kernel test compares them over every key kind).
+__device__ uint64_t key_row_hash(const KeyCol* cols, uint32_t ncols, uint64_t i) {
+    uint64_t h = 0;
+    for (uint32_t c = 0; c < ncols; ++c) {
+        const KeyCol& k = cols[c];
+        uint64_t one;
+        if (!bit_is_set(k.validity, i)) {
+            one = NULL_HASH;
+        } else {
+            switch (k.kind) {
+                case KEY_1: one = hash_fixed((uint64_t)k.values[i], 1ull); break;
+                case KEY_2: one = hash_fixed((uint64_t)((const uint16_t*)k.values)[i], 2ull); break;
+                case KEY_4: one = hash_fixed((uint64_t)((const uint32_t*)k.values)[i], 4ull); break;
+                case KEY_8: one = hash_fixed(((const uint64_t*)k.values)[i], 8ull); break;
+                case KEY_16: {
+                    const uint64_t* x = (const uint64_t*)k.values + 2 * i;
+                    one = hash_decimal(x[0], x[1]);
+                    break;
+                }
+                case KEY_F32: one = hash_f32_bits(((const uint32_t*)k.values)[i]); break;
+                case KEY_F64: one = hash_f64_bits(((const uint64_t*)k.values)[i]); break;
+                case KEY_S32:
+                case KEY_S64:
+                case KEY_DICT: {
+                    int64_t len;
+                    const uint8_t* bytes = key_string(k, i, &len);
+                    one = hash_string(bytes, len);
+                    break;
+                }
+                default: one = NULL_HASH; break;
+            }
+        }
+        h = c == 0 ? one : hash_combine(h, one);
+    }
+    return h;
+}
+

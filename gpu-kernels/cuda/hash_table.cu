@@ -5,8 +5,11 @@
 //   hash_table_insert      (keys, rows, mask, hashes, valid, n)  row i goes into a free slot
 //                           from hashes[i] & mask on; rows whose bit in `valid` is 0 (NULL
 //                           keys) are left out
-//   hash_table_probe_count (keys, rows, mask, hashes, valid, n, counts, check…) pairs per
-//                           probe row
+//   hash_table_probe_count (keys, rows, mask, hashes, valid, n, counts, check…, hash_here)
+//                           pairs per probe row; with hash_here (and a check) each valid
+//                           probe row's hash is computed here from the check's probe keys
+//                           (key_row_hash, as hash_many would) and written to hashes[i]
+//                           for the emit, where the caller left them unset
 //   — scan.cu turns counts into exclusive offsets —
 //   hash_table_probe_emit  (keys, rows, mask, hashes, valid, n, offsets, out_build, out_probe,
 //                           cap, check…) each probe row's pairs at its offset, in build-row
@@ -66,14 +69,21 @@ __device__ __forceinline__ bool probe_pairs(const KeyCol* build_keys, const KeyC
     return nulls_match || (!probe_key_null(build_keys, b, ncols) && !probe_key_null(probe_keys, p, ncols));
 }
 
-FULMEN_KERNEL hash_table_probe_count(const uint64_t* keys, const uint32_t* rows, uint64_t mask,
-                                     const uint64_t* hashes, const uint8_t* valid, uint64_t n, uint64_t* counts,
-                                     const KeyCol* build_keys, const KeyCol* probe_keys, uint32_t ncols,
-                                     uint32_t nulls_match) {
+FULMEN_KERNEL hash_table_probe_count(const uint64_t* keys, const uint32_t* rows, uint64_t mask, uint64_t* hashes,
+                                     const uint8_t* valid, uint64_t n, uint64_t* counts, const KeyCol* build_keys,
+                                     const KeyCol* probe_keys, uint32_t ncols, uint32_t nulls_match,
+                                     uint32_t hash_here) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint64_t count = 0;
         if (bit_is_set(valid, i)) {
-            uint64_t key = slot_key(hashes[i]);
+            uint64_t h;
+            if (hash_here) {
+                h = key_row_hash(probe_keys, ncols, i);
+                hashes[i] = h;
+            } else {
+                h = hashes[i];
+            }
+            uint64_t key = slot_key(h);
             for (uint64_t slot = key & mask; keys[slot] != EMPTY_SLOT; slot = (slot + 1) & mask)
                 count += keys[slot] == key && probe_pairs(build_keys, probe_keys, ncols, nulls_match, rows[slot], i);
         }

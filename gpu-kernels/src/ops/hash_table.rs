@@ -31,6 +31,10 @@ pub struct KeyCheck<'a> {
     pub(crate) ncols: usize,
     /// Whether NULL keys equal each other (`IS NOT DISTINCT FROM`).
     pub(crate) nulls_match: bool,
+    /// Whether the probe's row hashes are still to be computed: the count pass computes
+    /// each valid probe row's from `probe` (as `hash_many` would) and writes it into the
+    /// hashes given, for the emit and any later pass to read.
+    pub(crate) hash_probe: bool,
 }
 
 /// The kernels' four `check` arguments (nulls: no check).
@@ -184,9 +188,11 @@ impl HashTable {
         let device = self.keys.device();
         let cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
         let counts = device.alloc(n * 8)?;
-        let args = self.probe_args(hashes, valid, n, &[Arg::buf(&counts)], check);
+        let mut args = self.probe_args(hashes, valid, n, &[Arg::buf(&counts)], check);
+        args.push(Arg::U32(u32::from(check.is_some_and(|c| c.hash_probe))));
         // SAFETY: the table's buffers hold `capacity` slots with mask capacity - 1, whose
-        // rows are build rows; the probe inputs hold n rows (checked); `counts` holds n
+        // rows are build rows; the probe inputs hold n rows (checked), `hashes` n u64 (set,
+        // or written here from the check's probe keys when it says so); `counts` holds n
         // u64; a check's descriptor tables describe `ncols` key columns of the build rows
         // and of the n probe rows (`KeyCheck`'s contract).
         unsafe {
@@ -299,6 +305,7 @@ mod tests {
                 probe: &pd,
                 ncols: 1,
                 nulls_match,
+                hash_probe: false,
             };
             let got = table.probe(&zeros(500), None, 500, Some(&check)).unwrap();
             let got: Vec<(u32, u32)> = (got.probe.to_host().unwrap().into_iter())
@@ -323,6 +330,117 @@ mod tests {
                 "nulls_match {nulls_match}: {} pairs, {} wanted",
                 got.len(),
                 want.len()
+            );
+        }
+    }
+
+    /// A probe that hashes its own keys (`hash_probe`: `key_row_hash` in the count pass)
+    /// computes the hashes `hash_many` computes over the same columns, for every key kind
+    /// (integers of each width, wide and narrow decimals, floats with -0.0 and NaN,
+    /// strings with 32- and 64-bit offsets, NULLs) alone and combined: a build side hashed
+    /// by one must meet a probe hashed by the other.
+    #[test]
+    fn a_probe_hashing_its_own_keys_agrees_with_hash_many() {
+        use arrow::array::{
+            ArrayRef, Date32Array, Decimal128Array, Float32Array, Float64Array, Int8Array,
+            Int16Array, LargeStringArray, StringArray,
+        };
+        use std::sync::Arc;
+        let d = Device::emulated(0, &EmulatorOptions::default());
+        let n = 1000;
+        let nulls = |i: usize| i % 11 != 3;
+        let floats = [0.0, -0.0, f64::NAN, -f64::NAN, 1.5, -2.25, f64::INFINITY];
+        let columns: Vec<ArrayRef> = vec![
+            Arc::new(
+                (0..n)
+                    .map(|i| nulls(i).then_some(i as i8))
+                    .collect::<Int8Array>(),
+            ),
+            Arc::new(
+                (0..n)
+                    .map(|i| nulls(i).then_some(i as i16 * 7))
+                    .collect::<Int16Array>(),
+            ),
+            Arc::new(
+                (0..n)
+                    .map(|i| nulls(i).then_some(i as i32 - 500))
+                    .collect::<Date32Array>(),
+            ),
+            Arc::new(
+                (0..n)
+                    .map(|i| nulls(i).then_some(i as i64 * 1_000_003))
+                    .collect::<Int64Array>(),
+            ),
+            Arc::new(
+                (0..n)
+                    .map(|i| nulls(i).then_some(i as i128 * 10_i128.pow(30) - 7))
+                    .collect::<Decimal128Array>()
+                    .with_precision_and_scale(38, 2)
+                    .unwrap(),
+            ),
+            Arc::new(
+                (0..n)
+                    .map(|i| nulls(i).then_some(i as i128 * 99 - 50_000))
+                    .collect::<Decimal128Array>()
+                    .with_precision_and_scale(12, 2)
+                    .unwrap(),
+            ),
+            Arc::new(
+                (0..n)
+                    .map(|i| nulls(i).then_some(floats[i % 7] as f32))
+                    .collect::<Float32Array>(),
+            ),
+            Arc::new(
+                (0..n)
+                    .map(|i| nulls(i).then_some(floats[i % 7]))
+                    .collect::<Float64Array>(),
+            ),
+            Arc::new(
+                (0..n)
+                    .map(|i| nulls(i).then(|| format!("s{}", i % 97)))
+                    .collect::<StringArray>(),
+            ),
+            Arc::new(
+                (0..n)
+                    .map(|i| nulls(i).then(|| "x".repeat(i % 13)))
+                    .collect::<LargeStringArray>(),
+            ),
+        ];
+        let on_device: Vec<DeviceColumn> = columns
+            .iter()
+            .map(|c| DeviceColumn::upload(&d, c.as_ref()).unwrap())
+            .collect();
+        let mut sets: Vec<Vec<&DeviceColumn>> = on_device.iter().map(|c| vec![c]).collect();
+        sets.push(vec![&on_device[3], &on_device[8], &on_device[7]]);
+        sets.push(on_device.iter().collect());
+        let words = |b: &DeviceBuffer| -> Vec<u64> {
+            let bytes = b.to_host().unwrap();
+            bytes[..n * 8]
+                .chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+                .collect()
+        };
+        for set in sets {
+            let what: Vec<String> = set.iter().map(|c| c.data_type().to_string()).collect();
+            let hashed = crate::ops::hash::hash_columns(&d, &set).unwrap();
+            let want = words(&hashed);
+            let table = HashTable::build(&d, &hashed, None, n).unwrap();
+            let descriptors = key_descriptors(&d, &set).unwrap();
+            let check = KeyCheck {
+                build: &descriptors,
+                probe: &descriptors,
+                ncols: set.len(),
+                nulls_match: true,
+                hash_probe: true,
+            };
+            let mine = d.upload(&vec![0u8; n * 8]).unwrap();
+            let pairs = table.probe(&mine, None, n, Some(&check)).unwrap();
+            assert_eq!(words(&mine), want, "{what:?}");
+            // Every row meets itself (NULLs match here) at least.
+            assert!(
+                pairs.probe.len() >= n,
+                "{what:?}: {} pairs",
+                pairs.probe.len()
             );
         }
     }

@@ -176,7 +176,9 @@ impl JoinTable {
             return Ok(None);
         }
         let device = self.keys[0].device();
-        let hashes = hash::hash_columns(device, keys)?;
+        // The probe's count pass hashes its rows (`KeyCheck::hash_probe`): no launch of
+        // its own for the hashes.
+        let hashes = device.alloc(n * 8)?;
         let probe_descriptors = key_descriptors(device, keys)?;
         let per_row = self.matches_per_row.load(Ordering::Relaxed) as usize;
         let cap = (n.saturating_mul(per_row) / 1024 + n / 8 + 1024).min(super::MAX_ROWS);
@@ -220,6 +222,7 @@ impl JoinTable {
             probe: probe_descriptors,
             ncols: self.keys.len(),
             nulls_match: self.nulls_match,
+            hash_probe: true,
         }
     }
 }
@@ -332,7 +335,11 @@ impl QueuedProbe<'_> {
             }));
         }
         drop(self.matches);
-        let check = table.check(&self.probe_descriptors);
+        // The first count pass wrote the hashes.
+        let check = KeyCheck {
+            hash_probe: false,
+            ..table.check(&self.probe_descriptors)
+        };
         let found = (table.table).probe(&self.hashes, self.valid, self.n, Some(&check))?;
         Ok(Some(Probed {
             pairs: (!found.build.is_empty()).then_some((found.build, found.probe)),
