@@ -12,7 +12,10 @@
 // a reader never sees a slot whose key is not readable yet, and no thread waits for another.
 //
 //   agg_find_or_insert  (slots, mask, hashes, n, batch_keys, store_keys, starts, chunks,
-//                        ncols, limit, inserted, refs, first, rows, rows_validity)
+//                        ncols, limit, inserted, refs, first, rows, rows_validity, hash_here)
+//       with hash_here, each taken row's hash is computed here from batch_keys (key_row_hash,
+//       as hash_many would) and written to hashes[i] for agg_resolve and any retry, where
+//       the caller left them unset;
 //       refs[i] = the id of row i's group, inserting PENDING | i when its key is new (and
 //       then first[i] = i, the bound agg_first_rows lowers to the group's first row); SKIP
 //       for a row that `rows` (a boolean column, null: every row) does not take, which
@@ -64,17 +67,23 @@
 // rounded sum of the inputs, the same on every GPU, in the emulator and run after run.
 #include "agg.cuh"
 
-FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, const uint64_t* hashes, uint64_t n,
+FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, uint64_t* hashes, uint64_t n,
                                  const KeyCol* batch_keys, const KeyCol* store_keys, const uint64_t* starts,
                                  uint32_t chunks, uint32_t ncols, uint64_t limit, unsigned long long* inserted,
-                                 uint32_t* refs, uint32_t* first, const uint8_t* rows,
-                                 const uint8_t* rows_validity) {
+                                 uint32_t* refs, uint32_t* first, const uint8_t* rows, const uint8_t* rows_validity,
+                                 uint32_t hash_here) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         if (rows && !(bit_is_set(rows, i) && bit_is_set(rows_validity, i))) {
             refs[i] = AGG_SKIP;
             continue;
         }
-        uint64_t h = hashes[i];
+        uint64_t h;
+        if (hash_here) {
+            h = key_row_hash(batch_keys, ncols, i);
+            hashes[i] = h;
+        } else {
+            h = hashes[i];
+        }
         uint64_t tag = h >> 32;
         unsigned long long mine = (tag << 32) | (AGG_PENDING | (uint32_t)i);
         uint64_t slot = h & mask;

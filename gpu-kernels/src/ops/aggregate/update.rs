@@ -140,7 +140,10 @@ impl GroupTable {
         let device = self.device.clone();
         let g0 = self.groups;
         let cfg = LaunchConfig::for_items(&device, n as u64, BLOCK);
-        let hashes = hash::hash_columns(&device, keys)?;
+        // The rows' hashes, which the first find-or-insert computes from the key
+        // descriptors (`hash_here`) and writes here for the rest of the batch.
+        let hashes = device.alloc(n * 8)?;
+        let mut hash_here = true;
         let batch_desc = key_descriptors(&device, keys)?;
         let mut store_desc = Vec::new();
         for chunk in &self.chunks {
@@ -194,7 +197,8 @@ impl GroupTable {
             inserted.write(0, &0u64.to_le_bytes())?;
             // SAFETY: `slots` holds `capacity` u64 (mask capacity - 1) with fewer than
             // capacity / 2 used, and inserts stop at `limit` more, so a free slot always
-            // remains; `hashes` and `refs` hold n rows; the descriptors point at key
+            // remains; `hashes` (written by the first launch, `hash_here`) and `refs`
+            // hold n rows; the descriptors point at key
             // columns of n rows (batch) and of the committed chunks, whose `starts` give
             // every committed group id a chunk; `inserted` holds one u64 (zeroed just
             // before); `first` holds n u32; `rows`, when given, is a boolean column of n rows (checked), its
@@ -219,12 +223,15 @@ impl GroupTable {
                         Arg::buf(&first),
                         Arg::opt(with.rows.map(DeviceColumn::values)),
                         Arg::opt(with.rows.and_then(DeviceColumn::validity)),
+                        Arg::U32(u32::from(hash_here)),
                     ],
                 )
             }
             .inspect_err(|_| {
                 let _ = self.rollback(g0);
             })?;
+            // Every taken row's hash is written now (before its row's probe), for a retry.
+            hash_here = false;
             let count = match wait_count() {
                 Ok(Some(count)) => count,
                 Ok(None) => {
