@@ -950,21 +950,27 @@ fn a_fused_batch_waits_once_and_changes_nothing_unless_added() {
 }
 
 /// A new table starts in one launch (`agg_init_state`): its accumulators at their
-/// identity, their locks and, with keys, its first hash slots empty, so that its first
-/// batch fills no slots (no `agg_fill_u64`). Also a table grouping without accumulators
-/// (its slots alone), one without keys, and one of five accumulators (four to a launch);
-/// each then aggregates 3 000 rows into 37 groups (a key's sum is its rows times itself).
+/// identity, their locks and, with keys, its first hash slots empty, so that a first batch
+/// of up to 900 rows fills no slots (no `agg_fill_u64`). Also a table grouping without
+/// accumulators (its slots alone), one without keys, and one of five accumulators (four to
+/// a launch); each then aggregates 900 rows into 37 groups (a key's sum is its rows times
+/// itself). And a first batch of 20 000 new groups is inserted once: its slots are sized
+/// for every row to be new, not for the 1 024 groups 2 048 slots hold (when it was
+/// inserted, undone, and inserted again).
 #[test]
 fn a_new_group_table_starts_in_one_launch() {
     let d = device();
-    let fills = |d: &Device| -> u64 {
+    use fulmen_kernels::Kernel;
+    let launches_of = |d: &Device, kernel: Kernel| -> u64 {
         d.kernel_counts()
             .iter()
-            .filter(|k| k.kernel == fulmen_kernels::Kernel::agg_fill_u64)
+            .filter(|k| k.kernel == kernel)
             .map(|k| k.launches)
             .sum()
     };
-    let keys: Int64Array = (0..3000).map(|i| Some(i % 37)).collect();
+    let fills = |d: &Device| launches_of(d, Kernel::agg_fill_u64);
+    let rows = 900;
+    let keys: Int64Array = (0..rows).map(|i| Some(i % 37)).collect();
     let keys = DeviceColumn::upload(&d, &keys).unwrap();
     let input = AccInput {
         values: Some(&keys),
@@ -972,7 +978,7 @@ fn a_new_group_table_starts_in_one_launch() {
     };
     // The device's first scan sets its look-back state up (a fill, once per stream).
     let mut warm = GroupTable::new(&d, &[DataType::Int64], &[AccOp::Count]).unwrap();
-    warm.update(&[&keys], &[input], 3000).unwrap();
+    warm.update(&[&keys], &[input], rows as usize).unwrap();
     let int64 = [DataType::Int64];
     for (key_types, ops, launches) in [
         (&int64[..], vec![AccOp::Count, AccOp::SumInt], 1),
@@ -999,7 +1005,7 @@ fn a_new_group_table_starts_in_one_launch() {
                 _ => input,
             })
             .collect();
-        table.update(&batch_keys, &inputs, 3000).unwrap();
+        table.update(&batch_keys, &inputs, rows as usize).unwrap();
         assert_eq!(fills(&d), fills_before, "{case}: no slot fill");
         let groups = if key_types.is_empty() { 1 } else { 37 };
         assert_eq!(table.groups(), groups, "{case}: groups");
@@ -1017,8 +1023,8 @@ fn a_new_group_table_starts_in_one_launch() {
         for (g, &count) in sum.counts.iter().enumerate() {
             let k = group_key(g);
             let (rows, total) = match k {
-                -1 => (3000, (0..3000).map(|i| i % 37).sum::<i64>()),
-                k => ((0..3000).filter(|i| i % 37 == k).count() as u64, 0),
+                -1 => (rows as u64, (0..rows).map(|i| i % 37).sum::<i64>()),
+                k => ((0..rows).filter(|i| i % 37 == k).count() as u64, 0),
             };
             assert_eq!(count, rows, "{case}: group {k}'s rows");
             let want = if k == -1 { total } else { k * rows as i64 };
@@ -1029,4 +1035,28 @@ fn a_new_group_table_starts_in_one_launch() {
             assert_eq!(got, want, "{case}: group {k}'s sum");
         }
     }
+    let many: Int64Array = (0..20_000).map(|i| Some(i * 7)).collect();
+    let many = DeviceColumn::upload(&d, &many).unwrap();
+    let mut table = GroupTable::new(&d, &int64, &[AccOp::Count]).unwrap();
+    let (inserts, rollbacks) = (
+        launches_of(&d, Kernel::agg_find_or_insert),
+        launches_of(&d, Kernel::agg_rollback),
+    );
+    let count = AccInput {
+        values: None,
+        filter: None,
+    };
+    table.update(&[&many], &[count], 20_000).unwrap();
+    assert_eq!(table.groups(), 20_000);
+    assert_eq!(
+        launches_of(&d, Kernel::agg_find_or_insert) - inserts,
+        1,
+        "inserted once"
+    );
+    assert_eq!(
+        launches_of(&d, Kernel::agg_rollback),
+        rollbacks,
+        "nothing undone"
+    );
+    assert!(table.state(0).unwrap().counts.iter().all(|&c| c == 1));
 }

@@ -146,7 +146,7 @@ impl GroupTable {
             Ok(Fused::Added) => {
                 self.rows_seen += n as u64;
                 self.fused_updates += 1;
-                self.new_per_row = 0;
+                self.new_per_row = Some(0);
                 self.fused_backoff = 1;
             }
             Ok(Fused::NewGroups) => {

@@ -36,6 +36,9 @@ pub const SHARED_BYTES: usize = 48 * 1024;
 const EMPTY_SLOT: u64 = u64::MAX;
 /// Hash slots a keyed table has at least (a power of two).
 const MIN_SLOTS: u64 = 2048;
+/// New groups a table's first batch is given slots for at most (twice as many slots, 16
+/// MiB): a batch with more is undone and done again with room for all its rows.
+const FIRST_GUESS: u64 = 1 << 20;
 
 /// Words of one group's exact float sum (`AGG_EXACT_WORDS` in agg.cu): 68 limbs of 31 bits
 /// in units of 2^-1074, and a word of NaN / infinity flags.
@@ -244,7 +247,11 @@ pub struct GroupTable {
     slots: Option<DeviceBuffer>,
     capacity: u64,
     /// New groups per row of the last batch, in 1/1024ths: the slots are sized by it.
-    new_per_row: u64,
+    /// `None` before the first: that batch's rows are taken to be new groups, up to
+    /// [`FIRST_GUESS`] of them and as many as a 256th of the memory left allows, so that a
+    /// batch of many groups is not inserted twice (the first time into too few slots, then
+    /// undone).
+    new_per_row: Option<u64>,
     /// Row hash of each group (to rebuild the slots when the table grows).
     group_hashes: Option<DeviceBuffer>,
     /// Key columns of the groups, one chunk per batch that added groups, and the first
@@ -288,7 +295,7 @@ impl GroupTable {
             group_capacity: 0,
             slots: None,
             capacity: 0,
-            new_per_row: 0,
+            new_per_row: None,
             group_hashes: None,
             chunks: Vec::new(),
             starts: Vec::new(),

@@ -179,18 +179,36 @@ impl GroupTable {
             super::super::read_status(inserted)
         };
         // Room for the groups there are and, with an eighth to spare, as many new ones per
-        // row as the last batch brought: a batch that brings more than there is room for
-        // is undone and done again, which costs another wait.
-        let expected = (n as u64).saturating_mul(self.new_per_row) / 1024;
+        // row as the last batch brought (the first batch: every row, up to FIRST_GUESS): a
+        // batch that brings more than there is room for is undone and done again, which
+        // costs another pass and wait.
+        let expected = match self.new_per_row {
+            Some(per_row) => (n as u64).saturating_mul(per_row) / 1024,
+            None => {
+                // Slots for up to a 256th of the memory left, as groups (about 18 bytes of
+                // slots a group): the guess must not crowd out the batch's own buffers.
+                let (used, _) = device.memory_usage();
+                let room = device.memory_budget().saturating_sub(used) as u64 / 256;
+                (n as u64).min(FIRST_GUESS).min(room)
+            }
+        };
         let expected = (expected + expected / 8).min(n as u64);
         let inserted_count = loop {
             let wanted = ((g0 as u64 + expected) * 2)
                 .max(MIN_SLOTS)
                 .next_power_of_two();
             if self.slots.is_none() || self.capacity < wanted {
-                let slots = self.rebuilt_slots(wanted)?;
-                self.slots = Some(slots);
-                self.capacity = wanted;
+                let first_guess = self.new_per_row.is_none() && self.slots.is_some();
+                match self.rebuilt_slots(wanted) {
+                    Ok(slots) => {
+                        self.slots = Some(slots);
+                        self.capacity = wanted;
+                    }
+                    // The first batch's guess does not fit beside what the device holds:
+                    // the table's first slots do, and grow if the batch needs them to.
+                    Err(KernelError::OutOfDeviceMemory { .. }) if first_guess => {}
+                    Err(e) => return Err(e),
+                }
             }
             let slots = self.slots.as_ref().expect("slots were just built");
             let limit = self.capacity / 2 - g0 as u64;
@@ -254,7 +272,7 @@ impl GroupTable {
             self.slots = Some(slots);
             self.capacity = grown;
         };
-        self.new_per_row = (inserted_count.saturating_mul(1024)).div_ceil(n.max(1) as u64);
+        self.new_per_row = Some((inserted_count.saturating_mul(1024)).div_ceil(n.max(1) as u64));
         if inserted_count == 0 {
             // No new group: every ref is a committed group id (or SKIP), the table's slots
             // are unchanged, and the accumulators are updated by the refs at once.
