@@ -2,9 +2,11 @@
 // probing and atomicCAS. Joins build on it: different keys may share a hash, so a join's
 // probe also compares the actual keys of each candidate (equal hashes) it finds.
 //   hash_table_init        (keys, rows, capacity)             every slot EMPTY_SLOT
-//   hash_table_insert      (keys, rows, mask, hashes, valid, n)  row i goes into a free slot
-//                           from hashes[i] & mask on; rows whose bit in `valid` is 0 (NULL
-//                           keys) are left out
+//   hash_table_insert      (keys, rows, mask, hashes, valid, n, key_cols, ncols)  row i goes
+//                           into a free slot from its hash & mask on: hashes[i], or, where
+//                           key_cols is not null, key_row_hash over its ncols key columns
+//                           (as hash_many would); rows whose bit in `valid` is 0 (NULL keys)
+//                           are left out
 //   hash_table_probe_count (keys, rows, mask, hashes, valid, n, counts, check…, hash_here)
 //                           pairs per probe row; with hash_here (and a check) each valid
 //                           probe row's hash is computed here from the check's probe keys
@@ -39,10 +41,10 @@ FULMEN_KERNEL hash_table_init(uint64_t* keys, uint32_t* rows, uint64_t capacity)
 }
 
 FULMEN_KERNEL hash_table_insert(unsigned long long* keys, uint32_t* rows, uint64_t mask, const uint64_t* hashes,
-                                const uint8_t* valid, uint64_t n) {
+                                const uint8_t* valid, uint64_t n, const KeyCol* key_cols, uint32_t ncols) {
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         if (!bit_is_set(valid, i)) continue;
-        unsigned long long key = slot_key(hashes[i]);
+        unsigned long long key = slot_key(key_cols ? key_row_hash(key_cols, ncols, i) : hashes[i]);
         uint64_t slot = key & mask;
         for (;;) {
             unsigned long long seen = atomicCAS(&keys[slot], (unsigned long long)EMPTY_SLOT, key);

@@ -3,6 +3,7 @@
 //! the keys themselves when given a [`KeyCheck`] (a join's).
 
 use super::{BLOCK, RowIndices, Word, check_rows, scan};
+use crate::column::DeviceColumn;
 use crate::device::{Arg, Device, LaunchConfig};
 use crate::kernels::Kernel;
 use crate::memory::DeviceBuffer;
@@ -35,6 +36,10 @@ pub struct KeyCheck<'a> {
     /// each valid probe row's from `probe` (as `hash_many` would) and writes it into the
     /// hashes given, for the emit and any later pass to read.
     pub(crate) hash_probe: bool,
+    /// The buffers the descriptors point into whose work may still be queued on another
+    /// stream (the probe's key columns, which the count hashes): the launches reach them,
+    /// so they wait for that work first.
+    pub(crate) reached: &'a [&'a DeviceBuffer],
 }
 
 /// The kernels' four `check` arguments (nulls: no check).
@@ -60,6 +65,15 @@ pub struct ProbeResult {
     pub probe: RowIndices,
 }
 
+/// Where a build takes its rows' hashes from: given, or computed by the insert over key
+/// columns (their descriptors, and how many).
+#[derive(Clone, Copy)]
+enum Hashes<'a> {
+    Given(&'a DeviceBuffer),
+    /// The descriptors, the number of columns, and the buffers they point into.
+    OfKeys(&'a DeviceBuffer, usize, &'a [&'a DeviceBuffer]),
+}
+
 fn check_hashes(hashes: &DeviceBuffer, valid: Option<&DeviceBuffer>, n: usize) -> Result<()> {
     check_rows(n)?;
     if hashes.len() < n * 8 || valid.is_some_and(|v| v.len() < n.div_ceil(8)) {
@@ -80,30 +94,75 @@ impl HashTable {
         n: usize,
     ) -> Result<Self> {
         check_hashes(hashes, valid, n)?;
+        Self::insert(device, Hashes::Given(hashes), valid, n)
+    }
+
+    /// [`build`](Self::build) over the rows' key columns `keys`, which `descriptors` (their
+    /// `key_descriptors`) describes: the insert hashes each row as `hash_many` would, with
+    /// no launch of its own for the hashes (and waits for the columns' streams).
+    pub(crate) fn build_over_keys(
+        device: &Device,
+        keys: &[&DeviceColumn],
+        descriptors: &DeviceBuffer,
+        valid: Option<&DeviceBuffer>,
+        n: usize,
+    ) -> Result<Self> {
+        check_rows(n)?;
+        if descriptors.len() < keys.len() * 32
+            || keys.iter().any(|k| k.len() != n)
+            || valid.is_some_and(|v| v.len() < n.div_ceil(8))
+        {
+            return Err(KernelError::Unsupported(format!(
+                "key columns or their descriptors other than {n} rows, or a shorter validity"
+            )));
+        }
+        let reached = super::expr::reached_columns(keys);
+        Self::insert(
+            device,
+            Hashes::OfKeys(descriptors, keys.len(), &reached),
+            valid,
+            n,
+        )
+    }
+
+    fn insert(
+        device: &Device,
+        hashes: Hashes<'_>,
+        valid: Option<&DeviceBuffer>,
+        n: usize,
+    ) -> Result<Self> {
         // Load factor at most 1/2 keeps probe chains short and guarantees a free slot.
         let capacity = ((n as u64) * 2).max(16).next_power_of_two();
         let keys = device.alloc(capacity as usize * 8)?;
         let rows = device.alloc(capacity as usize * 4)?;
-        // SAFETY: `keys` holds `capacity` u64 and `rows` `capacity` u32; `hashes` holds n
-        // u64 and `valid` ceil(n/8) bytes (checked); capacity is a power of two > n, so
-        // every insert finds a free slot, and mask == capacity - 1.
+        let (given, key_cols, ncols, reached) = match hashes {
+            Hashes::Given(h) => (Arg::buf(h), Arg::Ptr(0), 0, &[][..]),
+            Hashes::OfKeys(d, ncols, reached) => (Arg::Ptr(0), Arg::buf(d), ncols as u32, reached),
+        };
+        // SAFETY: `keys` holds `capacity` u64 and `rows` `capacity` u32; the given hashes
+        // hold n u64, or the descriptors describe `ncols` key columns of n rows (the
+        // caller's `key_descriptors`); `valid` holds ceil(n/8) bytes (checked); capacity is
+        // a power of two > n, so every insert finds a free slot, and mask == capacity - 1.
         unsafe {
             device.launch(
                 Kernel::hash_table_init,
                 LaunchConfig::for_items(device, capacity, BLOCK),
                 &[Arg::buf(&keys), Arg::buf(&rows), Arg::U64(capacity)],
             )?;
-            device.launch(
+            device.launch_reaching(
                 Kernel::hash_table_insert,
                 LaunchConfig::for_items(device, n as u64, BLOCK),
                 &[
                     Arg::buf(&keys),
                     Arg::buf(&rows),
                     Arg::U64(capacity - 1),
-                    Arg::buf(hashes),
+                    given,
                     Arg::opt(valid),
                     Arg::U64(n as u64),
+                    key_cols,
+                    Arg::U32(ncols),
                 ],
+                reached,
             )?;
         }
         Ok(Self {
@@ -196,7 +255,12 @@ impl HashTable {
         // u64; a check's descriptor tables describe `ncols` key columns of the build rows
         // and of the n probe rows (`KeyCheck`'s contract).
         unsafe {
-            device.launch(Kernel::hash_table_probe_count, cfg, &args)?;
+            device.launch_reaching(
+                Kernel::hash_table_probe_count,
+                cfg,
+                &args,
+                check.map_or(&[], |c| c.reached),
+            )?;
         }
         match total_to {
             Some(to) => Ok((scan::exclusive_scan_queued(device, &counts, n, to)?, None)),
@@ -257,10 +321,11 @@ impl HashTable {
         // none at or past `cap`, which both outputs hold (checked); a check's tables as in
         // `probe_offsets`.
         unsafe {
-            device.launch(
+            device.launch_reaching(
                 Kernel::hash_table_probe_emit,
                 LaunchConfig::for_items(device, n as u64, BLOCK),
                 &args,
+                check.map_or(&[], |c| c.reached),
             )?;
         }
         Ok(())
@@ -306,6 +371,7 @@ mod tests {
                 ncols: 1,
                 nulls_match,
                 hash_probe: false,
+                reached: &[],
             };
             let got = table.probe(&zeros(500), None, 500, Some(&check)).unwrap();
             let got: Vec<(u32, u32)> = (got.probe.to_host().unwrap().into_iter())
@@ -432,6 +498,7 @@ mod tests {
                 ncols: set.len(),
                 nulls_match: true,
                 hash_probe: true,
+                reached: &[],
             };
             let mine = d.upload(&vec![0u8; n * 8]).unwrap();
             let pairs = table.probe(&mine, None, n, Some(&check)).unwrap();

@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::hash_table::{HashTable, KeyCheck};
-use super::{PendingIndices, RowIndices, Word, check_rows, hash, key_descriptors};
+use super::{PendingIndices, RowIndices, Word, check_rows, expr, key_descriptors};
 use crate::column::DeviceColumn;
 use crate::device::Device;
 use crate::memory::DeviceBuffer;
@@ -73,9 +73,9 @@ impl JoinTable {
             ));
         }
         let refs: Vec<&DeviceColumn> = keys.iter().collect();
-        let hashes = hash::hash_columns(device, &refs)?;
-        let table = HashTable::build(device, &hashes, valid, rows)?;
         let descriptors = key_descriptors(device, &refs)?;
+        // The insert hashes the keys (no launch of their own), as the probes will.
+        let table = HashTable::build_over_keys(device, &refs, &descriptors, valid, rows)?;
         Ok(Self {
             table,
             nulls_match,
@@ -177,9 +177,10 @@ impl JoinTable {
         }
         let device = self.keys[0].device();
         // The probe's count pass hashes its rows (`KeyCheck::hash_probe`): no launch of
-        // its own for the hashes.
+        // its own for the hashes. It reaches the key columns through their descriptors.
         let hashes = device.alloc(n * 8)?;
         let probe_descriptors = key_descriptors(device, keys)?;
+        let reached = expr::reached_columns(keys);
         let per_row = self.matches_per_row.load(Ordering::Relaxed) as usize;
         let cap = (n.saturating_mul(per_row) / 1024 + n / 8 + 1024).min(super::MAX_ROWS);
         // Word 0 the matches, then the caller's.
@@ -199,7 +200,11 @@ impl JoinTable {
             n,
             cap,
             Word::of(&totals, 0)?,
-            Some(&self.check(&probe_descriptors)),
+            Some(&KeyCheck {
+                hash_probe: true,
+                reached: &reached,
+                ..self.check(&probe_descriptors)
+            }),
         )?;
         Ok(Some(QueuedProbe {
             table: self,
@@ -222,7 +227,8 @@ impl JoinTable {
             probe: probe_descriptors,
             ncols: self.keys.len(),
             nulls_match: self.nulls_match,
-            hash_probe: true,
+            hash_probe: false,
+            reached: &[],
         }
     }
 }
@@ -335,11 +341,8 @@ impl QueuedProbe<'_> {
             }));
         }
         drop(self.matches);
-        // The first count pass wrote the hashes.
-        let check = KeyCheck {
-            hash_probe: false,
-            ..table.check(&self.probe_descriptors)
-        };
+        // The first count pass wrote the hashes, after the keys' work: nothing to wait for.
+        let check = table.check(&self.probe_descriptors);
         let found = (table.table).probe(&self.hashes, self.valid, self.n, Some(&check))?;
         Ok(Some(Probed {
             pairs: (!found.build.is_empty()).then_some((found.build, found.probe)),

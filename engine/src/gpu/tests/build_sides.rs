@@ -90,7 +90,10 @@ async fn collect_left_build_sides_stay_on_the_device() {
 /// Two devices, tables spread (none replicated): each concatenates the chunks of both (the
 /// other's through the host) and builds its own table; the answers stay DataFusion's. A
 /// device lost while the queries probe sends its work through the host, with the same
-/// answers.
+/// answers. (The launch it is lost at must fall in Q9's joins: lost under an aggregation
+/// whose input came through a repartition, the query fails by design — the input cannot be
+/// read again. The launch moves as kernels merge: 40 fell there once a join's build stopped
+/// hashing in a launch of its own.)
 #[tokio::test]
 async fn collect_left_build_sides_on_two_devices() {
     let set = "emulated:2/collect-left";
@@ -115,7 +118,7 @@ async fn collect_left_build_sides_on_two_devices() {
     let devices = devices_of(set);
     devices[1]
         .inject_faults(fulmen_kernels::FaultPlan {
-            lose_device_at_launch: Some(40),
+            lose_device_at_launch: Some(36),
             ..Default::default()
         })
         .unwrap();

@@ -144,6 +144,9 @@ impl GroupTable {
         // descriptors (`hash_here`) and writes here for the rest of the batch.
         let hashes = device.alloc(n * 8)?;
         let mut hash_here = true;
+        // The key columns it hashes and compares through their descriptors, whose work may
+        // be queued on another stream.
+        let reached = super::super::expr::reached_columns(keys);
         let batch_desc = key_descriptors(&device, keys)?;
         let mut store_desc = Vec::new();
         for chunk in &self.chunks {
@@ -222,7 +225,7 @@ impl GroupTable {
             // before); `first` holds n u32; `rows`, when given, is a boolean column of n rows (checked), its
             // values and validity ceil(n/8) bytes or more.
             unsafe {
-                device.launch(
+                device.launch_reaching(
                     Kernel::agg_find_or_insert,
                     cfg,
                     &[
@@ -243,6 +246,7 @@ impl GroupTable {
                         Arg::opt(with.rows.and_then(DeviceColumn::validity)),
                         Arg::U32(u32::from(hash_here)),
                     ],
+                    &reached,
                 )
             }
             .inspect_err(|_| {
