@@ -126,3 +126,61 @@ fn work_in_a_stream_scope_goes_on_the_scopes_stream() {
         "a wait for stream 5, then the read's own on stream 0"
     );
 }
+
+/// Kernels that read key columns only through a table of their descriptors (a join's
+/// build and probe, which hash the keys there, and a group table's find-or-insert) wait
+/// for the stream that made those columns: each key column is made by a gather still
+/// queued on stream 1 and read in stream 2's scope, as a CollectLeft build side made on the
+/// shared stream is read by a partition's. Without the wait stream 2 would run its work
+/// first (the emulated device runs a queue when it is waited for) over the pool's fill
+/// pattern: a table of wrong keys, no match, wrong groups.
+#[test]
+fn kernels_reading_keys_through_descriptors_wait_for_the_stream_that_made_them() {
+    use fulmen_kernels::device::in_stream;
+    use fulmen_kernels::ops::aggregate::{AccInput, AccOp, GroupTable};
+    use fulmen_kernels::ops::join::JoinTable;
+    use fulmen_kernels::ops::{RowIndices, gather};
+    for d in [device(), emulated()] {
+        // Uploaded and done, then gathered whole by a kernel left queued on stream 1.
+        let on_stream_1 = |values: &Int64Array| {
+            in_stream(1, || {
+                let uploaded = DeviceColumn::upload(&d, values).unwrap();
+                let rows: Vec<u32> = (0..values.len() as u32).collect();
+                let all = RowIndices::upload(&d, &rows, values.len()).unwrap();
+                d.synchronize().unwrap();
+                gather::gather_column(&uploaded, &all).unwrap()
+            })
+        };
+        let build: Int64Array = (0..2000).map(|i| Some(i * 3)).collect();
+        let probe: Int64Array = (0..3000).map(Some).collect();
+        let keys: Int64Array = (0..5000).map(|i| Some(i % 7)).collect();
+        let build_keys = on_stream_1(&build);
+        let table = in_stream(2, || {
+            let table = JoinTable::build(&d, vec![build_keys], None, build.len(), false);
+            d.synchronize().unwrap();
+            table.unwrap()
+        });
+        let probe_keys = on_stream_1(&probe);
+        let matches = in_stream(2, || table.probe(&[&probe_keys], None, probe.len())).unwrap();
+        let want: Vec<u32> = (0..1000).collect();
+        assert_eq!(matches.build, want, "{d}: the build rows matched");
+        let want: Vec<u32> = (0..1000).map(|i| i * 3).collect();
+        assert_eq!(matches.probe, want, "{d}: the probe rows matched");
+
+        let keys = on_stream_1(&keys);
+        in_stream(2, || {
+            let mut groups = GroupTable::new(&d, &[DataType::Int64], &[AccOp::Count]).unwrap();
+            let count = AccInput {
+                values: None,
+                filter: None,
+            };
+            groups.update(&[&keys], &[count], 5000).unwrap();
+            assert_eq!(groups.groups(), 7, "{d}: groups");
+            let counts = groups.state(0).unwrap().counts;
+            assert!(
+                counts.iter().all(|&c| c == 714 || c == 715),
+                "{d}: {counts:?}"
+            );
+        });
+    }
+}
