@@ -77,13 +77,7 @@ FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, uint6
             refs[i] = AGG_SKIP;
             continue;
         }
-        uint64_t h;
-        if (hash_here) {
-            h = key_row_hash(batch_keys, ncols, i);
-            hashes[i] = h;
-        } else {
-            h = hashes[i];
-        }
+        uint64_t h = hash_here_or_read(hashes, hash_here, batch_keys, ncols, i);
         uint64_t tag = h >> 32;
         unsigned long long mine = (tag << 32) | (AGG_PENDING | (uint32_t)i);
         uint64_t slot = h & mask;

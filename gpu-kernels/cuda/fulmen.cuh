@@ -214,3 +214,13 @@ __device__ uint64_t key_row_hash(const KeyCol* cols, uint32_t ncols, uint64_t i)
     return h;
 }
 
+// Row i's hash: computed from its key columns and kept in hashes[i] for the kernels after
+// (`hash_here`), or read from there (computed before).
+__device__ __forceinline__ uint64_t hash_here_or_read(uint64_t* hashes, uint32_t hash_here, const KeyCol* cols,
+                                                      uint32_t ncols, uint64_t i) {
+    if (!hash_here) return hashes[i];
+    uint64_t h = key_row_hash(cols, ncols, i);
+    hashes[i] = h;
+    return h;
+}
+

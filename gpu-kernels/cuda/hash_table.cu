@@ -78,14 +78,7 @@ FULMEN_KERNEL hash_table_probe_count(const uint64_t* keys, const uint32_t* rows,
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
         uint64_t count = 0;
         if (bit_is_set(valid, i)) {
-            uint64_t h;
-            if (hash_here) {
-                h = key_row_hash(probe_keys, ncols, i);
-                hashes[i] = h;
-            } else {
-                h = hashes[i];
-            }
-            uint64_t key = slot_key(h);
+            uint64_t key = slot_key(hash_here_or_read(hashes, hash_here, probe_keys, ncols, i));
             for (uint64_t slot = key & mask; keys[slot] != EMPTY_SLOT; slot = (slot + 1) & mask)
                 count += keys[slot] == key && probe_pairs(build_keys, probe_keys, ncols, nulls_match, rows[slot], i);
         }
