@@ -248,7 +248,7 @@ pub struct GroupTable {
     capacity: u64,
     /// New groups per row of the last batch, in 1/1024ths: the slots are sized by it.
     /// `None` before the first: that batch's rows are taken to be new groups, up to
-    /// [`FIRST_GUESS`] of them and as many as a 256th of the memory left allows, so that a
+    /// [`FIRST_GUESS`] of them and one per 256 bytes of device memory left, so that a
     /// batch of many groups is not inserted twice (the first time into too few slots, then
     /// undone).
     new_per_row: Option<u64>,

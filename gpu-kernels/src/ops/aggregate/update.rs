@@ -188,8 +188,9 @@ impl GroupTable {
         let expected = match self.new_per_row {
             Some(per_row) => (n as u64).saturating_mul(per_row) / 1024,
             None => {
-                // Slots for up to a 256th of the memory left, as groups (about 18 bytes of
-                // slots a group): the guess must not crowd out the batch's own buffers.
+                // At most one group per 256 bytes of memory left: their slots (18 to 36
+                // bytes a group, rounded up to a power of two) take at most a seventh of it,
+                // so the guess does not crowd out the batch's own buffers.
                 let (used, _) = device.memory_usage();
                 let room = device.memory_budget().saturating_sub(used) as u64 / 256;
                 (n as u64).min(FIRST_GUESS).min(room)
