@@ -46,11 +46,13 @@ fn on_cuda() -> bool {
 /// `selection` (an emulated set of a test's own, such as `emulated:4/tpch`) as this run's
 /// devices: itself, or on CUDA as many devices as it names and the machine has (`cuda:0`,
 /// `cuda:0,1`): a machine's GPUs are shared by every test, so there the plans' own metrics
-/// are what proves the work.
+/// are what proves the work, and a test that counts its device work has the GPUs to itself
+/// ([`alone_on_cuda`]).
 fn test_devices(selection: &str) -> String {
     if !on_cuda() {
         return selection.to_string();
     }
+    share_cuda();
     let wanted: usize = selection
         .trim_start_matches("emulated:")
         .split('/')
@@ -63,6 +65,66 @@ fn test_devices(selection: &str) -> String {
     let n = wanted.min(present).max(1);
     let ordinals: Vec<String> = (0..n).map(|i| i.to_string()).collect();
     format!("cuda:{}", ordinals.join(","))
+}
+
+/// Who is using the machine's GPUs in a CUDA run: every test that opens its devices shares
+/// them ([`share_cuda`]), except a test counting its own device work, which must have them
+/// to itself ([`alone_on_cuda`]). Another test's work on a shared GPU is seen in the counts:
+/// its queued work keeps the device's own stream busy, so a cross-stream wait costs a sync,
+/// and its copies in the shared upload staging cost waits when a half is refilled.
+static CUDA_USERS: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// How this thread holds [`CUDA_USERS`]: for as long as the thread lives, which is the
+/// test's (each test runs on a thread of its own), and its work is done by then.
+enum CudaHold {
+    Shared(#[allow(dead_code)] std::sync::RwLockReadGuard<'static, ()>),
+    Alone(#[allow(dead_code)] std::sync::RwLockWriteGuard<'static, ()>),
+}
+
+thread_local! {
+    static CUDA_HOLD: std::cell::RefCell<Option<CudaHold>> = const { std::cell::RefCell::new(None) };
+}
+
+/// This test shares the GPUs with other tests (taken when it first names its devices).
+fn share_cuda() {
+    CUDA_HOLD.with(|hold| {
+        let mut hold = hold.borrow_mut();
+        if hold.is_none() {
+            let guard = CUDA_USERS.read().unwrap_or_else(|p| p.into_inner());
+            *hold = Some(CudaHold::Shared(guard));
+        }
+    });
+}
+
+/// On CUDA, waits until no other test uses the GPUs and keeps them for this one until it
+/// ends, then waits for every stream of `selection`'s devices (so that work queued before,
+/// by any test, costs this one nothing). A no-op on emulated devices, each set a test's own.
+fn alone_on_cuda(selection: &str) {
+    if !on_cuda() {
+        return;
+    }
+    CUDA_HOLD.with(|hold| {
+        let mut hold = hold.borrow_mut();
+        if !matches!(*hold, Some(CudaHold::Alone(_))) {
+            // A shared hold of this thread's own would wait for itself.
+            *hold = None;
+            let guard = CUDA_USERS.write().unwrap_or_else(|p| p.into_inner());
+            *hold = Some(CudaHold::Alone(guard));
+        }
+    });
+    settle_cuda(selection);
+}
+
+/// On CUDA, waits for every stream of `selection`'s devices (counted, as any sync).
+fn settle_cuda(selection: &str) {
+    if !on_cuda() {
+        return;
+    }
+    for device in devices_of(selection).iter() {
+        for stream in 0..device.streams() {
+            device.on_stream(stream).synchronize().unwrap();
+        }
+    }
 }
 
 /// Says so and returns true when a test needs the emulator's own fault injection, which

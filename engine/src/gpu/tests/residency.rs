@@ -223,6 +223,8 @@ async fn a_join_whose_output_goes_to_the_host_probes_on_the_device() {
                    WHERE l_quantity < 5) JOIN part ON l_partkey = p_partkey \
                    WHERE p_size = 15 ORDER BY 6, 1, 2, 3, 4, 5, 7";
     for set in ["emulated:1/host-output", "emulated:2/host-output"] {
+        // Its host waits are compared between queries: on CUDA, the GPUs are its alone.
+        super::alone_on_cuda(set);
         let (gpu, cpu) = tpch_contexts(set, 2, None);
         for table in ["lineitem", "part"] {
             gpu.cache_table(table).await.unwrap();
@@ -237,6 +239,7 @@ async fn a_join_whose_output_goes_to_the_host_probes_on_the_device() {
             ("strings", strings, false),
         ] {
             let what = format!("{set}, {name}");
+            super::settle_cuda(set);
             let plan = plan_of(&gpu, sql).await;
             let got = rows_of(&gpu, &plan).await;
             assert_eq!(got, run(&cpu, sql).await.1, "{what}");
