@@ -1060,3 +1060,75 @@ fn a_new_group_table_starts_in_one_launch() {
     );
     assert!(table.state(0).unwrap().counts.iter().all(|&c| c == 1));
 }
+
+/// A batch that brings new groups waits once when no key is a string: the insert's count
+/// of new groups is the count of their leader rows, so the numbering reads nothing back.
+/// With a string key, one more wait brings the new keys' byte total up (and the count of
+/// leaders, checked against the insert's). The groups, their keys and counts are right
+/// either way, over a first batch and a second one with old and new keys mixed.
+#[test]
+fn a_batch_of_new_groups_waits_once_unless_a_key_is_a_string() {
+    let d = device();
+    let count = AccInput {
+        values: None,
+        filter: None,
+    };
+    let ints = |range: std::ops::Range<i64>| -> DeviceColumn {
+        let a: Int64Array = range.map(|i| Some(i % 500)).collect();
+        DeviceColumn::upload(&d, &a).unwrap()
+    };
+    let strings = |range: std::ops::Range<i64>| -> DeviceColumn {
+        let a: StringArray = range.map(|i| Some(format!("key {}", i % 500))).collect();
+        DeviceColumn::upload(&d, &a).unwrap()
+    };
+    // A first table on this stream sets its scan's look-back state up (once per stream).
+    let warm = ints(0..100);
+    let mut table = GroupTable::new(&d, &[DataType::Int64], &[AccOp::Count]).unwrap();
+    table.update(&[&warm], &[count], 100).unwrap();
+    for (case, key_type, waits) in [
+        ("integer", DataType::Int64, 1),
+        ("string", DataType::Utf8, 2),
+    ] {
+        let mut table =
+            GroupTable::new(&d, std::slice::from_ref(&key_type), &[AccOp::Count]).unwrap();
+        // 300 new groups (keys 0..299), then 100 old and 200 new ones (keys 300..499, 0..99).
+        for (batch, range, groups) in [(1, 0..300, 300), (2, 300..600, 500)] {
+            let keys = match key_type {
+                DataType::Utf8 => strings(range.clone()),
+                _ => ints(range.clone()),
+            };
+            let n = (range.end - range.start) as usize;
+            let before = d.counts().syncs;
+            table.update(&[&keys], &[count], n).unwrap();
+            assert_eq!(
+                d.counts().syncs - before,
+                waits,
+                "{case} keys, batch {batch}: waits"
+            );
+            assert_eq!(table.groups(), groups, "{case} keys, batch {batch}: groups");
+        }
+        let read = table.keys().unwrap();
+        let counts = table.state(0).unwrap().counts;
+        let mut seen = vec![0u64; 500];
+        for (g, &c) in counts.iter().enumerate() {
+            let k = match key_type {
+                DataType::Utf8 => {
+                    let s = read[0].as_any().downcast_ref::<StringArray>().unwrap();
+                    s.value(g)
+                        .trim_start_matches("key ")
+                        .parse::<usize>()
+                        .unwrap()
+                }
+                _ => read[0]
+                    .as_any()
+                    .downcast_ref::<Int64Array>()
+                    .unwrap()
+                    .value(g) as usize,
+            };
+            seen[k] += c;
+        }
+        // Keys 0..99 came in both batches, the others in one.
+        let want: Vec<u64> = (0..500).map(|k| if k < 100 { 2 } else { 1 }).collect();
+        assert_eq!(seen, want, "{case} keys: each key's rows");
+    }
+}

@@ -299,7 +299,7 @@ impl GroupTable {
         }
         // From here until the commit the table holds pending slots: any failure rolls
         // them back before returning.
-        let result = self.commit_batch(keys, inputs, n, &hashes, &refs, &first);
+        let result = self.commit_batch(keys, inputs, n, &hashes, &refs, &first, inserted_count);
         if let Err(e) = result {
             // A failed rollback is the error to report (the table is no longer as it was),
             // unless the device is gone: then the rollback fails only for that, and the
@@ -312,6 +312,11 @@ impl GroupTable {
         result.map(|()| true)
     }
 
+    /// Numbers the `inserted` new groups the insert left pending in `refs` (one slot each,
+    /// so one leader row each), gathers their keys and, with `inputs`, updates the
+    /// accumulators: no host wait unless a key is a string (its new bytes are counted on
+    /// the device first).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn commit_batch(
         &mut self,
         keys: &[&DeviceColumn],
@@ -320,6 +325,7 @@ impl GroupTable {
         hashes: &DeviceBuffer,
         refs: &DeviceBuffer,
         first: &DeviceBuffer,
+        inserted: u64,
     ) -> Result<()> {
         let device = self.device.clone();
         let g0 = self.groups;
@@ -345,9 +351,10 @@ impl GroupTable {
                 )
             }
         };
-        // One wait for the count of new groups and the byte totals of their string keys
-        // together: the keys' lengths at the leader rows are queued over the flags, and
-        // scanned with them (the flags' scan ranks the leaders) in one scan.
+        // The byte totals of the new groups' string keys come up in one wait, with the
+        // count of leaders (which must be the insert's count): the keys' lengths at the
+        // leader rows are queued over the flags, and scanned with them (the flags' scan
+        // ranks the leaders) in one scan. Without string keys nothing is read.
         let strings: Vec<usize> = (0..keys.len())
             .filter(|&k| keys[k].offsets().is_some())
             .collect();
@@ -371,26 +378,33 @@ impl GroupTable {
             }
             (flags, ranks)
         };
-        let words: Vec<u64> = totals
-            .to_host()?
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
-            .collect();
-        if words.len() != 1 + strings.len() {
-            return Err(KernelError::InvalidData(
-                "a short read of new groups".into(),
-            ));
+        let mut byte_totals = vec![0u64; keys.len()];
+        if !strings.is_empty() {
+            let words: Vec<u64> = totals
+                .to_host()?
+                .chunks_exact(8)
+                .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+                .collect();
+            if words.len() != 1 + strings.len() {
+                return Err(KernelError::InvalidData(
+                    "a short read of new groups".into(),
+                ));
+            }
+            if words[0] != inserted {
+                return Err(KernelError::InvalidData(format!(
+                    "{} leader rows for {inserted} new groups",
+                    words[0]
+                )));
+            }
+            for (w, &k) in strings.iter().enumerate() {
+                byte_totals[k] = words[1 + w];
+            }
         }
-        let word = |w: usize| words[w];
-        let new = word(0) as usize;
+        let new = inserted as usize;
         if new > n {
             return Err(KernelError::InvalidData(format!(
                 "{new} new groups in a batch of {n} rows"
             )));
-        }
-        let mut byte_totals = vec![0u64; keys.len()];
-        for (w, &k) in strings.iter().enumerate() {
-            byte_totals[k] = word(1 + w);
         }
         let total = g0 + new;
         let grown = if total > self.group_capacity {
