@@ -70,13 +70,16 @@ impl AggregateWork {
         // Keys, selection and arguments straight from the program's registers, where the
         // table can take the batch so: one kernel reading each input column once. A table
         // without groups first takes the keys of the batch's first rows (reading only the
-        // key columns and what the selection needs): with few groups they are usually all
-        // there, and the table then tries the batch fused; with many (a handful of rows a
-        // group, `GroupTable::fused_ready`) it goes the ordinary way. So does a batch with
-        // keys that have no group yet, its columns already up.
+        // key columns and what the selection needs) where that pays (`first_keys_pay`):
+        // with few groups they are usually all there, and the table then tries the batch
+        // fused; with many (a handful of rows a group, `GroupTable::fused_ready`) it goes
+        // the ordinary way. So does a batch with keys that have no group yet, its columns
+        // already up, and a table's first batch where taking its first keys does not pay.
+        let first = !self.keys.is_empty() && tables.groups() == 0;
         if let (Some((registers, spec)), Some(new_keys), false) =
             (&self.registers, &self.new_keys, on_cpu)
             && tables.groups.fused_possible()
+            && (!first || first_keys_pay(n, self.computed.len(), self.accumulators.len()))
         {
             let Ok(bound) = registers.bind(&input.host_view()) else {
                 return Ok(false);
@@ -85,7 +88,7 @@ impl AggregateWork {
             for &c in registers.inputs.iter().chain(key_inputs) {
                 upload(c, &mut uploaded)?;
             }
-            if !self.keys.is_empty() && tables.groups() == 0 {
+            if first {
                 let rows = n.min(FIRST_KEYS_ROWS);
                 if !insert_new_keys(new_keys, tables, device, input, metrics, &uploaded, rows)? {
                     return Ok(false);
@@ -266,6 +269,23 @@ impl AggregateWork {
 /// with few groups they are usually all there, and the fused kernel finds out if not.
 const FIRST_KEYS_ROWS: usize = 1 << 16;
 
+/// Whether a table without groups takes the keys of its first batch's first rows and then
+/// tries the batch fused, rather than take the batch the ordinary way (which inserts its
+/// keys as it goes, and leaves the table its groups for the next batch's fused try).
+/// Taking the first keys costs a host wait of its own (the insert's, before the fused
+/// kernel's) and, when the groups turn out too many to go fused, a second find of every
+/// row's group. Going fused spares, per row, writing and reading back the program's
+/// `computed` columns, reading the `accumulators`' inputs again, and the rows' hashes and
+/// group ids: about 16 bytes for each (an estimate; TPC-H Q1 at SF 0.1 measured 290 bytes
+/// a row for its 3 computed columns and 8 accumulators). By the H200 model a wait costs
+/// as much as some 43 MB of device memory traffic: Q1's batches of 300 000 rows take
+/// their first keys, and a batch of 300 000 rows into one accumulator does not.
+fn first_keys_pay(rows: usize, computed: usize, accumulators: usize) -> bool {
+    let model = fulmen_kernels::cost::H200;
+    let spared = rows as f64 * 16.0 * (computed + accumulators + 1) as f64;
+    spared / model.hbm_bytes_per_s > model.sync_s
+}
+
 /// Inserts the groups of the new keys in the first `n` rows of the batch `input` (its
 /// columns already in `uploaded`), computing only its computed keys and the fused filter's
 /// predicate. `Ok(false)`: that program left a row to the CPU, and nothing was inserted.
@@ -346,5 +366,22 @@ fn insert_pairs(
             let kept: Vec<&DeviceColumn> = kept.iter().collect();
             pairs.update(&kept, &[], rows.len())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_keys_pay;
+
+    /// Taking a first batch's keys before its fused try pays for large batches of many
+    /// columns (TPC-H Q1's, at SF 0.1: 300 000 rows, 3 computed columns, 8 accumulators),
+    /// not for small ones or few columns.
+    #[test]
+    fn first_keys_pay_only_where_the_fused_pass_spares_more_than_a_wait() {
+        assert!(first_keys_pay(300_000, 3, 8));
+        assert!(!first_keys_pay(60_000, 3, 8));
+        assert!(!first_keys_pay(300_000, 0, 1));
+        assert!(!first_keys_pay(1, 8, 8));
+        assert!(first_keys_pay(4 << 20, 0, 1));
     }
 }
