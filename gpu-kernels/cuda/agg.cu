@@ -16,17 +16,16 @@
 //       with hash_here, each taken row's hash is computed here from batch_keys (key_row_hash,
 //       as hash_many would) and written to hashes[i] for agg_resolve and any retry, where
 //       the caller left them unset;
-//       refs[i] = the id of row i's group, inserting PENDING | i when its key is new (and
-//       then first[i] = i, the bound agg_first_rows lowers to the group's first row); SKIP
+//       refs[i] = the id of row i's group, inserting PENDING | i when its key is new;
+//       first[i] = the group's first row for each row i that inserted one (a row about to
+//       insert writes first[i] = i before its CAS, so that a row finding its pending id
+//       can only lower it after, by atomicMin: the group's first row once all ran); SKIP
 //       for a row that `rows` (a boolean column, null: every row) does not take, which
 //       makes no group and updates no accumulator (a filter fused into the aggregation).
 //       Gives up (every thread stops inserting) once more than `limit` slots were claimed,
 //       so that the table never fills: `inserted[0]` then exceeds `limit` and the host rolls
 //       back, grows the table and retries. When it stays 0 every ref is a committed id (or
 //       SKIP) and the host updates the accumulators by them at once.
-//   agg_first_rows      (refs, n, first)      first[r] = min row i with refs[i] == PENDING | r
-//                                               (first[r] starts at r: only the rows that
-//                                               inserted are ever read there)
 //   agg_leader_flags    (refs, first, n, flags)  flags[i] = 1 when row i is its new group's
 //                                                  first row (u64, for the scan)
 //   agg_resolve         (refs, first, ranks, flags, hashes, n, g0, gids, leaders, group_hashes,
@@ -86,11 +85,12 @@ FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, uint6
             unsigned long long seen = slots[slot];
             if (seen == AGG_EMPTY) {
                 if (atomicAdd(inserted, 1ull) >= limit) break;  // table too full: the host grows it
+                // Row i's own entry, visible before the slot that names it: a row finding
+                // PENDING | i lowers it only after (a write after that would undo its min).
+                first[i] = (uint32_t)i;
+                __threadfence();
                 seen = atomicCAS(&slots[slot], (unsigned long long)AGG_EMPTY, mine);
-                if (seen == AGG_EMPTY) {  // a new group, first seen here
-                    first[i] = (uint32_t)i;
-                    break;
-                }
+                if (seen == AGG_EMPTY) break;  // a new group, first seen here
                 atomicAdd(inserted, ~0ull);  // gives the claim back
             }
             if ((seen >> 32) == tag) {
@@ -105,19 +105,14 @@ FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, uint6
                 }
                 if (equal) {
                     ref = id;
+                    // A group of this batch: its first row is the least that has its key.
+                    if (id & AGG_PENDING) atomicMin(&first[id & ~AGG_PENDING], (uint32_t)i);
                     break;
                 }
             }
             slot = (slot + 1) & mask;
         }
         refs[i] = ref;
-    }
-}
-
-FULMEN_KERNEL agg_first_rows(const uint32_t* refs, uint64_t n, uint32_t* first) {
-    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
-        uint32_t r = refs[i];
-        if (agg_is_pending(r)) atomicMin(&first[r & ~AGG_PENDING], (uint32_t)i);
     }
 }
 
@@ -271,7 +266,6 @@ FULMEN_KERNEL agg_exact_finish(const unsigned long long* state, uint64_t groups,
 FULMEN_EMU_EXPORT(agg_exact_normalize)
 FULMEN_EMU_EXPORT(agg_exact_finish)
 FULMEN_EMU_EXPORT(agg_find_or_insert)
-FULMEN_EMU_EXPORT(agg_first_rows)
 FULMEN_EMU_EXPORT(agg_leader_flags)
 FULMEN_EMU_EXPORT(agg_resolve)
 FULMEN_EMU_EXPORT(agg_rollback)

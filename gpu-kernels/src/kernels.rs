@@ -111,7 +111,6 @@ macro_rules! kernels {
 
 kernels! {
     agg_find_or_insert => fulmen_emu_launch_agg_find_or_insert, fulmen_emu_params_agg_find_or_insert in "agg.cu",
-    agg_first_rows => fulmen_emu_launch_agg_first_rows, fulmen_emu_params_agg_first_rows in "agg.cu",
     agg_leader_flags => fulmen_emu_launch_agg_leader_flags, fulmen_emu_params_agg_leader_flags in "agg.cu",
     agg_resolve => fulmen_emu_launch_agg_resolve, fulmen_emu_params_agg_resolve in "agg.cu",
     agg_rollback => fulmen_emu_launch_agg_rollback, fulmen_emu_params_agg_rollback in "agg.cu",

@@ -161,8 +161,9 @@ impl GroupTable {
         // Carrying changes no sum, so it goes first: nothing is pending yet should it fail.
         self.carry_exact_sums(n)?;
         let refs = device.alloc(n * 4)?;
-        // Each new group's first row (n u32), which the insert starts at the inserting row's
-        // own: no fill launch before the new groups are numbered.
+        // Each new group's first row (n u32), which the insert sets at the inserting row's
+        // own entry and lowers to the least row with the group's key: no fill, and no
+        // launch of its own.
         let first = device.alloc(n.div_ceil(2) * 8)?;
         // The count of new groups (word 0, zeroed here before every attempt, so that no
         // caller's value can pass for "no new group"), and word 1, the upstream status the
@@ -330,19 +331,11 @@ impl GroupTable {
         let device = self.device.clone();
         let g0 = self.groups;
         let cfg = LaunchConfig::for_items(&device, n as u64, BLOCK);
-        // SAFETY: `refs` holds n u32 ids, each committed or PENDING | row < n; `first`
-        // holds n u32, at row r the bound r wherever PENDING | r is an id (set by the
-        // insert).
-        unsafe {
-            device.launch(
-                Kernel::agg_first_rows,
-                cfg,
-                &[Arg::buf(refs), Arg::U64(n as u64), Arg::buf(first)],
-            )?;
-        }
         // Each row's flag: 1 where it is its new group's first row (a leader).
         let leader_flags = |into: Arg| {
-            // SAFETY: as above; `into` holds n u64 (the callers' part).
+            // SAFETY: `refs` holds n u32 ids, each committed or PENDING | row < n; `first`
+            // holds n u32, at row r the group's first row wherever PENDING | r is an id
+            // (set by the insert); `into` holds n u64 (the callers' part).
             unsafe {
                 device.launch(
                     Kernel::agg_leader_flags,
