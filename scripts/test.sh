@@ -69,7 +69,7 @@ echo "sticky fault at launch 20 of TPC-H Q1: DataFusion's answer, found by the n
 # run ends with Fulmen's own count of its device work (fulmen_devices()), which must equal
 # the calls the driver received; and TPC-H Q1 forced on the emulated device counts the same
 # launches, syncs and copies as through the CUDA backend.
-counted="launches, syncs, h2d_copies, h2d_bytes, d2h_copies, d2h_bytes, d2d_copies, d2d_bytes, driver_allocations"
+counted="launches, syncs, stream_waits, h2d_copies, h2d_bytes, d2h_copies, d2h_bytes, d2d_copies, d2d_bytes, driver_allocations"
 listing="SELECT $counted FROM fulmen_devices()"
 emulated="$("${fulmen[@]}" --devices emulated:1 -c "SET fulmen.gpu.mode = 'force'" \
   -c "SET fulmen.gpu.on_error = 'fail'" -c "$q1" -c "$listing" | tail -n 1)"

@@ -132,7 +132,7 @@ impl Report {
                             let mut entry = serde_json::json!({"query": q, "times_ms": times_ms, "median_ms": median(times_ms), "best_ms": best(times_ms)});
                             if let Some(c) = device {
                                 entry["device"] = serde_json::json!({
-                                    "launches": c.launches, "syncs": c.syncs,
+                                    "launches": c.launches, "syncs": c.syncs, "stream_waits": c.stream_waits,
                                     "h2d_bytes": c.h2d_bytes, "d2h_bytes": c.d2h_bytes,
                                     "device_bytes": c.device_bytes,
                                     "traffic_ratio": traffic_ratio(c),
@@ -268,10 +268,10 @@ impl Report {
                 run.engine, COST.name
             );
             out += &format!(
-                "| query | launches | syncs | h2d MB | d2h MB | device MB | traffic ratio | modelled {} ms, from host | modelled ms, resident | datafusion measured ms |\n",
+                "| query | launches | syncs | stream waits | h2d MB | d2h MB | device MB | traffic ratio | modelled {} ms, from host | modelled ms, resident | datafusion measured ms |\n",
                 COST.name
             );
-            out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+            out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
             let mb = |b: u64| b as f64 / 1e6;
             for (q, c) in rows {
                 let measured = reference
@@ -280,10 +280,11 @@ impl Report {
                     .map_or("—".to_string(), |t| format!("{t:.1}"));
                 let ratio = traffic_ratio(c).map_or("—".to_string(), |r| format!("{r:.2}"));
                 out += &format!(
-                    "| {} | {} | {} | {:.2} | {:.3} | {:.1} | {ratio} | {:.3} | {:.3} | {measured} |\n",
+                    "| {} | {} | {} | {} | {:.2} | {:.3} | {:.1} | {ratio} | {:.3} | {:.3} | {measured} |\n",
                     self.queries[q],
                     c.launches,
                     c.syncs,
+                    c.stream_waits,
                     mb(c.h2d_bytes),
                     mb(c.d2h_bytes),
                     mb(c.device_bytes),

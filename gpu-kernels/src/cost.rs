@@ -2,8 +2,11 @@
 //! GPU, which is how performance is judged where no GPU is lent. Every figure it gives is a
 //! **model**, and is labelled so wherever it is printed.
 //!
-//! modelled time = launches × launch + syncs × sync + (h2d + d2h bytes) / PCIe
-//!               + device bytes / HBM
+//! modelled time = (launches + stream waits) × launch + syncs × sync
+//!               + (h2d + d2h bytes) / PCIe + device bytes / HBM
+//!
+//! A stream's wait for another (an event recorded and waited for on the device) is costed
+//! as a launch: two driver calls the host makes without waiting, as for a launch.
 //!
 //! "Resident" leaves out the host-to-device copies, as for data already in device memory.
 //! The constants are the one place they live; `scripts/gpu-check.sh` measures copy
@@ -46,7 +49,7 @@ impl CostModel {
     /// The modelled seconds of `work` with its inputs already in device memory (no
     /// host-to-device copies).
     pub fn resident_seconds(&self, work: &DeviceCounts) -> f64 {
-        work.launches as f64 * self.launch_s
+        (work.launches + work.stream_waits) as f64 * self.launch_s
             + work.syncs as f64 * self.sync_s
             + work.d2h_bytes as f64 / self.pcie_bytes_per_s
             + work.device_bytes as f64 / self.hbm_bytes_per_s
@@ -64,6 +67,11 @@ mod tests {
             ..Default::default()
         };
         assert!((H200.seconds(&launch) - 4e-6).abs() < 1e-12);
+        let wait = DeviceCounts {
+            stream_waits: 1,
+            ..Default::default()
+        };
+        assert!((H200.seconds(&wait) - 4e-6).abs() < 1e-12);
         let upload = DeviceCounts {
             h2d_bytes: 55_000_000_000,
             ..Default::default()

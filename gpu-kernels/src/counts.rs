@@ -12,6 +12,7 @@ pub(crate) struct Counts {
     pub(crate) driver_frees: AtomicU64,
     pub(crate) launches: AtomicU64,
     pub(crate) syncs: AtomicU64,
+    pub(crate) stream_waits: AtomicU64,
     pub(crate) h2d_copies: AtomicU64,
     pub(crate) h2d_bytes: AtomicU64,
     pub(crate) d2h_copies: AtomicU64,
@@ -29,6 +30,7 @@ macro_rules! each_count {
         $do!(driver_frees);
         $do!(launches);
         $do!(syncs);
+        $do!(stream_waits);
         $do!(h2d_copies);
         $do!(h2d_bytes);
         $do!(d2h_copies);
@@ -93,6 +95,10 @@ pub struct DeviceCounts {
     /// [`Device::synchronize`](crate::Device::synchronize), and each refill of an upload
     /// staging half the stream may not have passed. Launches and uploads do not wait.
     pub syncs: u64,
+    /// Times one stream was made to wait, on the device, for work queued on another
+    /// (`cuEventRecord` on that stream, then `cuStreamWaitEvent`): before work that uses a
+    /// buffer another stream made, where that stream may still run. The host goes on.
+    pub stream_waits: u64,
     /// Host-to-device copies (one per staging piece of at most [`UPLOAD_HALF_BYTES`]).
     pub h2d_copies: u64,
     /// Bytes copied host to device.

@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::ffi::{CString, c_void};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
 
 use crate::kernels::Kernel;
 use crate::{KernelError, Result};
@@ -91,6 +91,9 @@ pub(crate) struct CudaBackend {
     ctx: Arc<CudaContext>,
     /// The device's streams, by index (`Device::on_stream`), made as they are asked for.
     streams: Mutex<Vec<Arc<CudaStream>>>,
+    /// An event for each stream other streams wait for ([`CudaBackend::join`]), by the
+    /// stream's index, made the first time (recorded again for every wait).
+    events: Mutex<Vec<Option<CudaEvent>>>,
     compute_capability: (i32, i32),
     async_alloc: bool,
     modules: Mutex<HashMap<&'static str, sys::CUmodule>>,
@@ -166,6 +169,7 @@ impl CudaBackend {
             async_alloc: ctx.has_async_alloc(),
             ctx,
             streams: Mutex::new(vec![stream]),
+            events: Mutex::new(Vec::new()),
             compute_capability,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
@@ -205,6 +209,31 @@ impl CudaBackend {
         self.stream(index)?
             .synchronize()
             .map_err(|e| self.failed("waiting for the stream", e))
+    }
+
+    /// Makes stream `index` wait, on the device, for everything queued on stream `other`
+    /// so far (the host goes on): `other`'s event recorded there, then waited for.
+    pub fn join(&self, index: usize, other: usize) -> Result<()> {
+        self.bind()?;
+        let (stream, producer) = (self.stream(index)?, self.stream(other)?);
+        let mut events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        if events.len() <= other {
+            events.resize_with(other + 1, || None);
+        }
+        if events[other].is_none() {
+            let made = self
+                .ctx
+                .new_event(None)
+                .map_err(|e| self.failed("creating a CUDA event", e))?;
+            events[other] = Some(made);
+        }
+        let event = events[other].as_ref().expect("made just above");
+        event
+            .record(&producer)
+            .map_err(|e| self.failed("recording an event", e))?;
+        stream
+            .wait(event)
+            .map_err(|e| self.failed("waiting for another stream", e))
     }
 
     /// Allocates `len` bytes, in the order of stream `index` where the device allocates so

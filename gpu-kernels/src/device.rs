@@ -13,8 +13,9 @@
 //! A device has several streams: a handle is on one ([`Device::on_stream`]; stream 0 is the
 //! device's own), and the engine gives each partition a stream of its own, so that one
 //! partition's wait does not wait for another's work. Work on one stream runs in order;
-//! work that uses a buffer made on another stream first waits for that stream, if it may
-//! still be running (`Device::after`, a counted sync). Buffers go back to the pool when
+//! work that uses a buffer made on another stream first makes its stream wait, on the
+//! device, for that stream, if it may still be running (`Device::after`, a counted stream
+//! wait; the host goes on). Buffers go back to the pool when
 //! dropped, while queued work may still use them: a stream takes a block at once where
 //! every *other* stream has passed the point it was let go (its own later work is queued
 //! after its own earlier work anyway), and another block, or a fresh one, otherwise (the
@@ -860,8 +861,8 @@ impl Device {
             ..DeviceCounts::default()
         });
         self.injected("launch", number)?;
-        // Buffers made on other streams: their work first (a counted sync each, where it
-        // may still run).
+        // Buffers made on other streams: their work first (a counted stream wait each,
+        // where it may still run).
         self.after(
             (args.iter())
                 .filter_map(|a| match *a {

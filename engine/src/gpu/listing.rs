@@ -55,6 +55,7 @@ pub fn schema() -> SchemaRef {
         count("launches"),
         count("kernel_time_us"),
         count("syncs"),
+        count("stream_waits"),
         count("h2d_copies"),
         count("h2d_bytes"),
         count("d2h_copies"),
@@ -75,8 +76,9 @@ pub fn schema() -> SchemaRef {
 /// what the device holds (queries' working memory), and `cached_tables` names the cached
 /// tables with their bytes and chunks there; the counts are what Fulmen asked of the
 /// device since the process opened it ([`fulmen_kernels::DeviceCounts`]: `allocations` from
-/// the pool, `driver_allocations` of those from the driver, and launches, host syncs and
-/// copies as the driver calls the CUDA backend makes for them, on every backend alike),
+/// the pool, `driver_allocations` of those from the driver, and launches, host syncs,
+/// waits of one stream for another on the device (`stream_waits`) and copies as the
+/// driver calls the CUDA backend makes for them, on every backend alike),
 /// `kernel_time_us` the time operators spent in the device's work (the sum of their
 /// `kernel_time` in EXPLAIN ANALYZE: queuing launches and copies and waiting for what they
 /// read back, timed on the host, not by the device), and `device_errors` the device errors
@@ -128,6 +130,7 @@ pub fn listing(config: &FulmenConfig) -> Result<RecordBatch> {
         of(&|c| c.launches),
         counts(&|d| u64::try_from(d.work_time().as_micros()).unwrap_or(u64::MAX)),
         of(&|c| c.syncs),
+        of(&|c| c.stream_waits),
         of(&|c| c.h2d_copies),
         of(&|c| c.h2d_bytes),
         of(&|c| c.d2h_copies),

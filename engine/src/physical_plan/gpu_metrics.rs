@@ -58,6 +58,8 @@ pub struct GpuMetrics {
     pub launches: Count,
     /// Times the host waited for the device.
     pub syncs: Count,
+    /// Times the partition's stream waited, on the device, for another stream's work.
+    pub stream_waits: Count,
     /// The sizes of the buffers launches were given, summed: the device memory the
     /// operator's kernels may read and write.
     pub device_bytes: Count,
@@ -97,6 +99,7 @@ impl GpuMetrics {
             device_errors: builder().counter("device_errors", partition),
             launches: builder().counter("launches", partition),
             syncs: builder().counter("syncs", partition),
+            stream_waits: builder().counter("stream_waits", partition),
             device_bytes: builder().counter("device_bytes", partition),
             device: device.clone(),
             on_error,
@@ -206,6 +209,7 @@ impl GpuMetrics {
             stream: self.device.stream_index(),
             launches: self.launches.clone(),
             syncs: self.syncs.clone(),
+            stream_waits: self.stream_waits.clone(),
             h2d_bytes: self.h2d_bytes.clone(),
             d2h_bytes: self.d2h_bytes.clone(),
             device_bytes: self.device_bytes.clone(),
@@ -357,6 +361,7 @@ pub struct DeviceWork {
     stream: usize,
     launches: Count,
     syncs: Count,
+    stream_waits: Count,
     h2d_bytes: Count,
     d2h_bytes: Count,
     device_bytes: Count,
@@ -366,6 +371,7 @@ impl DeviceWork {
     fn add(&self, c: &fulmen_kernels::DeviceCounts) {
         self.launches.add(c.launches as usize);
         self.syncs.add(c.syncs as usize);
+        self.stream_waits.add(c.stream_waits as usize);
         self.h2d_bytes.add(c.h2d_bytes as usize);
         self.d2h_bytes.add(c.d2h_bytes as usize);
         self.device_bytes.add(c.device_bytes as usize);

@@ -38,7 +38,8 @@ pub fn in_stream<T>(index: usize, work: impl FnOnce() -> T) -> T {
 
 /// One stream of a device: its queue on the emulator (a GPU's driver keeps its own), and
 /// how far along it the host knows it to be. Work on one stream runs in the order it was
-/// queued; work on two streams is ordered only by a host wait (see [`Device::after`]).
+/// queued; work on two streams is ordered by a wait of one for the other on the device, or
+/// by a host wait (see [`Device::after`]).
 #[derive(Default)]
 pub(crate) struct Stream {
     /// Its index among the device's streams (0: the device's own, the one every handle
@@ -53,6 +54,19 @@ pub(crate) struct Stream {
     passed: AtomicU64,
     /// The stream's look-back scan state (see [`Device::with_lookback`]).
     lookback: Mutex<Lookback>,
+    /// For each other stream, by index: how many of its ops this stream was made to wait
+    /// for on the device ([`Device::after`]), so that it does not wait for them again, and
+    /// how many ops this stream had queued then (a host wait past them has passed those).
+    waited: Mutex<Vec<Waited>>,
+}
+
+/// What a stream was made to wait for of another (see `Stream::waited`).
+#[derive(Debug, Default, Clone, Copy)]
+struct Waited {
+    /// The other stream's ops waited for.
+    through: u64,
+    /// This stream's ops queued before the wait.
+    at: u64,
 }
 
 /// A stream's look-back scan state: its device address (0 until the first scan that needs
@@ -93,6 +107,33 @@ impl Stream {
 
     fn passed_through(&self, op: u64) {
         self.passed.fetch_max(op, Ordering::AcqRel);
+    }
+
+    fn waited(&self) -> std::sync::MutexGuard<'_, Vec<Waited>> {
+        self.waited.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether this stream may still have to wait for the first `through` ops of stream
+    /// `other` (it has not been made to wait for them, nor has the host passed them).
+    fn must_wait(&self, other: &Stream, through: u64) -> bool {
+        other.passed() < through
+            && self
+                .waited()
+                .get(other.index)
+                .is_none_or(|w| w.through < through)
+    }
+
+    /// Notes that this stream waits, from here on, for the first `through` ops of stream
+    /// `other`.
+    fn waits_for(&self, other: usize, through: u64) {
+        let at = self.enqueued();
+        let mut waited = self.waited();
+        if waited.len() <= other {
+            waited.resize(other + 1, Waited::default());
+        }
+        if waited[other].through < through {
+            waited[other] = Waited { through, at };
+        }
     }
 }
 
@@ -185,31 +226,58 @@ impl Device {
                 .map_err(|e| self.sticky(e)),
             Backend::Cuda(cuda) => cuda.sync(stream.index).map_err(|e| self.lost(e)),
         }?;
-        stream.passed_through(through);
+        self.passed(stream, through);
         Ok(())
     }
 
+    /// Notes that the host has waited for `stream`'s first `through` ops, and so for what
+    /// the stream was made to wait for of other streams before its op `through` (a wait
+    /// noted with a later op queued after it: one queued alongside it may not be covered).
+    fn passed(&self, stream: &Stream, through: u64) {
+        stream.passed_through(through);
+        let waited: Vec<(usize, Waited)> = stream.waited().iter().copied().enumerate().collect();
+        for (index, w) in waited {
+            if w.through > 0 && w.at < through && index != stream.index {
+                self.inner.stream(index).passed_through(w.through);
+            }
+        }
+    }
+
     /// Before work on this handle's stream uses buffers made through handles on other
-    /// streams (`streams`: their indices), waits for each of those streams that may still
-    /// be running queued work (a counted sync each): two streams are ordered only by the
-    /// host. A stream that has passed everything queued on it costs nothing.
+    /// streams (`streams`: their indices), makes it wait, on the device, for what each of
+    /// those streams has queued so far (a counted stream wait each: an event recorded
+    /// there and waited for here; the host goes on). A stream the host has passed, or that
+    /// this one already waits for as far, costs nothing.
     pub(crate) fn after(&self, streams: impl IntoIterator<Item = usize>) -> Result<()> {
         let me = self.current_index();
-        let mut waited: Vec<usize> = Vec::new();
+        let mine = self.inner.stream(me);
+        let mut seen: Vec<usize> = Vec::new();
         for index in streams {
-            if index == me || waited.contains(&index) {
+            if index == me || seen.contains(&index) {
                 continue;
             }
-            waited.push(index);
-            let stream = self.inner.stream(index);
-            if stream.busy() {
-                log::debug!("{self}: stream {me} waits for stream {index}");
-                self.record(DeviceCounts {
-                    syncs: 1,
-                    ..DeviceCounts::default()
-                });
-                self.wait_on(&stream)?;
+            seen.push(index);
+            let other = self.inner.stream(index);
+            let through = other.enqueued();
+            if !mine.must_wait(&other, through) {
+                continue;
             }
+            log::debug!("{self}: stream {me} waits for stream {index}");
+            self.record(DeviceCounts {
+                stream_waits: 1,
+                ..DeviceCounts::default()
+            });
+            match &self.inner.backend {
+                // The emulator runs the other stream's queue now, which is one order a GPU
+                // may run them in; the host does not take that stream as passed (it did not
+                // wait for it), as it cannot on a GPU.
+                Backend::Emulated(memory) => other
+                    .queue
+                    .run(memory, &self.to_string())
+                    .map_err(|e| self.sticky(e)),
+                Backend::Cuda(cuda) => cuda.join(me, index).map_err(|e| self.lost(e)),
+            }?;
+            mine.waits_for(index, through);
         }
         Ok(())
     }
@@ -395,7 +463,7 @@ impl Device {
             Backend::Cuda(cuda) => cuda.read_many(stream.index, &fills, reads),
         }
         .map_err(|e| self.lost(e))?;
-        stream.passed_through(through);
+        self.passed(&stream, through);
         Ok(())
     }
 

@@ -116,6 +116,7 @@ struct Counts {
     launches: AtomicU64,
     stream_syncs: AtomicU64,
     context_syncs: AtomicU64,
+    stream_waits: AtomicU64,
     h2d_copies: AtomicU64,
     h2d_bytes: AtomicU64,
     d2h_copies: AtomicU64,
@@ -135,6 +136,7 @@ impl Counts {
             ("launches", &self.launches),
             ("stream_syncs", &self.stream_syncs),
             ("context_syncs", &self.context_syncs),
+            ("stream_waits", &self.stream_waits),
             ("h2d_copies", &self.h2d_copies),
             ("h2d_bytes", &self.h2d_bytes),
             ("d2h_copies", &self.d2h_copies),
@@ -601,6 +603,65 @@ pub extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CUresult {
 pub extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CUresult {
     driver().counts.stream_syncs.fetch_add(1, Ordering::Relaxed);
     result(stream_context(stream).and_then(Context::wait))
+}
+
+// ---- events ----
+//
+// A context's streams share one queue here (see `queue.rs`), so a stream's wait for an
+// event recorded on another is already kept: work queued after the wait runs after the
+// work queued before the record. The calls check their handles and count the waits.
+
+/// An event: the context it was made in.
+struct Event {
+    context: &'static Context,
+}
+
+fn event_context(event: *mut c_void) -> Result<&'static Context, CUresult> {
+    if event.is_null() {
+        return Err(INVALID_HANDLE);
+    }
+    // SAFETY: non-null events are Boxes made by cuEventCreate.
+    Ok(unsafe { &*(event as *const Event) }.context)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventCreate(event: *mut *mut c_void, _flags: c_uint) -> CUresult {
+    match current().and_then(|c| c.check().map(|()| c)) {
+        Ok(context) => out(event, Box::into_raw(Box::new(Event { context })).cast()),
+        Err(e) => e,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventDestroy_v2(event: *mut c_void) -> CUresult {
+    if event.is_null() {
+        return INVALID_HANDLE;
+    }
+    // SAFETY: made by cuEventCreate and destroyed once (cudarc's CudaEvent drop).
+    drop(unsafe { Box::from_raw(event as *mut Event) });
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CUresult {
+    match (event_context(event), stream_context(stream)) {
+        (Ok(e), Ok(s)) if std::ptr::eq(e, s) => result(e.check()),
+        (Ok(_), Ok(_)) => INVALID_CONTEXT,
+        (Err(e), _) | (_, Err(e)) => e,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamWaitEvent(
+    stream: *mut c_void,
+    event: *mut c_void,
+    _flags: c_uint,
+) -> CUresult {
+    driver().counts.stream_waits.fetch_add(1, Ordering::Relaxed);
+    match (event_context(event), stream_context(stream)) {
+        (Ok(_), Ok(s)) => result(s.check()),
+        (Err(e), _) | (_, Err(e)) => e,
+    }
 }
 
 // ---- errors ----

@@ -1,6 +1,7 @@
 //! A device's streams: work on one runs in its own order, work that uses a buffer made on
-//! another waits for that stream first (a counted sync, only while it may still run), and
-//! a block let go on one stream goes to another only once the host has waited past it.
+//! another is made to wait for that stream first, on the device (a counted stream wait, only
+//! while it may still run and was not waited for as far), and a block let go on one stream
+//! goes to another only once the host has waited past it.
 
 use fulmen_kernels::ops::scan;
 
@@ -46,29 +47,44 @@ fn work_on_one_stream_waits_for_the_stream_that_made_its_input() {
     }
 }
 
-/// The waits between streams are counted, and cost nothing once the other stream has
-/// passed its work; a read waits for its own stream only.
+/// The waits between streams are counted, on the device (the host does not wait): one for
+/// what the other stream queued so far, none again for the same work, nor once the host
+/// has passed it; a read waits (on the host) for its own stream only.
 #[test]
 fn a_stream_waits_for_another_once_and_only_while_it_may_still_run() {
     let d = emulated();
     let (a, b) = (d.on_stream(1), d.on_stream(2));
     let on_a = a.upload(&[3u8; 4096]).unwrap();
     let on_b = b.upload(&[4u8; 4096]).unwrap();
-    let syncs = d.counts().syncs;
+    let start = d.counts();
+    let since = |what: &str, syncs: u64, waits: u64| {
+        let c = d.counts();
+        assert_eq!(
+            (c.syncs - start.syncs, c.stream_waits - start.stream_waits),
+            (syncs, waits),
+            "{what}: host syncs and stream waits"
+        );
+    };
     assert_eq!(on_b.to_host().unwrap(), vec![4u8; 4096]);
-    assert_eq!(d.counts().syncs - syncs, 1, "b's read waits for b alone");
+    since("b's read waits for b alone", 1, 0);
     let first = b.alloc(4096).unwrap();
     b.copy(&first, &on_a).unwrap();
-    assert_eq!(
-        d.counts().syncs - syncs,
-        2,
-        "a copy of a's buffer waits for a"
-    );
+    since("a copy of a's buffer makes b wait for a", 1, 1);
     let second = b.alloc(4096).unwrap();
     b.copy(&second, &on_a).unwrap();
-    assert_eq!(d.counts().syncs - syncs, 2, "a has passed: no second wait");
+    since("b waits for a's upload already: no second wait", 1, 1);
+    let more = a.upload(&[5u8; 4096]).unwrap();
+    let third = b.alloc(4096).unwrap();
+    b.copy(&third, &more).unwrap();
+    since("a queued more: b waits again", 1, 2);
+    a.synchronize().unwrap();
+    let fourth = b.alloc(4096).unwrap();
+    b.copy(&fourth, &more).unwrap();
+    since("the host has passed a: no wait", 2, 2);
     assert_eq!(second.to_host().unwrap(), vec![3u8; 4096]);
     assert_eq!(first.to_host().unwrap(), vec![3u8; 4096]);
+    assert_eq!(third.to_host().unwrap(), vec![5u8; 4096]);
+    assert_eq!(fourth.to_host().unwrap(), vec![5u8; 4096]);
     assert_eq!(d.streams(), 3, "streams 0, 1 and 2");
 }
 
@@ -115,15 +131,16 @@ fn work_in_a_stream_scope_goes_on_the_scopes_stream() {
         buffer
     });
     assert_eq!(d.stream_index(), 0, "the handle keeps its own stream");
-    let syncs = d.counts().syncs;
+    let before = d.counts();
     assert!(
         made.to_host().unwrap() == words(&values),
         "the read sees the upload"
     );
+    let c = d.counts();
     assert_eq!(
-        d.counts().syncs - syncs,
-        2,
-        "a wait for stream 5, then the read's own on stream 0"
+        (c.stream_waits - before.stream_waits, c.syncs - before.syncs),
+        (1, 1),
+        "stream 0 waits for stream 5 on the device, then the host for stream 0"
     );
 }
 
