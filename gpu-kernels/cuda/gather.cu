@@ -10,10 +10,17 @@
 //                                                            min(*count, n) indices are read
 //                                                            (the rest may be unwritten) and the
 //                                                            other lengths are 0
-//   gather_string_lengths_flagged_o32/o64 (offsets, flags, n, lengths)
-//                                                            byte length of each row's string
-//                                                            where flags[row] (a u64) is
-//                                                            non-zero, else 0
+//   gather_string_lengths_many_o32/o64 (idx, flags, n, count, lengths, stride, ncols,
+//                                       offsets0, … offsets3)
+//                                                            the byte lengths of up to
+//                                                            GATHER_STRINGS columns in one
+//                                                            launch, column c's at
+//                                                            lengths[c * stride + i]: with idx,
+//                                                            of the strings at idx[i] (as
+//                                                            gather_string_lengths, count
+//                                                            included); with flags (idx null),
+//                                                            of row i's where flags[i] (a u64)
+//                                                            is non-zero, else 0
 //   gather_many              (idx, n, kinds, in0, out0, validity_in0, validity_out0, …
 //                             in5, out5, validity_in5, validity_out5)
 //                                                            up to GATHER_MANY columns in one
@@ -114,7 +121,9 @@ FULMEN_KERNEL gather_many(const uint32_t* idx, uint64_t n, uint64_t kinds,
     }
 }
 
-#define GATHER_STRINGS(SUFFIX, OFF)                                                                  \
+#define GATHER_STRINGS 4
+
+#define GATHER_STRINGS_OF(SUFFIX, OFF)                                                                  \
     FULMEN_KERNEL gather_string_lengths_##SUFFIX(const OFF* offsets, const uint32_t* idx, uint64_t n, \
                                                  const uint64_t* count, uint64_t* lengths) {         \
         uint64_t real = n;                                                                           \
@@ -124,10 +133,20 @@ FULMEN_KERNEL gather_many(const uint32_t* idx, uint64_t n, uint64_t kinds,
             lengths[i] = j == NULL_INDEX ? 0 : (uint64_t)(offsets[j + 1] - offsets[j]);              \
         }                                                                                            \
     }                                                                                                \
-    FULMEN_KERNEL gather_string_lengths_flagged_##SUFFIX(const OFF* offsets, const uint64_t* flags,    \
-                                                         uint64_t n, uint64_t* lengths) {            \
-        for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE)                                       \
-            lengths[i] = flags[i] == 0 ? 0 : (uint64_t)(offsets[i + 1] - offsets[i]);                \
+    FULMEN_KERNEL gather_string_lengths_many_##SUFFIX(                                               \
+        const uint32_t* idx, const uint64_t* flags, uint64_t n, const uint64_t* count, uint64_t* lengths, \
+        uint64_t stride, uint32_t ncols, const OFF* o0, const OFF* o1, const OFF* o2, const OFF* o3) {   \
+        const OFF* offsets[GATHER_STRINGS] = {o0, o1, o2, o3};                                       \
+        uint64_t real = n;                                                                           \
+        if (count != nullptr && *count < real) real = *count;                                        \
+        for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {                                     \
+            uint32_t j;                                                                              \
+            if (idx == nullptr) j = flags[i] == 0 ? NULL_INDEX : (uint32_t)i;                        \
+            else j = i < real ? idx[i] : NULL_INDEX;                                                 \
+            for (uint32_t c = 0; c < ncols && c < GATHER_STRINGS; ++c)                               \
+                lengths[c * stride + i] =                                                            \
+                    j == NULL_INDEX ? 0 : (uint64_t)(offsets[c][j + 1] - offsets[c][j]);             \
+        }                                                                                            \
     }                                                                                                \
     FULMEN_KERNEL gather_string_copy_##SUFFIX(const OFF* offsets, const uint8_t* bytes,              \
                                               const uint32_t* idx, uint64_t n, const uint64_t* starts, \
@@ -145,8 +164,8 @@ FULMEN_KERNEL gather_many(const uint32_t* idx, uint64_t n, uint64_t kinds,
         }                                                                                            \
     }
 
-GATHER_STRINGS(o32, int32_t)
-GATHER_STRINGS(o64, int64_t)
+GATHER_STRINGS_OF(o32, int32_t)
+GATHER_STRINGS_OF(o64, int64_t)
 
 #if defined(FULMEN_EMULATOR)
 FULMEN_EMU_EXPORT(gather_fixed_1)
@@ -158,8 +177,8 @@ FULMEN_EMU_EXPORT(gather_validity)
 FULMEN_EMU_EXPORT(gather_many)
 FULMEN_EMU_EXPORT(gather_string_lengths_o32)
 FULMEN_EMU_EXPORT(gather_string_lengths_o64)
-FULMEN_EMU_EXPORT(gather_string_lengths_flagged_o32)
-FULMEN_EMU_EXPORT(gather_string_lengths_flagged_o64)
+FULMEN_EMU_EXPORT(gather_string_lengths_many_o32)
+FULMEN_EMU_EXPORT(gather_string_lengths_many_o64)
 FULMEN_EMU_EXPORT(gather_string_copy_o32)
 FULMEN_EMU_EXPORT(gather_string_copy_o64)
 #endif

@@ -226,8 +226,9 @@ pub struct QueuedStarts {
 /// and their exclusive scans, without a host wait: each column's output starts, and its
 /// byte total written to the word `k` words after `totals_to` for column `k` (the caller
 /// zeroed them) for the host to read with the indices' count, in one wait. Work over all
-/// the indices' slots, of which only the real ones count. A length launch per column,
-/// and the columns' scans in the launches of one (`scan::segments_queued`).
+/// the indices' slots, of which only the real ones count. A length launch per
+/// [`GATHER_STRINGS`] columns, and the columns' scans in the launches of one
+/// (`scan::segments_queued`).
 pub fn queue_strings_starts(
     columns: &[&DeviceColumn],
     indices: PendingIndices<'_>,
@@ -251,32 +252,22 @@ pub fn queue_strings_starts(
         totals_to,
         Some(indices.buffer.addr()),
         no_lead,
-        |column, lengths, _| {
-            let (width, offsets) = string_offsets(column)?;
-            check_bound(indices.bound(), column)?;
-            let kernel = if width == 4 {
-                Kernel::gather_string_lengths_o32
-            } else {
-                Kernel::gather_string_lengths_o64
-            };
-            // SAFETY: `offsets` holds column.len() + 1 offsets of `width` bytes; the kernel
-            // reads only the first min(*count, slots) indices, which the producer of the
-            // pending indices queued before this launch on the same stream (a join probe's
-            // count is written before its emit, but both before this), each below the bound
-            // ≤ column.len() (or NULL_INDEX); `lengths` holds `slots` u64.
-            unsafe {
-                column.device().launch(
-                    kernel,
-                    LaunchConfig::for_items(column.device(), slots as u64, BLOCK),
-                    &[
-                        Arg::buf(offsets),
-                        Arg::buf(indices.buffer),
-                        Arg::U64(slots as u64),
-                        indices.count.arg(),
-                        lengths,
-                    ],
-                )
+        |group, lengths, stride, _| {
+            for column in group {
+                check_bound(indices.bound(), column)?;
             }
+            // The kernel reads only the first min(*count, slots) indices, which the
+            // producer of the pending indices queued before this launch on the same stream
+            // (a join probe's count is written before its emit, but both before this), each
+            // below the bound ≤ every column's length (or NULL_INDEX).
+            many_lengths(
+                group,
+                [Arg::buf(indices.buffer), Arg::Ptr(0)],
+                slots,
+                indices.count.arg(),
+                lengths,
+                stride,
+            )
         },
     )
     .map(|(.., s)| s)
@@ -302,8 +293,8 @@ pub fn queue_flagged_strings_starts(
     let Some(first) = columns.first() else {
         return Ok(Vec::new());
     };
-    let flagged = |column: &DeviceColumn, lengths: Arg, _: &DeviceBuffer| {
-        flagged_lengths(column, n, Arg::part(flags, 0, 8 * n), lengths)
+    let flagged = |group: &[&DeviceColumn], lengths: Arg, stride: usize, _: &DeviceBuffer| {
+        flagged_lengths(group, n, Arg::part(flags, 0, 8 * n), lengths, stride)
     };
     let no_lead: Option<fn(Arg) -> Result<()>> = None;
     queue_starts(
@@ -336,8 +327,9 @@ pub fn queue_flags_and_strings_starts(
         ));
     };
     let n = first.len();
-    let flagged = |column: &DeviceColumn, lengths: Arg, all: &DeviceBuffer| {
-        flagged_lengths(column, n, Arg::part(all, 0, 8 * n), lengths)
+    // The flags are the scan's segment 0, in the buffer the lengths go to.
+    let flagged = |group: &[&DeviceColumn], lengths: Arg, stride: usize, all: &DeviceBuffer| {
+        flagged_lengths(group, n, Arg::part(all, 0, 8 * n), lengths, stride)
     };
     let (all, starts, queued) = queue_starts(
         first.device(),
@@ -351,36 +343,91 @@ pub fn queue_flags_and_strings_starts(
     Ok((all, starts, queued))
 }
 
-/// Queues the lengths of `column`'s strings at the rows `flags` marks (n u64), 0 elsewhere,
-/// into `lengths` (n u64).
-fn flagged_lengths(column: &DeviceColumn, n: usize, flags: Arg, lengths: Arg) -> Result<()> {
-    let (width, offsets) = string_offsets(column)?;
-    if column.len() != n {
-        return Err(KernelError::Unsupported(format!(
-            "flagged string starts of columns of {n} and {} rows",
-            column.len()
-        )));
+/// String columns one `gather_string_lengths_many` launch measures (`GATHER_STRINGS` in
+/// `cuda/gather.cu`).
+const GATHER_STRINGS: usize = 4;
+
+/// Queues the lengths of the strings of `group` (up to [`GATHER_STRINGS`] columns of one
+/// offset width) at `slots` rows, column `c`'s at `lengths` + `c * stride` u64: with
+/// `source[0]` (indices, of which the count word `count` says how many are real), of the
+/// strings those indices pick; with `source[1]` (flags, one u64 a row), of each row's
+/// where it is flagged, 0 elsewhere.
+fn many_lengths(
+    group: &[&DeviceColumn],
+    source: [Arg; 2],
+    slots: usize,
+    count: Arg,
+    lengths: Arg,
+    stride: usize,
+) -> Result<()> {
+    let Some(first) = group.first() else {
+        return Ok(());
+    };
+    let width = string_offsets(first)?.0;
+    let mut offsets = [Arg::Ptr(0); GATHER_STRINGS];
+    for (k, column) in group.iter().enumerate() {
+        let (w, column_offsets) = string_offsets(column)?;
+        if w != width || k >= GATHER_STRINGS {
+            return Err(KernelError::Unsupported(format!(
+                "string lengths of {} columns, or of two offset widths, in one launch",
+                group.len()
+            )));
+        }
+        offsets[k] = Arg::buf(column_offsets);
     }
     let kernel = if width == 4 {
-        Kernel::gather_string_lengths_flagged_o32
+        Kernel::gather_string_lengths_many_o32
     } else {
-        Kernel::gather_string_lengths_flagged_o64
+        Kernel::gather_string_lengths_many_o64
     };
-    // SAFETY: `offsets` holds n + 1 offsets of `width` bytes, `flags` and `lengths` n u64
-    // (the callers' arguments).
+    let device = first.device();
+    let mut args = vec![
+        source[0],
+        source[1],
+        Arg::U64(slots as u64),
+        count,
+        lengths,
+        Arg::U64(stride as u64),
+        Arg::U32(group.len() as u32),
+    ];
+    args.extend(offsets);
+    // SAFETY: each column's offsets hold its length + 1 offsets of `width` bytes, and the
+    // callers check that the indices (below the columns' lengths, or NULL_INDEX) or the
+    // flagged rows (each column's rows) address them; `lengths` holds
+    // (group.len() - 1) * stride + slots u64 (`queue_starts`); unused offsets are null.
     unsafe {
-        column.device().launch(
+        device.launch(
             kernel,
-            LaunchConfig::for_items(column.device(), n as u64, BLOCK),
-            &[Arg::buf(offsets), flags, Arg::U64(n as u64), lengths],
+            LaunchConfig::for_items(device, slots as u64, BLOCK),
+            &args,
         )
     }
 }
 
-/// Queues each column's lengths (`lengths(column, into, all)` launches the kernel that
-/// writes `slots` of them into `into`, a part of `all`), one column's after another's at
-/// the scan's segment stride — after a segment `lead(into)` fills, when given — and their
-/// scans in the launches of one. Returns the lengths, the scan, and each column's starts.
+/// Queues the lengths of the strings of `group` (columns of n rows) at the rows `flags`
+/// marks (n u64), 0 elsewhere, into `lengths` (a column's n u64 each, `stride` apart).
+fn flagged_lengths(
+    group: &[&DeviceColumn],
+    n: usize,
+    flags: Arg,
+    lengths: Arg,
+    stride: usize,
+) -> Result<()> {
+    if let Some(other) = group.iter().find(|c| c.len() != n) {
+        return Err(KernelError::Unsupported(format!(
+            "flagged string starts of columns of {n} and {} rows",
+            other.len()
+        )));
+    }
+    many_lengths(group, [Arg::Ptr(0), flags], n, Arg::Ptr(0), lengths, stride)
+}
+
+/// Queues each column's lengths, one column's after another's at the scan's segment
+/// stride — after a segment `lead(into)` fills, when given — and their scans in the
+/// launches of one. `lengths(group, into, stride, all)` launches the kernel that writes
+/// `slots` lengths of each column of `group` (up to [`GATHER_STRINGS`] consecutive columns
+/// of one offset width) into `into` (a part of `all`), `stride` apart. Returns the lengths,
+/// the scan, and each column's starts.
 fn queue_starts(
     device: &Device,
     columns: &[&DeviceColumn],
@@ -388,7 +435,7 @@ fn queue_starts(
     totals_to: Word<'_>,
     indices: Option<u64>,
     lead: Option<impl FnOnce(Arg) -> Result<()>>,
-    lengths: impl Fn(&DeviceColumn, Arg, &DeviceBuffer) -> Result<()>,
+    lengths: impl Fn(&[&DeviceColumn], Arg, usize, &DeviceBuffer) -> Result<()>,
 ) -> Result<(DeviceBuffer, Arc<DeviceBuffer>, Vec<QueuedStarts>)> {
     if let Some(other) = columns.iter().find(|c| c.device() != device) {
         return Err(KernelError::Unsupported(format!(
@@ -407,9 +454,21 @@ fn queue_starts(
         if let Some(lead) = lead {
             lead(Arg::part(&all, 0, 8 * slots))?;
         }
-        for (k, column) in columns.iter().enumerate() {
-            let into = Arg::part(&all, 8 * (led + k) * stride, 8 * slots);
-            lengths(column, into, &all)?;
+        let mut k = 0;
+        while k < columns.len() {
+            let width = string_offsets(columns[k])?.0;
+            let mut end = k + 1;
+            while end < columns.len()
+                && end - k < GATHER_STRINGS
+                && string_offsets(columns[end])?.0 == width
+            {
+                end += 1;
+            }
+            let group = &columns[k..end];
+            let span = (group.len() - 1) * stride + slots;
+            let into = Arg::part(&all, 8 * (led + k) * stride, 8 * span);
+            lengths(group, into, stride, &all)?;
+            k = end;
         }
     }
     let starts = scan::segments_queued(device, &all, slots, segments, totals_to)?;

@@ -94,6 +94,69 @@ fn selection_strings(d: &Device, count_waits: bool) {
     }
 }
 
+/// Many string columns gathered over one queued selection measure their strings in one
+/// launch per four consecutive columns of one offset width (six `Utf8` columns and a
+/// `LargeUtf8` one: launches for four, two and one), and each gives what Arrow's filter
+/// gives, its byte total read with the count in one wait.
+#[test]
+fn string_columns_queued_together_share_their_lengths_launches() {
+    for (d, count) in [(device(), false), (emulated(), true)] {
+        let mut zeroed = false;
+        for n in [0, 1, 700, 5000] {
+            let mut strings: Vec<ArrayRef> = (0..6)
+                .map(|k| random_columns(n, 40 + k, 20)[11].clone())
+                .collect();
+            strings.push(random_columns(n, 47, 20)[12].clone());
+            let on_device: Vec<DeviceColumn> = strings
+                .iter()
+                .map(|c| DeviceColumn::upload(&d, c.as_ref()).unwrap())
+                .collect();
+            let predicate = selection(n, 9, 60, 10);
+            let p = DeviceColumn::upload(&d, &predicate).unwrap();
+            let status = d.upload(&vec![0; status_bytes(strings.len())]).unwrap();
+            let queued =
+                compact::selection_indices_queued(&d, p.values(), p.validity(), n, &status)
+                    .unwrap();
+            let (launches, syncs) = (d.counts().launches, d.counts().syncs);
+            let all: Vec<&DeviceColumn> = on_device.iter().collect();
+            let starts = gather::queue_strings_starts(
+                &all,
+                queued.pending(&status).unwrap(),
+                Word::of(&status, 2).unwrap(),
+            )
+            .unwrap();
+            if count && n > 0 {
+                // The first scan of more than one tile on the stream zeroes its look-back
+                // state first.
+                let zeroing = n > scan::TILE as usize && !std::mem::replace(&mut zeroed, true);
+                assert_eq!(
+                    d.counts().launches - launches,
+                    3 + 1 + u64::from(zeroing),
+                    "n={n}: three lengths launches and the scan"
+                );
+            }
+            let (kept, totals) = read_status_words(&status, strings.len()).unwrap().unwrap();
+            let indices = queued.with_count(kept).unwrap();
+            for ((column, want), (started, &total)) in on_device
+                .iter()
+                .zip(&strings)
+                .zip(starts.into_iter().zip(&totals))
+            {
+                let got = gather::gather_column_started(column, &indices, started, total)
+                    .unwrap()
+                    .to_arrow()
+                    .unwrap();
+                let want = filter(want.as_ref(), &predicate).unwrap();
+                assert_eq!(got.as_ref(), want.as_ref(), "n={n}");
+            }
+            if count {
+                // The count and the totals, then a read of each gathered column.
+                assert!(d.counts().syncs - syncs >= 1, "n={n}");
+            }
+        }
+    }
+}
+
 /// Starts queued for one string column (of those queued together).
 fn queue_one(
     column: &DeviceColumn,
