@@ -32,6 +32,11 @@
 //                                                            validity_out is not null) is
 //                                                            gathered as gather_validity does
 //   — scan.cu turns lengths into exclusive starts —
+//   gather_string_copy_many_o32/o64 (idx, n, by_source, ncols, then for each of up to
+//                                    GATHER_STRINGS columns: offsets, bytes, starts,
+//                                    out_offsets, out_bytes, out_cap)
+//                                                            gather_string_copy of each column
+//                                                            in one launch
 //   gather_string_copy_o32/o64 (offsets, bytes, idx, n, starts, by_source, out_offsets,
 //                               out_bytes, out_cap)
 //                                                            copies the bytes and writes
@@ -167,6 +172,44 @@ FULMEN_KERNEL gather_many(const uint32_t* idx, uint64_t n, uint64_t kinds,
 GATHER_STRINGS_OF(o32, int32_t)
 GATHER_STRINGS_OF(o64, int64_t)
 
+// One column's copy of gather_string_copy_many: row i from source row j.
+template <typename OFF>
+__device__ __forceinline__ void copy_string(const OFF* offsets, const uint8_t* bytes, const uint64_t* starts,
+                                            uint32_t by_source, OFF* out_offsets, uint8_t* out_bytes,
+                                            uint64_t out_cap, uint32_t j, uint64_t i, uint64_t n) {
+    uint64_t start = !by_source ? starts[i] : j == NULL_INDEX ? 0 : starts[j];
+    uint64_t len = j == NULL_INDEX ? 0 : (uint64_t)(offsets[j + 1] - offsets[j]);
+    const uint8_t* src = j == NULL_INDEX ? bytes : bytes + offsets[j];
+    uint64_t end = start + len;
+    for (uint64_t k = start; k < end && k < out_cap; ++k) out_bytes[k] = src[k - start];
+    out_offsets[i] = (OFF)start;
+    if (i == n - 1) out_offsets[n] = (OFF)end;
+}
+
+#define GATHER_STRING_COPY_MANY(SUFFIX, OFF)                                                            \
+    FULMEN_KERNEL gather_string_copy_many_##SUFFIX(                                                     \
+        const uint32_t* idx, uint64_t n, uint32_t by_source, uint32_t ncols,                            \
+        const OFF* o0, const uint8_t* b0, const uint64_t* s0, OFF* oo0, uint8_t* ob0, uint64_t cap0,    \
+        const OFF* o1, const uint8_t* b1, const uint64_t* s1, OFF* oo1, uint8_t* ob1, uint64_t cap1,    \
+        const OFF* o2, const uint8_t* b2, const uint64_t* s2, OFF* oo2, uint8_t* ob2, uint64_t cap2,    \
+        const OFF* o3, const uint8_t* b3, const uint64_t* s3, OFF* oo3, uint8_t* ob3, uint64_t cap3) {  \
+        const OFF* offsets[GATHER_STRINGS] = {o0, o1, o2, o3};                                          \
+        const uint8_t* bytes[GATHER_STRINGS] = {b0, b1, b2, b3};                                        \
+        const uint64_t* starts[GATHER_STRINGS] = {s0, s1, s2, s3};                                      \
+        OFF* out_offsets[GATHER_STRINGS] = {oo0, oo1, oo2, oo3};                                        \
+        uint8_t* out_bytes[GATHER_STRINGS] = {ob0, ob1, ob2, ob3};                                      \
+        const uint64_t caps[GATHER_STRINGS] = {cap0, cap1, cap2, cap3};                                 \
+        for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {                                        \
+            uint32_t j = idx[i];                                                                        \
+            for (uint32_t c = 0; c < ncols && c < GATHER_STRINGS; ++c)                                  \
+                copy_string<OFF>(offsets[c], bytes[c], starts[c], by_source, out_offsets[c],            \
+                                 out_bytes[c], caps[c], j, i, n);                                       \
+        }                                                                                               \
+    }
+
+GATHER_STRING_COPY_MANY(o32, int32_t)
+GATHER_STRING_COPY_MANY(o64, int64_t)
+
 #if defined(FULMEN_EMULATOR)
 FULMEN_EMU_EXPORT(gather_fixed_1)
 FULMEN_EMU_EXPORT(gather_fixed_2)
@@ -179,6 +222,8 @@ FULMEN_EMU_EXPORT(gather_string_lengths_o32)
 FULMEN_EMU_EXPORT(gather_string_lengths_o64)
 FULMEN_EMU_EXPORT(gather_string_lengths_many_o32)
 FULMEN_EMU_EXPORT(gather_string_lengths_many_o64)
+FULMEN_EMU_EXPORT(gather_string_copy_many_o32)
+FULMEN_EMU_EXPORT(gather_string_copy_many_o64)
 FULMEN_EMU_EXPORT(gather_string_copy_o32)
 FULMEN_EMU_EXPORT(gather_string_copy_o64)
 #endif

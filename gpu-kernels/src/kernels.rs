@@ -139,6 +139,8 @@ kernels! {
     gather_string_lengths_o64 => fulmen_emu_launch_gather_string_lengths_o64, fulmen_emu_params_gather_string_lengths_o64 in "gather.cu",
     gather_string_lengths_many_o32 => fulmen_emu_launch_gather_string_lengths_many_o32, fulmen_emu_params_gather_string_lengths_many_o32 in "gather.cu",
     gather_string_lengths_many_o64 => fulmen_emu_launch_gather_string_lengths_many_o64, fulmen_emu_params_gather_string_lengths_many_o64 in "gather.cu",
+    gather_string_copy_many_o32 => fulmen_emu_launch_gather_string_copy_many_o32, fulmen_emu_params_gather_string_copy_many_o32 in "gather.cu",
+    gather_string_copy_many_o64 => fulmen_emu_launch_gather_string_copy_many_o64, fulmen_emu_params_gather_string_copy_many_o64 in "gather.cu",
     gather_string_copy_o32 => fulmen_emu_launch_gather_string_copy_o32, fulmen_emu_params_gather_string_copy_o32 in "gather.cu",
     gather_string_copy_o64 => fulmen_emu_launch_gather_string_copy_o64, fulmen_emu_params_gather_string_copy_o64 in "gather.cu",
     hash_many => fulmen_emu_launch_hash_many, fulmen_emu_params_hash_many in "hash.cu",

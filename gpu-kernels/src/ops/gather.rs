@@ -55,6 +55,10 @@ pub fn gather_columns(
         .collect()
 }
 
+/// Started string columns copied in one launch: their offset width, whether their starts
+/// are by source row, and each column's place, starts and byte total.
+type StartedGroup = (usize, bool, Vec<(usize, QueuedStarts, u64)>);
+
 /// Gathers each of `columns` at `indices`, as [`gather_columns`] does, except that a column
 /// with starts queued for these indices (and the byte total the host read: see
 /// [`gather_column_started`]) is gathered from them, with no wait.
@@ -72,12 +76,33 @@ pub fn gather_columns_started(
     }
     let mut out: Vec<Option<DeviceColumn>> = vec![None; columns.len()];
     let mut together = Vec::new();
+    // Started columns of one offset width and one kind of starts are copied together, up
+    // to GATHER_STRINGS in a launch.
+    let mut groups: Vec<StartedGroup> = Vec::new();
     for (i, started) in started.into_iter().enumerate() {
         match started {
             Some((starts, total)) => {
-                out[i] = Some(gather_column_started(columns[i], indices, starts, total)?);
+                let width = string_offsets(columns[i])?.0;
+                let by_source = starts.indices.is_none();
+                match groups
+                    .iter_mut()
+                    .find(|(w, b, g)| *w == width && *b == by_source && g.len() < GATHER_STRINGS)
+                {
+                    Some((.., group)) => group.push((i, starts, total)),
+                    None => groups.push((width, by_source, vec![(i, starts, total)])),
+                }
             }
             None => together.push(i),
+        }
+    }
+    for (.., group) in groups {
+        let at: Vec<usize> = group.iter().map(|(i, ..)| *i).collect();
+        let these = group
+            .into_iter()
+            .map(|(i, starts, total)| (columns[i], starts, total))
+            .collect();
+        for (i, column) in at.into_iter().zip(gather_started_strings(these, indices)?) {
+            out[i] = Some(column);
         }
     }
     let rest: Vec<&DeviceColumn> = together.iter().map(|&i| columns[i]).collect();
@@ -538,6 +563,148 @@ pub fn gather_column_started(
         indices,
         Some((started.starts, started.at, total, by_source)),
     )
+}
+
+/// Gathers string columns of one offset width with starts queued over these indices (of
+/// one kind: by output row, or by source row) and their byte totals, as
+/// [`gather_column_started`] does one by one, their bytes copied in one launch (up to
+/// [`GATHER_STRINGS`] columns).
+fn gather_started_strings(
+    group: Vec<(&DeviceColumn, QueuedStarts, u64)>,
+    indices: &RowIndices,
+) -> Result<Vec<DeviceColumn>> {
+    if group.len() == 1 {
+        let (column, starts, total) = group.into_iter().next().expect("one column");
+        return Ok(vec![gather_column_started(column, indices, starts, total)?]);
+    }
+    let Some((first, first_starts, _)) = group.first() else {
+        return Ok(Vec::new());
+    };
+    let device = first.device();
+    let width = string_offsets(first)?.0;
+    let by_source = first_starts.indices.is_none();
+    if group.len() > GATHER_STRINGS {
+        return Err(KernelError::Unsupported(format!(
+            "copying {} string columns in one launch",
+            group.len()
+        )));
+    }
+    let count = indices.len();
+    let null_indices = indices.nullable();
+    let mut parts = Vec::with_capacity(group.len());
+    for (column, started, total) in &group {
+        let fits = match started.indices {
+            Some(addr) => addr == indices.buffer().addr() && count <= started.slots,
+            None => indices.bound() <= started.slots && !null_indices,
+        };
+        let (w, offsets) = string_offsets(column)?;
+        if !fits
+            || started.offsets != offsets.addr()
+            || w != width
+            || started.indices.is_none() != by_source
+            || column.device() != device
+        {
+            return Err(KernelError::Unsupported(
+                "string starts queued for other indices or another column".into(),
+            ));
+        }
+        check_bound(indices.bound(), column)?;
+        if width == 4 && *total > i32::MAX as u64 {
+            return Err(KernelError::Unsupported(format!(
+                "a string column of {total} bytes in 32-bit offsets"
+            )));
+        }
+        let validity = if column.validity().is_some() || null_indices {
+            let out = device.alloc(count.div_ceil(8))?;
+            // SAFETY: the validity bitmap (or null) covers column.len() rows, every index
+            // is below it (checked) or NULL_INDEX; `out` holds ceil(count/8) bytes, one
+            // thread per byte.
+            unsafe {
+                device.launch(
+                    Kernel::gather_validity,
+                    LaunchConfig::for_items(device, count.div_ceil(8) as u64, BLOCK),
+                    &[
+                        Arg::opt(column.validity()),
+                        Arg::buf(indices.buffer()),
+                        Arg::U64(count as u64),
+                        Arg::buf(&out),
+                    ],
+                )?;
+            }
+            Some(out)
+        } else {
+            None
+        };
+        let out_bytes = device.alloc(*total as usize)?;
+        let out_offsets = device.alloc((count + 1) * width)?;
+        if count == 0 {
+            out_offsets.write(0, &vec![0u8; width])?;
+        }
+        parts.push((validity, out_bytes, out_offsets));
+    }
+    if count > 0 {
+        let mut args = vec![
+            Arg::buf(indices.buffer()),
+            Arg::U64(count as u64),
+            Arg::U32(u32::from(by_source)),
+            Arg::U32(group.len() as u32),
+        ];
+        for k in 0..GATHER_STRINGS {
+            match (group.get(k), parts.get(k)) {
+                (Some((column, started, _)), Some((_, out_bytes, out_offsets))) => {
+                    let starts = &started.starts;
+                    let at = started.at;
+                    args.extend([
+                        Arg::buf(string_offsets(column)?.1),
+                        Arg::buf(column.values()),
+                        Arg::part(starts, 8 * at, starts.len() - 8 * at),
+                        Arg::buf(out_offsets),
+                        Arg::buf(out_bytes),
+                        Arg::U64(out_bytes.len() as u64),
+                    ]);
+                }
+                _ => args.extend([
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::U64(0),
+                ]),
+            }
+        }
+        let kernel = if width == 4 {
+            Kernel::gather_string_copy_many_o32
+        } else {
+            Kernel::gather_string_copy_many_o64
+        };
+        // SAFETY: for each column, as `gather`'s copy: its starts are the exclusive scan of
+        // its lengths at these indices (or by source row, every index below the bound
+        // checked against them), so each row's bytes land inside its `out_bytes` (its
+        // total), and no byte is written at or past that buffer's size whatever the
+        // starts; its `out_offsets` holds count + 1 offsets, the last written by the final
+        // row; columns past `group.len()` are not read.
+        unsafe {
+            device.launch(
+                kernel,
+                LaunchConfig::for_items(device, count as u64, BLOCK),
+                &args,
+            )?;
+        }
+    }
+    Ok(group
+        .iter()
+        .zip(parts)
+        .map(|((column, ..), (validity, out_bytes, out_offsets))| {
+            DeviceColumn::from_parts(
+                column.data_type().clone(),
+                count,
+                out_bytes,
+                Some(out_offsets),
+                validity,
+            )
+        })
+        .collect())
 }
 
 /// Starts queued before (a scan, and where in it they begin), their byte total, and

@@ -95,9 +95,10 @@ fn selection_strings(d: &Device, count_waits: bool) {
 }
 
 /// Many string columns gathered over one queued selection measure their strings in one
-/// launch per four consecutive columns of one offset width (six `Utf8` columns and a
-/// `LargeUtf8` one: launches for four, two and one), and each gives what Arrow's filter
-/// gives, its byte total read with the count in one wait.
+/// launch per four consecutive columns of one offset width and copy them in one launch per
+/// four of one width (six `Utf8` columns and a `LargeUtf8` one: three launches each, for
+/// four, two and one), and each gives what Arrow's filter gives, its byte total read with
+/// the count in one wait.
 #[test]
 fn string_columns_queued_together_share_their_lengths_launches() {
     for (d, count) in [(device(), false), (emulated(), true)] {
@@ -137,15 +138,29 @@ fn string_columns_queued_together_share_their_lengths_launches() {
             }
             let (kept, totals) = read_status_words(&status, strings.len()).unwrap().unwrap();
             let indices = queued.with_count(kept).unwrap();
-            for ((column, want), (started, &total)) in on_device
-                .iter()
-                .zip(&strings)
-                .zip(starts.into_iter().zip(&totals))
-            {
-                let got = gather::gather_column_started(column, &indices, started, total)
-                    .unwrap()
-                    .to_arrow()
-                    .unwrap();
+            let copies = |d: &Device| -> u64 {
+                d.kernel_counts()
+                    .iter()
+                    .filter(|k| k.kernel.name().starts_with("gather_string_copy"))
+                    .map(|k| k.launches)
+                    .sum()
+            };
+            let copied = copies(&d);
+            let started = starts
+                .into_iter()
+                .zip(&totals)
+                .map(|(s, &total)| Some((s, total)))
+                .collect();
+            let gathered = gather::gather_columns_started(&all, &indices, started).unwrap();
+            if count && kept > 0 {
+                assert_eq!(
+                    copies(&d) - copied,
+                    3,
+                    "n={n}: the copies of four, two and one"
+                );
+            }
+            for (got, want) in gathered.iter().zip(&strings) {
+                let got = got.to_arrow().unwrap();
                 let want = filter(want.as_ref(), &predicate).unwrap();
                 assert_eq!(got.as_ref(), want.as_ref(), "n={n}");
             }
