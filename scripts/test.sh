@@ -105,7 +105,7 @@ for name in names[:-1]:
     assert mine[name] == emulated[name], f"{name}: {mine[name]} through CUDA, {emulated[name]} emulated"
 PY
 done
-echo "without NVRTC: TPC-H Q1 right on compute 9.0 and 8.6 (cubins built ahead) and 12.0 (PTX); Fulmen's counts of launches, syncs, copies, bytes and allocations equal the driver's, and the emulated device's"
+echo "without NVRTC: TPC-H Q1 right on compute 9.0 and 8.6 (cubins built ahead) and 12.0 (PTX); Fulmen's counts of launches, syncs, stream waits, copies, bytes and allocations equal the driver's, and the emulated device's"
 
 step "benchmark smoke runs: TPC-H and SSB at SF 0.01, every engine, answers checked against DataFusion; TPC-H and SSB over cached tables; TPC-H on a local cluster"
 # DuckDB comes from PyPI into a private folder (the runner skips it, with a note, if absent).
