@@ -614,27 +614,7 @@ fn gather_started_strings(
                 "a string column of {total} bytes in 32-bit offsets"
             )));
         }
-        let validity = if column.validity().is_some() || null_indices {
-            let out = device.alloc(count.div_ceil(8))?;
-            // SAFETY: the validity bitmap (or null) covers column.len() rows, every index
-            // is below it (checked) or NULL_INDEX; `out` holds ceil(count/8) bytes, one
-            // thread per byte.
-            unsafe {
-                device.launch(
-                    Kernel::gather_validity,
-                    LaunchConfig::for_items(device, count.div_ceil(8) as u64, BLOCK),
-                    &[
-                        Arg::opt(column.validity()),
-                        Arg::buf(indices.buffer()),
-                        Arg::U64(count as u64),
-                        Arg::buf(&out),
-                    ],
-                )?;
-            }
-            Some(out)
-        } else {
-            None
-        };
+        let validity = gathered_validity(column, indices.buffer(), count, null_indices)?;
         let out_bytes = device.alloc(*total as usize)?;
         let out_offsets = device.alloc((count + 1) * width)?;
         if count == 0 {
@@ -707,6 +687,37 @@ fn gather_started_strings(
         .collect())
 }
 
+/// The validity of `column` gathered at the `count` indices in `indices` (each below the
+/// column's length, as the callers check, or NULL_INDEX, which gives NULL): none where the
+/// column has none and no index is NULL.
+fn gathered_validity(
+    column: &DeviceColumn,
+    indices: &DeviceBuffer,
+    count: usize,
+    null_indices: bool,
+) -> Result<Option<DeviceBuffer>> {
+    if column.validity().is_none() && !null_indices {
+        return Ok(None);
+    }
+    let device = column.device();
+    let out = device.alloc(count.div_ceil(8))?;
+    // SAFETY: the validity bitmap (or null) covers column.len() rows, which every index
+    // addresses (or is NULL_INDEX); `out` holds ceil(count/8) bytes, one thread per byte.
+    unsafe {
+        device.launch(
+            Kernel::gather_validity,
+            LaunchConfig::for_items(device, count.div_ceil(8) as u64, BLOCK),
+            &[
+                Arg::opt(column.validity()),
+                Arg::buf(indices),
+                Arg::U64(count as u64),
+                Arg::buf(&out),
+            ],
+        )?;
+    }
+    Ok(Some(out))
+}
+
 /// Starts queued before (a scan, and where in it they begin), their byte total, and
 /// whether they are by source row.
 type Started = (Arc<DeviceBuffer>, usize, u64, bool);
@@ -730,26 +741,7 @@ fn gather(
     let n = Arg::U64(count as u64);
     // Every index is below column.len() or NULL_INDEX (RowIndices guarantees it, and the
     // bound was checked above), so the kernels read column buffers only at existing rows.
-    let validity = if column.validity().is_some() || null_indices {
-        let out = device.alloc(count.div_ceil(8))?;
-        // SAFETY: the validity bitmap (or null) covers column.len() rows; `out` holds
-        // ceil(count/8) bytes, one thread per byte.
-        unsafe {
-            device.launch(
-                Kernel::gather_validity,
-                bitmap_cfg,
-                &[
-                    Arg::opt(column.validity()),
-                    Arg::buf(indices),
-                    n,
-                    Arg::buf(&out),
-                ],
-            )?;
-        }
-        Some(out)
-    } else {
-        None
-    };
+    let validity = gathered_validity(column, indices, count, null_indices)?;
     let (values, offsets) = match column.layout() {
         Layout::Fixed(width) => {
             let kernel = match width {
