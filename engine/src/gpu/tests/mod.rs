@@ -70,8 +70,9 @@ fn test_devices(selection: &str) -> String {
 /// Who is using the machine's GPUs in a CUDA run: every test that opens its devices shares
 /// them ([`share_cuda`]), except a test counting its own device work, which must have them
 /// to itself ([`alone_on_cuda`]). Another test's work on a shared GPU is seen in the counts:
-/// its queued work keeps the device's own stream busy, so a cross-stream wait costs a sync,
-/// and its copies in the shared upload staging cost waits when a half is refilled.
+/// its queued work keeps the device's own stream busy, so a cross-stream wait is counted
+/// where none would be, and its copies in the shared upload staging cost host waits when a
+/// half is refilled.
 static CUDA_USERS: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 /// How this thread holds [`CUDA_USERS`]: for as long as the thread lives, which is the
