@@ -261,8 +261,14 @@ impl Runner {
                 self.next_close = Some(self.next_close.map_or(end, |n| n.min(end)));
             }
             // Taken in: the rows are not read again, whatever happens to the rest of the tick.
+            // The status shows them read and their states held together (a reader between
+            // the two saw rows read and none of their states).
             self.states.add(states);
-            self.status_mut().rows_read += live.rows() as u64;
+            let held = self.states.rows() as u64;
+            let mut status = self.status_mut();
+            status.rows_read += live.rows() as u64;
+            status.state_rows = held;
+            drop(status);
             // What the scan read, as it read it (rows dropped by retention since are not
             // counted on).
             self.chunks.push_back(live.extent().unwrap_or_default());
