@@ -220,20 +220,21 @@ impl CudaBackend {
         if events.len() <= other {
             events.resize_with(other + 1, || None);
         }
-        if events[other].is_none() {
-            let made = self
+        let event = match events[other].take() {
+            Some(event) => event,
+            None => self
                 .ctx
                 .new_event(None)
-                .map_err(|e| self.failed("creating a CUDA event", e))?;
-            events[other] = Some(made);
-        }
-        let event = events[other].as_ref().expect("made just above");
+                .map_err(|e| self.failed("creating a CUDA event", e))?,
+        };
         event
             .record(&producer)
             .map_err(|e| self.failed("recording an event", e))?;
         stream
-            .wait(event)
-            .map_err(|e| self.failed("waiting for another stream", e))
+            .wait(&event)
+            .map_err(|e| self.failed("waiting for another stream", e))?;
+        events[other] = Some(event);
+        Ok(())
     }
 
     /// Allocates `len` bytes, in the order of stream `index` where the device allocates so

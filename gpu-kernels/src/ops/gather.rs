@@ -570,11 +570,11 @@ pub fn gather_column_started(
 /// [`gather_column_started`] does one by one, their bytes copied in one launch (up to
 /// [`GATHER_STRINGS`] columns).
 fn gather_started_strings(
-    group: Vec<(&DeviceColumn, QueuedStarts, u64)>,
+    mut group: Vec<(&DeviceColumn, QueuedStarts, u64)>,
     indices: &RowIndices,
 ) -> Result<Vec<DeviceColumn>> {
     if group.len() == 1 {
-        let (column, starts, total) = group.into_iter().next().expect("one column");
+        let (column, starts, total) = group.remove(0);
         return Ok(vec![gather_column_started(column, indices, starts, total)?]);
     }
     let Some((first, first_starts, _)) = group.first() else {
