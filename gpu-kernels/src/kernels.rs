@@ -22,6 +22,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("fulmen.cuh", include_str!("../cuda/fulmen.cuh")),
     ("expr.cuh", include_str!("../cuda/expr.cuh")),
     ("agg.cuh", include_str!("../cuda/agg.cuh")),
+    ("scan.cuh", include_str!("../cuda/scan.cuh")),
 ];
 
 // The headers inlined at run time are those the build script embeds kernels with (the
@@ -124,6 +125,7 @@ kernels! {
     agg_merge_delta => fulmen_emu_launch_agg_merge_delta, fulmen_emu_params_agg_merge_delta in "fused.cu",
     select_word_counts => fulmen_emu_launch_select_word_counts, fulmen_emu_params_select_word_counts in "compact.cu",
     select_scatter => fulmen_emu_launch_select_scatter, fulmen_emu_params_select_scatter in "compact.cu",
+    select_compact => fulmen_emu_launch_select_compact, fulmen_emu_params_select_compact in "compact.cu",
     expr_eval => fulmen_emu_launch_expr_eval, fulmen_emu_params_expr_eval in "expr.cu",
     append_bits => fulmen_emu_launch_append_bits, fulmen_emu_params_append_bits in "concat.cu",
     append_string_o32 => fulmen_emu_launch_append_string_o32, fulmen_emu_params_append_string_o32 in "concat.cu",
@@ -148,6 +150,7 @@ kernels! {
     hash_table_insert => fulmen_emu_launch_hash_table_insert, fulmen_emu_params_hash_table_insert in "hash_table.cu",
     hash_table_probe_count => fulmen_emu_launch_hash_table_probe_count, fulmen_emu_params_hash_table_probe_count in "hash_table.cu",
     hash_table_probe_emit => fulmen_emu_launch_hash_table_probe_emit, fulmen_emu_params_hash_table_probe_emit in "hash_table.cu",
+    hash_table_probe => fulmen_emu_launch_hash_table_probe, fulmen_emu_params_hash_table_probe in "hash_table.cu",
     scan_tile_sums => fulmen_emu_launch_scan_tile_sums, fulmen_emu_params_scan_tile_sums in "scan.cu",
     scan_tile_offsets => fulmen_emu_launch_scan_tile_offsets, fulmen_emu_params_scan_tile_offsets in "scan.cu",
     scan_tiles => fulmen_emu_launch_scan_tiles, fulmen_emu_params_scan_tiles in "scan.cu",

@@ -11,7 +11,7 @@ pub const NVRTC_FLAGS: &[&str] = &["--std=c++17", "--device-int128"];
 pub const EMBEDDED_ARCHS: &[&str] = &["sm_80", "sm_90", "compute_80"];
 
 /// The headers kernel sources include (`cuda/*.cuh`), by file name.
-pub const HEADER_NAMES: &[&str] = &["fulmen.cuh", "expr.cuh", "agg.cuh"];
+pub const HEADER_NAMES: &[&str] = &["fulmen.cuh", "expr.cuh", "agg.cuh", "scan.cuh"];
 
 /// A kernel source as NVRTC compiles it: each `#include "NAME"` of a header in `headers`
 /// (name, text) replaced by that header, its own includes inlined the same way, every

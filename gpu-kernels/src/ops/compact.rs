@@ -18,11 +18,19 @@ pub fn selection_indices(
     n: usize,
 ) -> Result<RowIndices> {
     check_selection(values, validity, n)?;
-    let words = n.div_ceil(32);
-    let counts = word_counts(device, values, validity, n)?;
-    let (offsets, total) = scan::exclusive_scan(device, &counts, words)?;
-    let out = device.alloc(total as usize * 4)?;
-    scatter(device, values, validity, n, &offsets, &out)?;
+    let out = device.alloc((n * 4).max(1))?;
+    if n == 0 {
+        return Ok(RowIndices::new(out, 0, n, false));
+    }
+    // Written by the launch (n > 0), so not zeroed.
+    let total = device.alloc(8)?;
+    compact(device, values, validity, n, &out, Word::of(&total, 0)?)?;
+    let total = total.read_u64(0)?;
+    if total > n as u64 {
+        return Err(KernelError::InvalidData(format!(
+            "a selection of {n} rows kept {total}"
+        )));
+    }
     Ok(RowIndices::new(out, total as usize, n, false))
 }
 
@@ -89,10 +97,7 @@ pub fn selection_indices_queued(
     let count = Word::of(status, 0)?;
     let indices = device.alloc((n * 4).max(1))?;
     if n > 0 {
-        let words = n.div_ceil(32);
-        let counts = word_counts(device, values, validity, n)?;
-        let offsets = scan::exclusive_scan_queued(device, &counts, words, count)?;
-        scatter(device, values, validity, n, &offsets, &indices)?;
+        compact(device, values, validity, n, &indices, count)?;
     }
     Ok(QueuedSelection {
         indices,
@@ -108,6 +113,56 @@ fn check_selection(values: &DeviceBuffer, validity: Option<&DeviceBuffer>, n: us
         return Err(KernelError::Unsupported(format!(
             "a selection of {n} rows needs {bitmap} bitmap bytes"
         )));
+    }
+    Ok(())
+}
+
+/// Writes the indices of the kept rows of the selection of `n` (> 0) rows at the start of
+/// `out` (which holds n u32), and their count to the word `count`: one launch
+/// (`select_compact`, chained by the look-back) up to `LOOKBACK_TILES` tiles of
+/// `TILE` 32-row words (512 Mi rows), three past that.
+fn compact(
+    device: &Device,
+    values: &DeviceBuffer,
+    validity: Option<&DeviceBuffer>,
+    n: usize,
+    out: &DeviceBuffer,
+    count: Word<'_>,
+) -> Result<()> {
+    let words = n.div_ceil(32);
+    if out.len() < n * 4 {
+        return Err(KernelError::Unsupported(format!(
+            "a selection of {n} rows into {} bytes",
+            out.len()
+        )));
+    }
+    let tiles = (words as u64).div_ceil(scan::TILE);
+    let one_pass = scan::one_pass(device, tiles, |cfg, state, epoch| {
+        // SAFETY: the bitmaps hold ceil(n/8) bytes (checked by `check_selection`; the
+        // kernel reads no further); `out` holds n u32 (checked), at least the kept rows;
+        // `count` is one u64; the look-back state and epoch are `one_pass`'s, a block of
+        // SCAN_THREADS per tile of the ceil(n/32) words; the arguments follow compact.cu.
+        unsafe {
+            device.launch(
+                Kernel::select_compact,
+                cfg,
+                &[
+                    Arg::buf(values),
+                    Arg::opt(validity),
+                    Arg::U64(n as u64),
+                    state,
+                    Arg::U64(scan::LOOKBACK_TILES),
+                    Arg::U64(epoch),
+                    Arg::buf(out),
+                    count.arg(),
+                ],
+            )
+        }
+    })?;
+    if !one_pass {
+        let counts = word_counts(device, values, validity, n)?;
+        let offsets = scan::exclusive_scan_queued(device, &counts, words, count)?;
+        scatter(device, values, validity, n, &offsets, out)?;
     }
     Ok(())
 }

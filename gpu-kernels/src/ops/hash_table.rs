@@ -206,7 +206,10 @@ impl HashTable {
 
     /// As [`Self::probe`] without a host wait: the pairs go into outputs of `cap` slots (a
     /// guess), their total to the word `total_to`; when the total is above `cap` the pairs
-    /// past it were dropped and the caller probes again with [`Self::probe`].
+    /// past it were dropped and the caller probes again with [`Self::probe`]. One launch
+    /// (`hash_table_probe`: count, scan and emit chained by the look-back) for up to
+    /// [`LOOKBACK_TILES`](scan::LOOKBACK_TILES) tiles of probe rows (16 Mi rows), three
+    /// launches and more past that.
     pub fn probe_bounded(
         &self,
         hashes: &DeviceBuffer,
@@ -217,19 +220,55 @@ impl HashTable {
         check: Option<&KeyCheck<'_>>,
     ) -> Result<(DeviceBuffer, DeviceBuffer)> {
         check_rows(cap)?;
+        check_hashes(hashes, valid, n)?;
         let device = self.keys.device();
-        let (offsets, _) = self.probe_offsets(hashes, valid, n, Some(total_to), check)?;
         let out_build = device.alloc((cap * 4).max(1))?;
         let out_probe = device.alloc((cap * 4).max(1))?;
-        self.emit(
-            hashes,
-            valid,
-            n,
-            &offsets,
-            (&out_build, &out_probe),
-            cap,
-            check,
-        )?;
+        if n == 0 {
+            return Ok((out_build, out_probe));
+        }
+        let tiles = (n as u64).div_ceil(scan::TILE);
+        let one_pass = scan::one_pass(device, tiles, |cfg, state, epoch| {
+            let own = [
+                state,
+                Arg::U64(scan::LOOKBACK_TILES),
+                Arg::U64(epoch),
+                Arg::buf(&out_build),
+                Arg::buf(&out_probe),
+                Arg::U64(cap as u64),
+                total_to.arg(),
+            ];
+            let mut args = self.probe_args(hashes, valid, n, &own, check);
+            args.push(Arg::U32(u32::from(check.is_some_and(|c| c.hash_probe))));
+            // SAFETY: as in `probe_offsets` and `emit` together: the table's buffers hold
+            // `capacity` slots with mask capacity - 1; the probe inputs hold n rows
+            // (checked), `hashes` n u64 (set, or written here from the check's probe keys
+            // when it says so); both outputs hold `cap` u32 and the kernel writes no pair
+            // at or past `cap`; `total_to` is one u64; the look-back state and epoch are
+            // `one_pass`'s, a block of SCAN_THREADS per tile of n rows; a check's
+            // descriptor tables describe `ncols` key columns of the build rows and of the n
+            // probe rows (`KeyCheck`'s contract).
+            unsafe {
+                device.launch_reaching(
+                    Kernel::hash_table_probe,
+                    cfg,
+                    &args,
+                    check.map_or(&[], |c| c.reached),
+                )
+            }
+        })?;
+        if !one_pass {
+            let (offsets, _) = self.probe_offsets(hashes, valid, n, Some(total_to), check)?;
+            self.emit(
+                hashes,
+                valid,
+                n,
+                &offsets,
+                (&out_build, &out_probe),
+                cap,
+                check,
+            )?;
+        }
         Ok((out_build, out_probe))
     }
 

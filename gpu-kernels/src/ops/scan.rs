@@ -65,6 +65,45 @@ pub fn segments_queued(
     queue(device, input, n, segments, Some(totals_to)).map(|(out, _)| out)
 }
 
+/// Launches a kernel that scans, in the same launch, what each of its blocks counts (a
+/// block per tile of [`TILE`] items, chained by the decoupled look-back of `scan.cuh`):
+/// `launch` is given the grid (exactly `tiles` blocks of `BLOCK` threads: such kernels
+/// have no grid-stride loop), the stream's look-back state and the launch's epoch (a null
+/// state where there is one tile, which waits for no other). Returns `false`, having
+/// launched nothing, where the tiles are more than the state holds ([`LOOKBACK_TILES`]):
+/// the caller then counts and scans in separate launches.
+pub(crate) fn one_pass(
+    device: &Device,
+    tiles: u64,
+    launch: impl FnOnce(LaunchConfig, Arg, u64) -> Result<()>,
+) -> Result<bool> {
+    if tiles > LOOKBACK_TILES {
+        return Ok(false);
+    }
+    one_pass_config(device, tiles, tiles, launch)?;
+    Ok(true)
+}
+
+/// [`one_pass`] over `grid` blocks whose look-back chains reach `chained` tiles (one: no
+/// state; a scan of one-tile segments has as many blocks as segments, none chained).
+fn one_pass_config(
+    device: &Device,
+    grid: u64,
+    chained: u64,
+    launch: impl FnOnce(LaunchConfig, Arg, u64) -> Result<()>,
+) -> Result<()> {
+    let cfg = LaunchConfig {
+        grid: u32::try_from(grid)
+            .map_err(|_| KernelError::Unsupported(format!("a scan of {grid} tiles")))?,
+        block: BLOCK,
+        shared_bytes: 0,
+    };
+    match chained {
+        0 | 1 => launch(cfg, Arg::Ptr(0), 0),
+        _ => device.with_lookback(|state, epoch| launch(cfg, state, epoch)),
+    }
+}
+
 /// Launches the scan of `segments` segments; where `total_to` is not given, a buffer
 /// holding the segments' totals (none over no values).
 fn queue(
@@ -95,45 +134,34 @@ fn queue(
             (Arg::buf(&totals), Some(totals))
         }
     };
+    let lookback = |cfg: LaunchConfig, state: Arg, epoch: u64| {
+        // SAFETY: `input` holds segments × stride u64 (checked above), of which the kernel
+        // reads the first n of each segment; `out` holds segments × stride u64; the totals
+        // (`total_to`, checked by the callers with `Word::nth`, or `totals`) `segments`
+        // u64; `state` and `epoch` are as `one_pass` gives them, for all_tiles tiles; all
+        // on `device`; a block of SCAN_THREADS per tile (`one_pass`), and the arguments
+        // follow scan.cu's signature.
+        unsafe {
+            device.launch(
+                Kernel::scan_lookback,
+                cfg,
+                &[
+                    Arg::buf(input),
+                    Arg::U64(n as u64),
+                    Arg::U64(segments as u64),
+                    state,
+                    Arg::U64(LOOKBACK_TILES),
+                    Arg::U64(epoch),
+                    Arg::buf(&out),
+                    total_arg,
+                ],
+            )
+        }
+    };
     // Segments of one tile wait for no other tile: one launch, without the state.
     if tiles == 1 || all_tiles <= LOOKBACK_TILES {
-        let lookback = |state: Arg, epoch: u64| {
-            // A block per tile, exactly: the kernel has no grid-stride loop.
-            let cfg = LaunchConfig {
-                grid: u32::try_from(all_tiles).map_err(|_| {
-                    KernelError::Unsupported(format!("a scan of {all_tiles} tiles"))
-                })?,
-                block: BLOCK,
-                shared_bytes: 0,
-            };
-            // SAFETY: `input` holds segments × stride u64 (checked above), of which the
-            // kernel reads the first n of each segment; `out` holds segments × stride u64;
-            // the totals (`total_to`, checked by the callers with `Word::nth`, or
-            // `totals`) `segments` u64; `state`, when the segments have more than one tile,
-            // is the stream's look-back state of LOOKBACK_TILES ≥ all_tiles tiles, with an
-            // epoch of its own; all on `device`; one block of SCAN_THREADS (256) threads
-            // per tile, as scan.cu requires, and the arguments follow its signature.
-            unsafe {
-                device.launch(
-                    Kernel::scan_lookback,
-                    cfg,
-                    &[
-                        Arg::buf(input),
-                        Arg::U64(n as u64),
-                        Arg::U64(segments as u64),
-                        state,
-                        Arg::U64(LOOKBACK_TILES),
-                        Arg::U64(epoch),
-                        Arg::buf(&out),
-                        total_arg,
-                    ],
-                )
-            }
-        };
-        match tiles {
-            1 => lookback(Arg::Ptr(0), 0)?,
-            _ => device.with_lookback(lookback)?,
-        }
+        let state_tiles = if tiles == 1 { 1 } else { all_tiles };
+        one_pass_config(device, all_tiles, state_tiles, lookback)?;
         return Ok((out, totals));
     }
     let sums = device.alloc((tiles as usize + 1) * segments * 8)?;

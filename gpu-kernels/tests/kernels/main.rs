@@ -727,6 +727,93 @@ fn hash_table_joins_like_a_nested_loop() {
     }
 }
 
+/// A bounded probe counts, scans and writes its pairs in one launch (`hash_table_probe`,
+/// its blocks chained by the look-back) and finds what the three-launch probe finds, in the
+/// same order; with less room than pairs it reports the total and writes only the pairs
+/// before its room's end.
+#[test]
+fn a_bounded_probe_takes_one_launch_and_finds_what_the_exact_probe_finds() {
+    // Launches are counted on an emulated device of the test's own: the CUDA test device
+    // is shared by every test.
+    for (d, counted) in [(device(), false), (emulated(), true)] {
+        let mut r = Lcg(23);
+        for (nb, np, distinct) in [
+            (10, 1, 5),
+            (300, 500, 50),
+            (1000, 1000, 1),
+            (257, 1025, 3),
+            (2000, 5000, 700),
+            (3000, 70_001, 2500),
+        ] {
+            let keys = |r: &mut Lcg, n: usize| -> Int64Array {
+                (0..n)
+                    .map(|_| (!r.chance(10)).then(|| (r.next() % distinct) as i64))
+                    .collect()
+            };
+            let (build, probe) = (keys(&mut r, nb), keys(&mut r, np));
+            let bd = DeviceColumn::upload(&d, &build).unwrap();
+            let pd = DeviceColumn::upload(&d, &probe).unwrap();
+            let bh = hash::hash_columns(&d, &[&bd]).unwrap();
+            let ph = hash::hash_columns(&d, &[&pd]).unwrap();
+            let table = hash_table::HashTable::build(&d, &bh, bd.validity(), nb).unwrap();
+            // The exact probe (count, scan, emit) also makes the stream's look-back state.
+            let exact = table.probe(&ph, pd.validity(), np, None).unwrap();
+            let (eb, ep) = (
+                exact.build.to_host().unwrap(),
+                exact.probe.to_host().unwrap(),
+            );
+            let total = eb.len();
+            let mut expected: Vec<(u32, u32)> =
+                eb.iter().copied().zip(ep.iter().copied()).collect();
+            expected.sort();
+            for cap in [total + 100, total, total / 2, 0] {
+                let words = d.upload(&[0; 8]).unwrap();
+                let before = d.counts().launches;
+                let (ob, op) = table
+                    .probe_bounded(
+                        &ph,
+                        pd.validity(),
+                        np,
+                        cap,
+                        Word::of(&words, 0).unwrap(),
+                        None,
+                    )
+                    .unwrap();
+                if counted {
+                    assert_eq!(d.counts().launches - before, 1, "np={np} cap={cap}");
+                }
+                let what = format!("nb={nb} np={np} distinct={distinct} cap={cap}");
+                let got_total =
+                    u64::from_le_bytes(words.to_host().unwrap()[..8].try_into().unwrap());
+                assert_eq!(got_total, total as u64, "{what}");
+                let kept = cap.min(total);
+                let u32s = |b: Vec<u8>| -> Vec<u32> {
+                    b.chunks_exact(4)
+                        .take(kept)
+                        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                        .collect()
+                };
+                let (gb, gp) = (u32s(ob.to_host().unwrap()), u32s(op.to_host().unwrap()));
+                // Every pair of a probe row carries its probe row, so the probe rows agree
+                // exactly; the build rows too, but for the one probe row cut by the room's end,
+                // whose pairs are left unsorted.
+                assert_eq!(gp, ep[..kept], "{what}");
+                let cut = (kept < total).then(|| ep[kept]);
+                for (k, (b, p)) in gb.iter().zip(&gp).enumerate() {
+                    if Some(*p) == cut {
+                        assert!(
+                            expected.binary_search(&(*b, *p)).is_ok(),
+                            "{what}: pair {k}"
+                        );
+                    } else {
+                        assert_eq!(*b, eb[k], "{what}: pair {k}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn hash_join_of_a_million_rows() {
     let d = device();
@@ -914,7 +1001,11 @@ fn injected_faults_surface_as_typed_errors_and_then_clear() {
     run(&d).unwrap();
     let (allocs, launches) = d.counters();
     let (allocs, launches) = (allocs - allocs_before, launches - launches_before);
-    assert!(allocs > 3 && launches > 3);
+    // Each allocation and each launch (the selection's one pass, the gather) fails in turn.
+    assert!(
+        allocs > 3 && launches >= 2,
+        "{allocs} allocations, {launches} launches"
+    );
     for k in 1..=allocs {
         d.inject_faults(FaultPlan {
             fail_allocation: Some(k),

@@ -118,7 +118,7 @@ async fn collect_left_build_sides_on_two_devices() {
     let devices = devices_of(set);
     devices[1]
         .inject_faults(fulmen_kernels::FaultPlan {
-            lose_device_at_launch: Some(36),
+            lose_device_at_launch: Some(24),
             ..Default::default()
         })
         .unwrap();

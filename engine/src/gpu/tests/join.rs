@@ -425,8 +425,10 @@ async fn a_device_build_side_fills_the_dynamic_filter_from_bounds_reduced_there(
 /// device batch of its own (down to 4096 rows), as a filter or an aggregation does, rather
 /// than redoing all of it on the CPU; the answer is DataFusion's, whether the join matches
 /// on the device and takes its output on the host (its parent is a CPU operator) or keeps
-/// its output on the device (an aggregate above it). 3 MiB holds orders' table but not a
-/// whole lineitem batch's probe (1 MiB does not hold a 4096-row piece's, 8 MiB holds all);
+/// its output on the device (an aggregate above it). 2 MiB holds orders' table but not a
+/// whole lineitem batch's probe (1.5 and 2.5 MiB split it too; 3 MiB holds all since a
+/// probe counts, scans and writes its pairs in one launch, without a count and an offset
+/// per row);
 /// with the aggregate's group table beside them, 4 MiB (at 3 MiB the aggregate, fed pieces
 /// it cannot split, has no room for the first and runs on the CPU).
 #[tokio::test]
@@ -435,7 +437,7 @@ async fn a_join_probes_a_batch_the_device_has_no_memory_for_in_halves() {
         (
             "SELECT l_orderkey, l_linenumber, o_orderdate FROM lineitem \
              JOIN orders ON l_orderkey = o_orderkey ORDER BY l_orderkey, l_linenumber",
-            3 << 20,
+            2 << 20,
         ),
         (
             "SELECT o_orderpriority, count(*), sum(l_quantity) FROM lineitem \
