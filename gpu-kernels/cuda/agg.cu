@@ -28,6 +28,10 @@
 //       SKIP) and the host updates the accumulators by them at once.
 //   agg_leader_flags    (refs, first, n, flags)  flags[i] = 1 when row i is its new group's
 //                                                  first row (u64, for the scan)
+//   agg_leader_ranks    (refs, first, n, state, capacity, epoch, flags, ranks, total_out)
+//       the flags above and their exclusive scan (ranks) in one launch, a block per tile of
+//       SCAN_TILE rows chained by the look-back of scan.cuh; the last tile writes the
+//       count of leaders at *total_out
 //   agg_resolve         (refs, first, ranks, flags, hashes, n, g0, gids, leaders, group_hashes,
 //                        slots, capacity)
 //       gids[i]: committed id, or g0 + rank of the group's first row; leaders[rank] = row,
@@ -65,6 +69,7 @@
 // overflow. The rounding to a double happens once, at the end: the answer is the correctly
 // rounded sum of the inputs, the same on every GPU, in the emulator and run after run.
 #include "agg.cuh"
+#include "scan.cuh"
 
 FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, uint64_t* hashes, uint64_t n,
                                  const KeyCol* batch_keys, const KeyCol* store_keys, const uint64_t* starts,
@@ -116,10 +121,35 @@ FULMEN_KERNEL agg_find_or_insert(unsigned long long* slots, uint64_t mask, uint6
     }
 }
 
+__device__ __forceinline__ uint64_t agg_leader_flag(const uint32_t* refs, const uint32_t* first, uint64_t i) {
+    uint32_t r = refs[i];
+    return agg_is_pending(r) && first[r & ~AGG_PENDING] == (uint32_t)i ? 1 : 0;
+}
+
 FULMEN_KERNEL agg_leader_flags(const uint32_t* refs, const uint32_t* first, uint64_t n, uint64_t* flags) {
-    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
-        uint32_t r = refs[i];
-        flags[i] = agg_is_pending(r) && first[r & ~AGG_PENDING] == (uint32_t)i ? 1 : 0;
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) flags[i] = agg_leader_flag(refs, first, i);
+}
+
+FULMEN_KERNEL agg_leader_ranks(const uint32_t* refs, const uint32_t* first, uint64_t n, unsigned long long* state,
+                               uint64_t capacity, uint64_t epoch, uint64_t* flags, uint64_t* ranks,
+                               uint64_t* total_out) {
+    uint64_t tiles = (n + SCAN_TILE - 1) / SCAN_TILE;
+    uint64_t tile = blockIdx.x;
+    if (tile >= tiles) return;
+    uint64_t at = tile * SCAN_TILE + (uint64_t)threadIdx.x * SCAN_ITEMS;
+    uint64_t items[SCAN_ITEMS];
+    uint64_t sum = 0;
+    for (unsigned k = 0; k < SCAN_ITEMS; ++k) {
+        items[k] = at + k < n ? agg_leader_flag(refs, first, at + k) : 0;
+        sum += items[k];
+    }
+    uint64_t rank = scan_block_lookback(sum, tile, tile, tiles, state, capacity, epoch, total_out);
+    for (unsigned k = 0; k < SCAN_ITEMS; ++k) {
+        if (at + k < n) {
+            flags[at + k] = items[k];
+            ranks[at + k] = rank;
+        }
+        rank += items[k];
     }
 }
 
@@ -267,6 +297,7 @@ FULMEN_EMU_EXPORT(agg_exact_normalize)
 FULMEN_EMU_EXPORT(agg_exact_finish)
 FULMEN_EMU_EXPORT(agg_find_or_insert)
 FULMEN_EMU_EXPORT(agg_leader_flags)
+FULMEN_EMU_EXPORT(agg_leader_ranks)
 FULMEN_EMU_EXPORT(agg_resolve)
 FULMEN_EMU_EXPORT(agg_rollback)
 FULMEN_EMU_EXPORT(agg_rehash)

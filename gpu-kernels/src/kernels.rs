@@ -113,6 +113,7 @@ macro_rules! kernels {
 kernels! {
     agg_find_or_insert => fulmen_emu_launch_agg_find_or_insert, fulmen_emu_params_agg_find_or_insert in "agg.cu",
     agg_leader_flags => fulmen_emu_launch_agg_leader_flags, fulmen_emu_params_agg_leader_flags in "agg.cu",
+    agg_leader_ranks => fulmen_emu_launch_agg_leader_ranks, fulmen_emu_params_agg_leader_ranks in "agg.cu",
     agg_resolve => fulmen_emu_launch_agg_resolve, fulmen_emu_params_agg_resolve in "agg.cu",
     agg_rollback => fulmen_emu_launch_agg_rollback, fulmen_emu_params_agg_rollback in "agg.cu",
     agg_rehash => fulmen_emu_launch_agg_rehash, fulmen_emu_params_agg_rehash in "agg.cu",

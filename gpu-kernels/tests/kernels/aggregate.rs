@@ -1099,11 +1099,37 @@ fn a_batch_of_new_groups_waits_once_unless_a_key_is_a_string() {
             };
             let n = (range.end - range.start) as usize;
             let before = d.counts().syncs;
+            let kernels_before = d.kernel_counts();
             table.update(&[&keys], &[count], n).unwrap();
             assert_eq!(
                 d.counts().syncs - before,
                 waits,
                 "{case} keys, batch {batch}: waits"
+            );
+            // Integer keys rank their leaders in one launch, flags and scan together;
+            // string keys scan the flags with their lengths, in one scan.
+            let launched = |kernel: Kernel| -> u64 {
+                let of = |counts: &[fulmen_kernels::KernelCounts]| -> u64 {
+                    counts
+                        .iter()
+                        .filter(|k| k.kernel == kernel)
+                        .map(|k| k.launches)
+                        .sum()
+                };
+                of(&d.kernel_counts()) - of(&kernels_before)
+            };
+            let ranked = [
+                launched(Kernel::agg_leader_ranks),
+                launched(Kernel::agg_leader_flags),
+                launched(Kernel::scan_lookback),
+            ];
+            let want = match key_type {
+                DataType::Utf8 => [0, 1, 1],
+                _ => [1, 0, 0],
+            };
+            assert_eq!(
+                ranked, want,
+                "{case} keys, batch {batch}: ranks, flags, scans"
             );
             assert_eq!(table.groups(), groups, "{case} keys, batch {batch}: groups");
         }

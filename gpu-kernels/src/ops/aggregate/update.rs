@@ -356,9 +356,44 @@ impl GroupTable {
         let mut starts: Vec<Option<gather::QueuedStarts>> = (0..keys.len()).map(|_| None).collect();
         let (flags, ranks) = if strings.is_empty() {
             let flags = device.alloc(n * 8)?;
-            leader_flags(Arg::buf(&flags))?;
-            let ranks = scan::exclusive_scan_queued(&device, &flags, n, Word::of(&totals, 0)?)?;
-            (flags, Arc::new(ranks))
+            let ranks = device.alloc(n * 8)?;
+            let count = Word::of(&totals, 0)?;
+            // The flags and their scan in one launch where the look-back state holds the
+            // tiles (up to 16 Mi rows).
+            let one_pass = scan::one_pass(
+                &device,
+                (n as u64).div_ceil(scan::TILE),
+                |cfg, state, epoch| {
+                    // SAFETY: as `leader_flags`; `flags` and `ranks` hold n u64, `count` one;
+                    // the look-back state and epoch are `one_pass`'s, a block of SCAN_THREADS
+                    // per tile of the n rows; the arguments follow agg.cu's signature.
+                    unsafe {
+                        device.launch(
+                            Kernel::agg_leader_ranks,
+                            cfg,
+                            &[
+                                Arg::buf(refs),
+                                Arg::buf(first),
+                                Arg::U64(n as u64),
+                                state,
+                                Arg::U64(scan::LOOKBACK_TILES),
+                                Arg::U64(epoch),
+                                Arg::buf(&flags),
+                                Arg::buf(&ranks),
+                                count.arg(),
+                            ],
+                        )
+                    }
+                },
+            )?;
+            if one_pass {
+                (flags, Arc::new(ranks))
+            } else {
+                drop(ranks);
+                leader_flags(Arg::buf(&flags))?;
+                let ranks = scan::exclusive_scan_queued(&device, &flags, n, count)?;
+                (flags, Arc::new(ranks))
+            }
         } else {
             let string_keys: Vec<&DeviceColumn> = strings.iter().map(|&k| keys[k]).collect();
             let (flags, ranks, queued) = gather::queue_flags_and_strings_starts(
