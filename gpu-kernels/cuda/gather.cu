@@ -32,6 +32,19 @@
 //                                                            validity_out is not null) is
 //                                                            gathered as gather_validity does
 //   — scan.cu turns lengths into exclusive starts —
+//   gather_string_starts_many_o32/o64 (idx, flags, n, count, lead, stride, ncols, offsets0, …
+//                                      offsets3, state, capacity, epoch, starts, totals)
+//                                                            the lengths of
+//                                                            gather_string_lengths_many and
+//                                                            their scans in one launch, with no
+//                                                            lengths in memory: segment s (of
+//                                                            ncols, after one of the values
+//                                                            `lead` holds when not null) is
+//                                                            scanned into starts[s * stride ..]
+//                                                            and its total written to totals[s];
+//                                                            a block per tile of SCAN_TILE rows
+//                                                            of a segment, chained by the
+//                                                            look-back of scan.cuh
 //   gather_string_copy_many_o32/o64 (idx, n, by_source, ncols, then for each of up to
 //                                    GATHER_STRINGS columns: offsets, bytes, starts,
 //                                    out_offsets, out_bytes, out_cap)
@@ -47,7 +60,7 @@
 //                                                            row order); no byte at or past
 //                                                            out_cap is written (a string that
 //                                                            would cross it is cut there)
-#include "fulmen.cuh"
+#include "scan.cuh"
 
 #define GATHER_FIXED(NAME, T)                                                              \
     FULMEN_KERNEL NAME(const T* in, const uint32_t* idx, uint64_t n, T* out) {             \
@@ -172,6 +185,60 @@ FULMEN_KERNEL gather_many(const uint32_t* idx, uint64_t n, uint64_t kinds,
 GATHER_STRINGS_OF(o32, int32_t)
 GATHER_STRINGS_OF(o64, int64_t)
 
+// The one-pass form of gather_string_lengths_many followed by a scan (see the top).
+template <typename OFF>
+__device__ void string_starts_many(const uint32_t* idx, const uint64_t* flags, uint64_t n, const uint64_t* count,
+                                   const uint64_t* lead, uint64_t stride, uint32_t ncols,
+                                   const OFF* const* offsets, unsigned long long* state, uint64_t capacity,
+                                   uint64_t epoch, uint64_t* starts, uint64_t* totals) {
+    uint64_t per_segment = (n + SCAN_TILE - 1) / SCAN_TILE;
+    uint32_t led = lead != nullptr ? 1 : 0;
+    uint64_t tile = blockIdx.x;
+    if (tile >= per_segment * (led + ncols)) return;
+    uint64_t segment = tile / per_segment, local = tile % per_segment;
+    uint64_t real = n;
+    if (count != nullptr && *count < real) real = *count;
+    uint64_t at = local * SCAN_TILE + (uint64_t)threadIdx.x * SCAN_ITEMS;
+    uint64_t items[SCAN_ITEMS];
+    uint64_t sum = 0;
+    for (unsigned k = 0; k < SCAN_ITEMS; ++k) {
+        uint64_t i = at + k, value = 0;
+        if (i < n) {
+            if (segment < led) {
+                value = lead[i];
+            } else {
+                const OFF* o = offsets[segment - led];
+                uint32_t j;
+                if (idx == nullptr) j = flags[i] == 0 ? NULL_INDEX : (uint32_t)i;
+                else j = i < real ? idx[i] : NULL_INDEX;
+                value = j == NULL_INDEX ? 0 : (uint64_t)(o[j + 1] - o[j]);
+            }
+        }
+        items[k] = value;
+        sum += value;
+    }
+    uint64_t running = scan_block_lookback(sum, tile, local, per_segment, state, capacity, epoch, totals + segment);
+    for (unsigned k = 0; k < SCAN_ITEMS; ++k) {
+        if (at + k < n) starts[segment * stride + at + k] = running;
+        running += items[k];
+    }
+}
+
+#define GATHER_STRING_STARTS_MANY(SUFFIX, OFF)                                                          \
+    FULMEN_KERNEL gather_string_starts_many_##SUFFIX(                                                   \
+        const uint32_t* idx, const uint64_t* flags, uint64_t n, const uint64_t* count,                  \
+        const uint64_t* lead, uint64_t stride, uint32_t ncols, const OFF* o0, const OFF* o1,            \
+        const OFF* o2, const OFF* o3, unsigned long long* state, uint64_t capacity, uint64_t epoch,     \
+        uint64_t* starts, uint64_t* totals) {                                                           \
+        const OFF* offsets[GATHER_STRINGS] = {o0, o1, o2, o3};                                          \
+        string_starts_many<OFF>(idx, flags, n, count, lead, stride,                                     \
+                                ncols < GATHER_STRINGS ? ncols : GATHER_STRINGS, offsets, state,        \
+                                capacity, epoch, starts, totals);                                       \
+    }
+
+GATHER_STRING_STARTS_MANY(o32, int32_t)
+GATHER_STRING_STARTS_MANY(o64, int64_t)
+
 // One column's copy of gather_string_copy_many: row i from source row j.
 template <typename OFF>
 __device__ __forceinline__ void copy_string(const OFF* offsets, const uint8_t* bytes, const uint64_t* starts,
@@ -222,6 +289,8 @@ FULMEN_EMU_EXPORT(gather_string_lengths_o32)
 FULMEN_EMU_EXPORT(gather_string_lengths_o64)
 FULMEN_EMU_EXPORT(gather_string_lengths_many_o32)
 FULMEN_EMU_EXPORT(gather_string_lengths_many_o64)
+FULMEN_EMU_EXPORT(gather_string_starts_many_o32)
+FULMEN_EMU_EXPORT(gather_string_starts_many_o64)
 FULMEN_EMU_EXPORT(gather_string_copy_many_o32)
 FULMEN_EMU_EXPORT(gather_string_copy_many_o64)
 FULMEN_EMU_EXPORT(gather_string_copy_o32)

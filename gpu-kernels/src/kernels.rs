@@ -142,6 +142,8 @@ kernels! {
     gather_string_lengths_o64 => fulmen_emu_launch_gather_string_lengths_o64, fulmen_emu_params_gather_string_lengths_o64 in "gather.cu",
     gather_string_lengths_many_o32 => fulmen_emu_launch_gather_string_lengths_many_o32, fulmen_emu_params_gather_string_lengths_many_o32 in "gather.cu",
     gather_string_lengths_many_o64 => fulmen_emu_launch_gather_string_lengths_many_o64, fulmen_emu_params_gather_string_lengths_many_o64 in "gather.cu",
+    gather_string_starts_many_o32 => fulmen_emu_launch_gather_string_starts_many_o32, fulmen_emu_params_gather_string_starts_many_o32 in "gather.cu",
+    gather_string_starts_many_o64 => fulmen_emu_launch_gather_string_starts_many_o64, fulmen_emu_params_gather_string_starts_many_o64 in "gather.cu",
     gather_string_copy_many_o32 => fulmen_emu_launch_gather_string_copy_many_o32, fulmen_emu_params_gather_string_copy_many_o32 in "gather.cu",
     gather_string_copy_many_o64 => fulmen_emu_launch_gather_string_copy_many_o64, fulmen_emu_params_gather_string_copy_many_o64 in "gather.cu",
     gather_string_copy_o32 => fulmen_emu_launch_gather_string_copy_o32, fulmen_emu_params_gather_string_copy_o32 in "gather.cu",

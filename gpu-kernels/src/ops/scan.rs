@@ -77,31 +77,32 @@ pub(crate) fn one_pass(
     tiles: u64,
     launch: impl FnOnce(LaunchConfig, Arg, u64) -> Result<()>,
 ) -> Result<bool> {
-    if tiles > LOOKBACK_TILES {
-        return Ok(false);
-    }
-    one_pass_config(device, tiles, tiles, launch)?;
-    Ok(true)
+    one_pass_segments(device, tiles, 1, launch)
 }
 
-/// [`one_pass`] over `grid` blocks whose look-back chains reach `chained` tiles (one: no
-/// state; a scan of one-tile segments has as many blocks as segments, none chained).
-fn one_pass_config(
+/// [`one_pass`] over `segments` segments of `per_segment` tiles each, scanned apart (a
+/// block per tile of each): segments of one tile wait for no other, so they need no state.
+pub(crate) fn one_pass_segments(
     device: &Device,
-    grid: u64,
-    chained: u64,
+    per_segment: u64,
+    segments: u64,
     launch: impl FnOnce(LaunchConfig, Arg, u64) -> Result<()>,
-) -> Result<()> {
+) -> Result<bool> {
+    let tiles = per_segment.saturating_mul(segments);
+    if tiles > LOOKBACK_TILES && per_segment > 1 {
+        return Ok(false);
+    }
     let cfg = LaunchConfig {
-        grid: u32::try_from(grid)
-            .map_err(|_| KernelError::Unsupported(format!("a scan of {grid} tiles")))?,
+        grid: u32::try_from(tiles)
+            .map_err(|_| KernelError::Unsupported(format!("a scan of {tiles} tiles")))?,
         block: BLOCK,
         shared_bytes: 0,
     };
-    match chained {
-        0 | 1 => launch(cfg, Arg::Ptr(0), 0),
-        _ => device.with_lookback(|state, epoch| launch(cfg, state, epoch)),
+    match per_segment {
+        0 | 1 => launch(cfg, Arg::Ptr(0), 0)?,
+        _ => device.with_lookback(|state, epoch| launch(cfg, state, epoch))?,
     }
+    Ok(true)
 }
 
 /// Launches the scan of `segments` segments; where `total_to` is not given, a buffer
@@ -138,8 +139,8 @@ fn queue(
         // SAFETY: `input` holds segments × stride u64 (checked above), of which the kernel
         // reads the first n of each segment; `out` holds segments × stride u64; the totals
         // (`total_to`, checked by the callers with `Word::nth`, or `totals`) `segments`
-        // u64; `state` and `epoch` are as `one_pass` gives them, for all_tiles tiles; all
-        // on `device`; a block of SCAN_THREADS per tile (`one_pass`), and the arguments
+        // u64; `state` and `epoch` are as `one_pass_segments` gives them; all
+        // on `device`; a block of SCAN_THREADS per tile (`one_pass_segments`), and the arguments
         // follow scan.cu's signature.
         unsafe {
             device.launch(
@@ -159,9 +160,7 @@ fn queue(
         }
     };
     // Segments of one tile wait for no other tile: one launch, without the state.
-    if tiles == 1 || all_tiles <= LOOKBACK_TILES {
-        let state_tiles = if tiles == 1 { 1 } else { all_tiles };
-        one_pass_config(device, all_tiles, state_tiles, lookback)?;
+    if one_pass_segments(device, tiles, segments as u64, lookback)? {
         return Ok((out, totals));
     }
     let sums = device.alloc((tiles as usize + 1) * segments * 8)?;
