@@ -21,15 +21,18 @@
 //                                                            included); with flags (idx null),
 //                                                            of row i's where flags[i] (a u64)
 //                                                            is non-zero, else 0
-//   gather_many              (idx, n, kinds, in0, out0, validity_in0, validity_out0, …
-//                             in5, out5, validity_in5, validity_out5)
+//   gather_many              (idx, idx2, n, kinds, in0, out0, validity_in0, validity_out0,
+//                             … in5, out5, validity_in5, validity_out5)
 //                                                            up to GATHER_MANY columns in one
 //                                                            launch: byte k of kinds is column
 //                                                            k's value width (1, 2, 4, 8, 16),
 //                                                            GATHER_BITS for a bitmap of
-//                                                            values, or 0 for no column; a
-//                                                            column's output validity (when
-//                                                            validity_out is not null) is
+//                                                            values, or 0 for no column, with
+//                                                            GATHER_SECOND set where the column
+//                                                            is gathered at idx2 (n indices
+//                                                            too: a join's other side), not
+//                                                            idx; a column's output validity
+//                                                            (when validity_out is not null) is
 //                                                            gathered as gather_validity does
 //   — scan.cu turns lengths into exclusive starts —
 //   gather_string_starts_many_o32/o64 (idx, flags, n, count, lead, stride, ncols, offsets0, …
@@ -98,13 +101,14 @@ FULMEN_KERNEL gather_validity(const uint8_t* in_validity, const uint32_t* idx, u
 
 #define GATHER_MANY 6
 #define GATHER_BITS 0x80u
+#define GATHER_SECOND 0x40u
 
 template <typename T>
 __device__ __forceinline__ void gather_one(const uint8_t* in, uint8_t* out, uint32_t j, uint64_t i) {
     reinterpret_cast<T*>(out)[i] = j == NULL_INDEX ? T{} : reinterpret_cast<const T*>(in)[j];
 }
 
-FULMEN_KERNEL gather_many(const uint32_t* idx, uint64_t n, uint64_t kinds,
+FULMEN_KERNEL gather_many(const uint32_t* idx, const uint32_t* idx2, uint64_t n, uint64_t kinds,
                           const uint8_t* in0, uint8_t* out0, const uint8_t* vin0, uint8_t* vout0,
                           const uint8_t* in1, uint8_t* out1, const uint8_t* vin1, uint8_t* vout1,
                           const uint8_t* in2, uint8_t* out2, const uint8_t* vin2, uint8_t* vout2,
@@ -117,14 +121,16 @@ FULMEN_KERNEL gather_many(const uint32_t* idx, uint64_t n, uint64_t kinds,
     uint8_t* vouts[GATHER_MANY] = {vout0, vout1, vout2, vout3, vout4, vout5};
     // Values: one thread per row, every column.
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
-        uint32_t j = idx[i];
+        uint32_t j = idx[i], j2 = idx2 ? idx2[i] : NULL_INDEX;
         for (unsigned c = 0; c < GATHER_MANY; ++c) {
-            switch ((kinds >> (8 * c)) & 0xFF) {
-                case 1: gather_one<uint8_t>(ins[c], outs[c], j, i); break;
-                case 2: gather_one<uint16_t>(ins[c], outs[c], j, i); break;
-                case 4: gather_one<uint32_t>(ins[c], outs[c], j, i); break;
-                case 8: gather_one<uint64_t>(ins[c], outs[c], j, i); break;
-                case 16: gather_one<Word128>(ins[c], outs[c], j, i); break;
+            uint64_t kind = (kinds >> (8 * c)) & 0xFF;
+            uint32_t at = kind & GATHER_SECOND ? j2 : j;
+            switch (kind & ~(uint64_t)GATHER_SECOND) {
+                case 1: gather_one<uint8_t>(ins[c], outs[c], at, i); break;
+                case 2: gather_one<uint16_t>(ins[c], outs[c], at, i); break;
+                case 4: gather_one<uint32_t>(ins[c], outs[c], at, i); break;
+                case 8: gather_one<uint64_t>(ins[c], outs[c], at, i); break;
+                case 16: gather_one<Word128>(ins[c], outs[c], at, i); break;
                 default: break;
             }
         }
@@ -133,8 +139,10 @@ FULMEN_KERNEL gather_many(const uint32_t* idx, uint64_t n, uint64_t kinds,
     uint64_t bytes = (n + 7) / 8;
     for (uint64_t b = GRID_START; b < bytes; b += GRID_STRIDE) {
         for (unsigned c = 0; c < GATHER_MANY; ++c) {
-            if (((kinds >> (8 * c)) & 0xFF) == GATHER_BITS) outs[c][b] = gathered_bits(ins[c], idx, n, b);
-            if (vouts[c] != nullptr) vouts[c][b] = gathered_bits(vins[c], idx, n, b);
+            uint64_t kind = (kinds >> (8 * c)) & 0xFF;
+            const uint32_t* at = kind & GATHER_SECOND ? idx2 : idx;
+            if ((kind & ~(uint64_t)GATHER_SECOND) == GATHER_BITS) outs[c][b] = gathered_bits(ins[c], at, n, b);
+            if (vouts[c] != nullptr) vouts[c][b] = gathered_bits(vins[c], at, n, b);
         }
     }
 }

@@ -465,6 +465,51 @@ proptest! {
         }
     }
 
+    /// A join's output gathered at its two index sets together (the build side's columns
+    /// at one, the probe side's at the other, of different lengths and with NULL indices
+    /// on one side, as an outer join's) is what arrow's take gives each, and its
+    /// fixed-width and boolean columns, of both sides, take one launch per six.
+    #[test]
+    fn gathering_two_sides_together_matches_arrow_take(n1 in 1usize..1500, n2 in 1usize..1500, out_n in 0usize..2500, seed in any::<u64>(), null_idx in 0u64..30) {
+        let d = device();
+        let mut r = Lcg(seed);
+        let idx1: Vec<u32> = (0..out_n).map(|_| if r.chance(null_idx) { NULL_INDEX } else { (r.next() % n1 as u64) as u32 }).collect();
+        let idx2: Vec<u32> = (0..out_n).map(|_| (r.next() % n2 as u64) as u32).collect();
+        let take1: UInt32Array = idx1.iter().map(|&i| (i != NULL_INDEX).then_some(i)).collect();
+        let take2 = UInt32Array::from(idx2.clone());
+        let left = random_columns(n1, seed, 15);
+        let right = random_columns(n2, seed ^ 0x5555, if seed % 2 == 0 { 0 } else { 15 });
+        // Alternate the sides, so that every launch mixes them.
+        let mut columns: Vec<(ArrayRef, usize)> = Vec::new();
+        for k in 0..left.len().max(right.len()) {
+            columns.extend(left.get(k).map(|c| (Arc::clone(c), 0)));
+            columns.extend(right.get(k).map(|c| (Arc::clone(c), 1)));
+        }
+        let check = |dev: &Device| -> (Vec<DeviceColumn>, u64, usize) {
+            let on_device: Vec<DeviceColumn> = columns.iter().map(|(c, _)| DeviceColumn::upload(dev, c.as_ref()).unwrap()).collect();
+            let refs: Vec<&DeviceColumn> = on_device.iter().collect();
+            let sides: Vec<usize> = columns.iter().map(|(_, s)| *s).collect();
+            let (i1, i2) = (RowIndices::upload(dev, &idx1, n1).unwrap(), RowIndices::upload(dev, &idx2, n2).unwrap());
+            let of = |dev: &Device| dev.kernel_counts().iter().filter(|k| k.kernel == Kernel::gather_many).map(|k| k.launches).sum::<u64>();
+            let before = of(dev);
+            let got = gather::gather_columns_started_by(&refs, &[&i1, &i2], &sides, (0..refs.len()).map(|_| None).collect()).unwrap();
+            let fixed = columns.iter().filter(|(c, _)| !matches!(c.data_type(), DataType::Utf8 | DataType::LargeUtf8)).count();
+            (got, of(dev) - before, fixed)
+        };
+        let (got, _, _) = check(&d);
+        // The fixed-width and boolean columns of both sides: one launch per six (counted
+        // on an emulated device of the test's own).
+        let (_, launches, fixed) = check(&emulated());
+        let want = if out_n == 0 { 0 } else { fixed.div_ceil(gather::GATHER_MANY) as u64 };
+        prop_assert_eq!(launches, want, "{} fixed-width columns", fixed);
+        prop_assert_eq!(got.len(), columns.len());
+        for ((column, side), got) in columns.iter().zip(&got) {
+            let got = got.to_arrow().unwrap();
+            let expected = take(column.as_ref(), if *side == 0 { &take1 } else { &take2 }, None).unwrap();
+            prop_assert_eq!(got.as_ref(), expected.as_ref(), "{} of side {}", column.data_type(), side);
+        }
+    }
+
     #[test]
     fn scan_matches_a_host_prefix_sum(values in proptest::collection::vec(0u64..1_000_000, 0..5000)) {
         let d = device();

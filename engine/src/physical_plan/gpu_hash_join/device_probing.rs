@@ -237,26 +237,27 @@ impl DeviceProbing {
                 KernelError::InvalidData(format!("output column {c} is not on the device"))
             })
         };
-        // Each side's output: strings from the starts queued with the probe, the other
-        // columns together (gather_columns: six fixed-width columns to a launch).
-        // Probe rows taken on the host are in output order already.
+        // The output: strings from the starts queued with the probe, the other columns of
+        // both sides together (gather_columns_started_by: six fixed-width columns to a
+        // launch, whichever side each is of). Probe rows taken on the host are in output
+        // order already.
         let mut gathered: Vec<Option<DeviceColumn>> = (sources.iter())
             .map(|&(from_build, c)| taken.get(&c).filter(|_| !from_build).cloned())
             .collect();
-        for (side, indices) in [(true, &build_rows), (false, &probe_rows)] {
-            let these: Vec<usize> = (0..sources.len())
-                .filter(|&i| sources[i].0 == side && gathered[i].is_none())
-                .collect();
-            let columns = these
-                .iter()
-                .map(|&i| source(i))
-                .collect::<Result<Vec<_>, _>>()?;
-            let queued = these.iter().map(|i| started.remove(i)).collect();
-            let columns =
-                metrics.kernel(|| gather::gather_columns_started(&columns, indices, queued))?;
-            for (i, column) in these.into_iter().zip(columns) {
-                gathered[i] = Some(column);
-            }
+        let these: Vec<usize> = (0..sources.len())
+            .filter(|&i| gathered[i].is_none())
+            .collect();
+        let columns = these
+            .iter()
+            .map(|&i| source(i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let sides: Vec<usize> = these.iter().map(|&i| usize::from(!sources[i].0)).collect();
+        let queued = these.iter().map(|i| started.remove(i)).collect();
+        let columns = metrics.kernel(|| {
+            gather::gather_columns_started_by(&columns, &[&build_rows, &probe_rows], &sides, queued)
+        })?;
+        for (i, column) in these.into_iter().zip(columns) {
+            gathered[i] = Some(column);
         }
         let columns = gathered
             .into_iter()

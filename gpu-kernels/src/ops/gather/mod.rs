@@ -30,6 +30,8 @@ pub fn gather_column(column: &DeviceColumn, indices: &RowIndices) -> Result<Devi
 pub const GATHER_MANY: usize = 6;
 /// `gather_many`'s kind of a bitmap of values (a boolean column).
 const GATHER_BITS: u64 = 0x80;
+/// `gather_many`'s kind bit of a column gathered at the second index set.
+const GATHER_SECOND: u64 = 0x40;
 
 /// Gathers each of `columns` at `indices`, as [`gather_column`] does one by one: the
 /// fixed-width and boolean columns, validity included, up to [`GATHER_MANY`] in one launch
@@ -39,6 +41,17 @@ pub fn gather_columns(
     columns: &[&DeviceColumn],
     indices: &RowIndices,
 ) -> Result<Vec<DeviceColumn>> {
+    gather_columns_by(columns, &[indices], &vec![0; columns.len()])
+}
+
+/// As [`gather_columns`], each column `i` at `indices[sides[i]]`: up to two sets of as many
+/// indices (a join's build and probe rows), whose fixed-width and boolean columns share the
+/// launches.
+fn gather_columns_by(
+    columns: &[&DeviceColumn],
+    indices: &[&RowIndices],
+    sides: &[usize],
+) -> Result<Vec<DeviceColumn>> {
     let many = |c: &DeviceColumn| {
         c.dictionary().is_none()
             && matches!(c.layout(), Layout::Bits | Layout::Fixed(1 | 2 | 4 | 8 | 16))
@@ -46,23 +59,34 @@ pub fn gather_columns(
     let together: Vec<usize> = (0..columns.len()).filter(|&i| many(columns[i])).collect();
     let mut out: Vec<Option<DeviceColumn>> = vec![None; columns.len()];
     for group in together.chunks(GATHER_MANY) {
-        let these: Vec<&DeviceColumn> = group.iter().map(|&i| columns[i]).collect();
+        let these: Vec<(&DeviceColumn, usize)> =
+            group.iter().map(|&i| (columns[i], sides[i])).collect();
         for (&i, gathered) in group.iter().zip(gather_many(&these, indices)?) {
             out[i] = Some(gathered);
         }
     }
     out.into_iter()
-        .zip(columns)
-        .map(|(done, column)| match done {
+        .zip(columns.iter().zip(sides))
+        .map(|(done, (column, &side))| match done {
             Some(gathered) => Ok(gathered),
-            None => gather_column(column, indices),
+            None => gather_column(column, side_indices(indices, side)?),
         })
         .collect()
 }
 
+/// `indices[side]`, or an error naming the side that is missing.
+fn side_indices<'a>(indices: &[&'a RowIndices], side: usize) -> Result<&'a RowIndices> {
+    indices.get(side).copied().ok_or_else(|| {
+        KernelError::InvalidData(format!(
+            "a column gathered at index set {side} of {}",
+            indices.len()
+        ))
+    })
+}
+
 /// Started string columns copied in one launch: their offset width, whether their starts
-/// are by source row, and each column's place, starts and byte total.
-type StartedGroup = (usize, bool, Vec<(usize, QueuedStarts, u64)>);
+/// are by source row, their index set, and each column's place, starts and byte total.
+type StartedGroup = (usize, bool, usize, Vec<(usize, QueuedStarts, u64)>);
 
 /// Gathers each of `columns` at `indices`, as [`gather_columns`] does, except that a column
 /// with starts queued for these indices (and the byte total the host read: see
@@ -72,46 +96,64 @@ pub fn gather_columns_started(
     indices: &RowIndices,
     started: Vec<Option<(QueuedStarts, u64)>>,
 ) -> Result<Vec<DeviceColumn>> {
-    if started.len() != columns.len() {
+    gather_columns_started_by(columns, &[indices], &vec![0; columns.len()], started)
+}
+
+/// As [`gather_columns_started`], each column `i` at `indices[sides[i]]` (at most two sets
+/// of as many indices: a join's build and probe rows, its output gathered together, where
+/// each side took launches of its own), its starts, if queued, for those indices.
+pub fn gather_columns_started_by(
+    columns: &[&DeviceColumn],
+    indices: &[&RowIndices],
+    sides: &[usize],
+    started: Vec<Option<(QueuedStarts, u64)>>,
+) -> Result<Vec<DeviceColumn>> {
+    if started.len() != columns.len() || sides.len() != columns.len() {
         return Err(KernelError::InvalidData(format!(
-            "{} queued starts for {} columns",
+            "{} queued starts and {} index sets for {} columns",
             started.len(),
+            sides.len(),
             columns.len()
         )));
     }
     let mut out: Vec<Option<DeviceColumn>> = vec![None; columns.len()];
     let mut together = Vec::new();
-    // Started columns of one offset width and one kind of starts are copied together, up
-    // to GATHER_STRINGS in a launch.
+    // Started columns of one offset width, one kind of starts and one index set are copied
+    // together, up to GATHER_STRINGS in a launch.
     let mut groups: Vec<StartedGroup> = Vec::new();
     for (i, started) in started.into_iter().enumerate() {
         match started {
             Some((starts, total)) => {
                 let width = string_offsets(columns[i])?.0;
                 let by_source = starts.indices.is_none();
-                match groups
-                    .iter_mut()
-                    .find(|(w, b, g)| *w == width && *b == by_source && g.len() < GATHER_STRINGS)
-                {
+                let side = sides[i];
+                match groups.iter_mut().find(|(w, b, s, g)| {
+                    *w == width && *b == by_source && *s == side && g.len() < GATHER_STRINGS
+                }) {
                     Some((.., group)) => group.push((i, starts, total)),
-                    None => groups.push((width, by_source, vec![(i, starts, total)])),
+                    None => groups.push((width, by_source, side, vec![(i, starts, total)])),
                 }
             }
             None => together.push(i),
         }
     }
-    for (.., group) in groups {
+    for (_, _, side, group) in groups {
         let at: Vec<usize> = group.iter().map(|(i, ..)| *i).collect();
         let these = group
             .into_iter()
             .map(|(i, starts, total)| (columns[i], starts, total))
             .collect();
-        for (i, column) in at.into_iter().zip(gather_started_strings(these, indices)?) {
+        let gathered = gather_started_strings(these, side_indices(indices, side)?)?;
+        for (i, column) in at.into_iter().zip(gathered) {
             out[i] = Some(column);
         }
     }
     let rest: Vec<&DeviceColumn> = together.iter().map(|&i| columns[i]).collect();
-    for (i, column) in together.into_iter().zip(gather_columns(&rest, indices)?) {
+    let rest_sides: Vec<usize> = together.iter().map(|&i| sides[i]).collect();
+    for (i, column) in together
+        .into_iter()
+        .zip(gather_columns_by(&rest, indices, &rest_sides)?)
+    {
         out[i] = Some(column);
     }
     out.into_iter()
@@ -119,26 +161,41 @@ pub fn gather_columns_started(
         .collect()
 }
 
-/// Gathers up to [`GATHER_MANY`] fixed-width or boolean columns of one device at
-/// `indices` in one launch.
-fn gather_many(columns: &[&DeviceColumn], indices: &RowIndices) -> Result<Vec<DeviceColumn>> {
-    let Some(first) = columns.first() else {
+/// Gathers up to [`GATHER_MANY`] fixed-width or boolean columns of one device in one
+/// launch, each at the index set its pair names (of at most two, of as many indices).
+fn gather_many(
+    columns: &[(&DeviceColumn, usize)],
+    indices: &[&RowIndices],
+) -> Result<Vec<DeviceColumn>> {
+    let Some((first, _)) = columns.first() else {
         return Ok(Vec::new());
     };
     let device = first.device();
-    if columns.len() > GATHER_MANY || columns.iter().any(|c| c.device() != device) {
+    if columns.len() > GATHER_MANY || columns.iter().any(|(c, _)| c.device() != device) {
         return Err(KernelError::Unsupported(format!(
             "gathering {} columns of several devices, or more than {GATHER_MANY}, in one launch",
             columns.len()
         )));
     }
-    let count = indices.len();
-    let null_indices = indices.nullable();
+    let first_set = side_indices(indices, 0)?;
+    let count = first_set.len();
+    if indices.len() > 2
+        || indices.iter().any(|i| i.len() != count)
+        || indices.iter().any(|i| i.buffer().device() != device)
+    {
+        return Err(KernelError::Unsupported(format!(
+            "gathering at {} index sets of lengths {:?} in one launch (at most two, of one \
+             length, on the columns' device)",
+            indices.len(),
+            indices.iter().map(|i| i.len()).collect::<Vec<_>>()
+        )));
+    }
     let bitmap = count.div_ceil(8);
     let mut kinds = 0u64;
     let mut outputs = Vec::with_capacity(columns.len());
-    for (k, column) in columns.iter().enumerate() {
-        check_bound(indices.bound(), column)?;
+    for (k, &(column, side)) in columns.iter().enumerate() {
+        let at = side_indices(indices, side)?;
+        check_bound(at.bound(), column)?;
         let (kind, bytes) = match column.layout() {
             Layout::Fixed(width @ (1 | 2 | 4 | 8 | 16)) => (width as u64, count * width),
             Layout::Bits => (GATHER_BITS, bitmap),
@@ -148,22 +205,24 @@ fn gather_many(columns: &[&DeviceColumn], indices: &RowIndices) -> Result<Vec<De
                 )));
             }
         };
-        kinds |= kind << (8 * k);
+        let second = if side == 1 { GATHER_SECOND } else { 0 };
+        kinds |= (kind | second) << (8 * k);
         let values = device.alloc(bytes)?;
-        let validity = match column.validity().is_some() || null_indices {
+        let validity = match column.validity().is_some() || at.nullable() {
             true => Some(device.alloc(bitmap)?),
             false => None,
         };
         outputs.push((values, validity));
     }
     let mut args = vec![
-        Arg::buf(indices.buffer()),
+        Arg::buf(first_set.buffer()),
+        Arg::opt(indices.get(1).map(|i| i.buffer())),
         Arg::U64(count as u64),
         Arg::U64(kinds),
     ];
     for k in 0..GATHER_MANY {
         match (columns.get(k), outputs.get(k)) {
-            (Some(column), Some((values, validity))) => args.extend([
+            (Some((column, _)), Some((values, validity))) => args.extend([
                 Arg::buf(column.values()),
                 Arg::buf(values),
                 Arg::opt(column.validity()),
@@ -173,11 +232,13 @@ fn gather_many(columns: &[&DeviceColumn], indices: &RowIndices) -> Result<Vec<De
         }
     }
     if count > 0 {
-        // SAFETY: every index is below each column's length or NULL_INDEX (RowIndices
-        // guarantees it; the bound was checked above); each column's values hold its
-        // length of values of its kind's width (or bits), each output `count` of them (or
-        // ceil(count/8) bytes), each validity bitmap (or null) its rows; slots past the
-        // columns are null and their kind 0.
+        // SAFETY: every index of either set is below the length of each column gathered
+        // at it or NULL_INDEX (RowIndices guarantees it; the bounds were checked above);
+        // both sets hold `count` indices on this device, the second is null when no
+        // column's kind names it; each column's values hold its length of values of its
+        // kind's width (or bits), each output `count` of them (or ceil(count/8) bytes),
+        // each validity bitmap (or null) its rows; slots past the columns are null and
+        // their kind 0.
         unsafe {
             device.launch(
                 Kernel::gather_many,
@@ -189,7 +250,7 @@ fn gather_many(columns: &[&DeviceColumn], indices: &RowIndices) -> Result<Vec<De
     Ok(columns
         .iter()
         .zip(outputs)
-        .map(|(column, (values, validity))| {
+        .map(|((column, _), (values, validity))| {
             DeviceColumn::from_parts(column.data_type().clone(), count, values, None, validity)
         })
         .collect())
