@@ -44,11 +44,14 @@
 //   agg_rehash          (slots, mask, group_hashes, groups)  re-inserts committed groups
 //                                               into a fresh (all EMPTY_SLOT) table
 //   agg_fill_u64        (buffer, n, value)
-//   agg_init_state      (to, locks, slots, nslots, state0, op0, counts0, … state3, op3,
-//                        counts3)               groups 0..to of up to four accumulators at
-//                                               their identity, their locks zero, and (when
-//                                               slots is not null) a new table's nslots
-//                                               slots EMPTY_SLOT (below)
+//   agg_init_state      (to, keep, locks, slots, nslots, hashes, old_hashes, state0,
+//                        old_state0, op0, counts0, old_counts0, … state7, … old_counts7)
+//                                               a grown table's groups of up to eight
+//                                               accumulators: 0..keep copied from the old
+//                                               table's buffers (hashes too, when given),
+//                                               keep..to at their identity; the locks zero,
+//                                               and (when slots is not null) a new table's
+//                                               nslots slots EMPTY_SLOT (below)
 //   agg_update          (accs, nacc, gids, n, groups, shared_groups)
 //       the accumulators (see AggAcc) of every row's group; gids == null means group 0 for
 //       every row; a row whose gid is SKIP is left out. shared_groups != 0: each block first accumulates into per-block tables in
@@ -201,28 +204,43 @@ FULMEN_KERNEL agg_fill_u64(uint64_t* buffer, uint64_t n, uint64_t value) {
 // table's first `nslots` hash slots empty (when `slots` is not null), so that a table
 // starts in one launch. A table's accumulators past the fourth take another launch;
 // unused slots pass nulls.
-__device__ __forceinline__ void agg_init_one(unsigned long long* state, uint64_t op, unsigned long long* counts,
-                                             uint64_t g) {
-    if (state) {
-        uint64_t words = agg_state_words(op);
+// Group g of one accumulator in a grown table: the old table's (g < keep) or the
+// identity; nothing where the accumulator slot is unused (counts null).
+__device__ __forceinline__ void agg_init_one(unsigned long long* state, const unsigned long long* old_state,
+                                             uint64_t op, unsigned long long* counts,
+                                             const unsigned long long* old_counts, uint64_t g, uint64_t keep) {
+    if (!counts) return;
+    uint64_t words = state ? agg_state_words(op) : 0;
+    if (g < keep) {
+        for (uint64_t w = 0; w < words; ++w) state[g * words + w] = old_state[g * words + w];
+        counts[g] = old_counts[g];
+    } else {
         for (uint64_t w = 0; w < words; ++w) state[g * words + w] = agg_identity(op, (uint32_t)w);
+        counts[g] = 0;
     }
-    if (counts) counts[g] = 0;
 }
 
-FULMEN_KERNEL agg_init_state(uint64_t to, uint32_t* locks, unsigned long long* slots, uint64_t nslots,
-                             unsigned long long* state0, uint64_t op0, unsigned long long* counts0,
-                             unsigned long long* state1, uint64_t op1, unsigned long long* counts1,
-                             unsigned long long* state2, uint64_t op2, unsigned long long* counts2,
-                             unsigned long long* state3, uint64_t op3, unsigned long long* counts3) {
+#define AGG_INIT_SLOT(K)                                                                     \
+    unsigned long long *state##K, const unsigned long long *old_state##K, uint64_t op##K,    \
+        unsigned long long *counts##K, const unsigned long long *old_counts##K
+
+FULMEN_KERNEL agg_init_state(uint64_t to, uint64_t keep, uint32_t* locks, unsigned long long* slots, uint64_t nslots,
+                             uint64_t* hashes, const uint64_t* old_hashes, AGG_INIT_SLOT(0), AGG_INIT_SLOT(1),
+                             AGG_INIT_SLOT(2), AGG_INIT_SLOT(3), AGG_INIT_SLOT(4), AGG_INIT_SLOT(5),
+                             AGG_INIT_SLOT(6), AGG_INIT_SLOT(7)) {
     uint64_t end = slots && nslots > to ? nslots : to;
     for (uint64_t g = GRID_START; g < end; g += GRID_STRIDE) {
         if (slots && g < nslots) slots[g] = (unsigned long long)AGG_EMPTY;
         if (g >= to) continue;
-        agg_init_one(state0, op0, counts0, g);
-        agg_init_one(state1, op1, counts1, g);
-        agg_init_one(state2, op2, counts2, g);
-        agg_init_one(state3, op3, counts3, g);
+        agg_init_one(state0, old_state0, op0, counts0, old_counts0, g, keep);
+        agg_init_one(state1, old_state1, op1, counts1, old_counts1, g, keep);
+        agg_init_one(state2, old_state2, op2, counts2, old_counts2, g, keep);
+        agg_init_one(state3, old_state3, op3, counts3, old_counts3, g, keep);
+        agg_init_one(state4, old_state4, op4, counts4, old_counts4, g, keep);
+        agg_init_one(state5, old_state5, op5, counts5, old_counts5, g, keep);
+        agg_init_one(state6, old_state6, op6, counts6, old_counts6, g, keep);
+        agg_init_one(state7, old_state7, op7, counts7, old_counts7, g, keep);
+        if (hashes && g < keep) hashes[g] = old_hashes[g];
         if (locks) locks[g] = 0;
     }
 }

@@ -952,9 +952,9 @@ fn a_fused_batch_waits_once_and_changes_nothing_unless_added() {
 /// A new table starts in one launch (`agg_init_state`): its accumulators at their
 /// identity, their locks and, with keys, its first hash slots empty, so that a first batch
 /// of up to 900 rows fills no slots (no `agg_fill_u64`). Also a table grouping without
-/// accumulators (its slots alone), one without keys, and one of five accumulators (four to
-/// a launch); each then aggregates 900 rows into 37 groups (a key's sum is its rows times
-/// itself). And a first batch of 20 000 new groups is inserted once: its slots are sized
+/// accumulators (its slots alone), one without keys, and ones of eight and nine
+/// accumulators (eight to a launch); each then aggregates 900 rows into 37 groups (a key's
+/// sum is its rows times itself). And a first batch of 20 000 new groups is inserted once: its slots are sized
 /// for every row to be new, not for the 1 024 groups 2 048 slots hold (when it was
 /// inserted, undone, and inserted again).
 #[test]
@@ -984,7 +984,8 @@ fn a_new_group_table_starts_in_one_launch() {
         (&int64[..], vec![AccOp::Count, AccOp::SumInt], 1),
         (&int64[..], vec![], 1),
         (&[][..], vec![AccOp::Count, AccOp::SumInt], 1),
-        (&int64[..], vec![AccOp::SumInt; 5], 2),
+        (&int64[..], vec![AccOp::SumInt; 8], 1),
+        (&int64[..], vec![AccOp::SumInt; 9], 2),
     ] {
         let case = format!("{} keys, {} accumulators", key_types.len(), ops.len());
         let before = d.counts().launches;

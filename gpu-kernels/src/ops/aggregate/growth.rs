@@ -4,8 +4,8 @@
 
 use super::*;
 
-/// Accumulators one `agg_init_state` launch sets to their identity (its four slots).
-const INIT_ACCS: usize = 4;
+/// Accumulators one `agg_init_state` launch sets up (its eight slots).
+const INIT_ACCS: usize = 8;
 
 impl GroupTable {
     /// `new_slots`: a new keyed table's first hash slots (a buffer and how many u64 it
@@ -33,16 +33,33 @@ impl GroupTable {
             true => Some(device.alloc(capacity.div_ceil(2) * 8)?),
             false => None,
         };
-        // Every group at its identity and unlocked, four accumulators a launch (the locks
-        // and the new slots with the first four).
-        // A table without accumulators (GROUP BY alone) takes one launch for its slots.
+        let group_hashes = match self.keyed {
+            true => Some(device.alloc(capacity * 8)?),
+            false => None,
+        };
+        let old_hashes = self.group_hashes.as_ref().filter(|_| keep > 0);
+        if let (Some(old), Some(new)) = (old_hashes, &group_hashes)
+            && (old.len() < keep * 8 || new.len() < keep * 8)
+        {
+            return Err(KernelError::InvalidData(format!(
+                "{keep} group hashes to copy from {} into {} bytes",
+                old.len(),
+                new.len()
+            )));
+        }
+        // Every group the old table's (its first `keep`: counts, states and hashes) or at
+        // its identity, and unlocked, eight accumulators a launch (the locks, the hashes
+        // and the new slots with the first eight), where a launch set four to their
+        // identity and two copies per accumulator brought the old groups back.
+        // A table without accumulators (GROUP BY alone) takes one launch for its slots
+        // and hashes.
         let launches = accs
             .len()
             .div_ceil(INIT_ACCS)
-            .max(usize::from(new_slots.is_some()));
+            .max(usize::from(new_slots.is_some() || old_hashes.is_some()));
         for k in 0..launches {
-            let four =
-                &accs[(k * INIT_ACCS).min(accs.len())..((k + 1) * INIT_ACCS).min(accs.len())];
+            let range = (k * INIT_ACCS).min(accs.len())..((k + 1) * INIT_ACCS).min(accs.len());
+            let (these, old) = (&accs[range.clone()], &self.accs[range]);
             let (slots, slot_count) = match new_slots {
                 Some((buffer, count)) if k == 0 => {
                     if buffer.len() < count as usize * 8 {
@@ -55,27 +72,58 @@ impl GroupTable {
                 }
                 _ => (None, 0),
             };
+            let first = k == 0;
             let mut args = vec![
                 Arg::U64(capacity as u64),
-                Arg::opt(locks.as_ref().filter(|_| k == 0)),
+                Arg::U64(keep as u64),
+                Arg::opt(locks.as_ref().filter(|_| first)),
                 Arg::opt(slots),
                 Arg::U64(slot_count),
+                Arg::opt(
+                    group_hashes
+                        .as_ref()
+                        .filter(|_| first && old_hashes.is_some()),
+                ),
+                Arg::opt(old_hashes.filter(|_| first)),
             ];
             for slot in 0..INIT_ACCS {
-                args.extend(match four.get(slot) {
-                    Some(acc) => [
-                        Arg::opt(acc.state.as_ref()),
-                        Arg::U64(acc.op.code()),
-                        Arg::buf(&acc.counts),
+                args.extend(match (these.get(slot), old.get(slot)) {
+                    (Some(acc), Some(was)) => {
+                        let words = acc.op.words();
+                        if keep > 0
+                            && (was.counts.len() < keep * 8
+                                || was.state.as_ref().map_or(0, DeviceBuffer::len)
+                                    < keep * words * 8)
+                        {
+                            return Err(KernelError::InvalidData(format!(
+                                "an accumulator of fewer than the {keep} groups to keep"
+                            )));
+                        }
+                        [
+                            Arg::opt(acc.state.as_ref()),
+                            Arg::opt(was.state.as_ref().filter(|_| keep > 0)),
+                            Arg::U64(acc.op.code()),
+                            Arg::buf(&acc.counts),
+                            Arg::opt(Some(&was.counts).filter(|_| keep > 0)),
+                        ]
+                    }
+                    _ => [
+                        Arg::Ptr(0),
+                        Arg::Ptr(0),
+                        Arg::U64(0),
+                        Arg::Ptr(0),
+                        Arg::Ptr(0),
                     ],
-                    None => [Arg::Ptr(0), Arg::U64(0), Arg::Ptr(0)],
                 });
             }
             // SAFETY: each accumulator's `state` (when there is one) holds `capacity`
-            // groups of its op's words and its `counts` `capacity` u64; `locks` (when
-            // given) `capacity` u32 (capacity.div_ceil(2) u64); the new slots (when given)
-            // `slot_count` u64 (checked); unused accumulator slots are nulls,
-            // which the kernel skips; the arguments follow agg.cu's signature.
+            // groups of its op's words and its `counts` `capacity` u64, and with keep > 0
+            // the old ones at least `keep` groups (checked; the old accumulators are this
+            // table's, the same ops in the same order); `locks` (when given) `capacity`
+            // u32 (capacity.div_ceil(2) u64); the new slots (when given) `slot_count` u64
+            // (checked); the hashes (when given) at least `keep` u64 each (checked);
+            // unused accumulator slots are nulls, which the kernel skips; the arguments
+            // follow agg.cu's signature.
             unsafe {
                 device.launch(
                     Kernel::agg_init_state,
@@ -84,23 +132,6 @@ impl GroupTable {
                 )?;
             }
         }
-        if keep > 0 {
-            for (new, old) in accs.iter().zip(&self.accs) {
-                copy_prefix(device, &new.counts, &old.counts, keep * 8)?;
-                if let (Some(state), Some(old)) = (&new.state, &old.state) {
-                    copy_prefix(device, state, old, keep * new.op.words() * 8)?;
-                }
-            }
-        }
-        let group_hashes = if self.keyed {
-            let buffer = device.alloc(capacity * 8)?;
-            if let (Some(old), true) = (&self.group_hashes, keep > 0) {
-                copy_prefix(device, &buffer, old, keep * 8)?;
-            }
-            Some(buffer)
-        } else {
-            None
-        };
         Ok(Grown {
             accs,
             group_hashes,
@@ -166,18 +197,4 @@ impl GroupTable {
         };
         run().or_else(|_| run())
     }
-}
-
-/// Copies the first `len` bytes of `src` into `dst`.
-fn copy_prefix(device: &Device, dst: &DeviceBuffer, src: &DeviceBuffer, len: usize) -> Result<()> {
-    if len == 0 {
-        return Ok(());
-    }
-    // The pool rounds sizes up, so `src` may be longer than `len`; copy through a view of
-    // exactly `len` bytes when it is.
-    if src.len() <= dst.len() {
-        return device.copy(dst, src);
-    }
-    let bytes = src.to_host()?;
-    dst.write(0, &bytes[..len])
 }
