@@ -28,15 +28,18 @@
 //       SKIP) and the host updates the accumulators by them at once.
 //   agg_leader_flags    (refs, first, n, flags)  flags[i] = 1 when row i is its new group's
 //                                                  first row (u64, for the scan)
-//   agg_leader_ranks    (refs, first, n, state, capacity, epoch, flags, ranks, total_out)
+//   agg_leader_ranks    (refs, first, n, state, capacity, epoch, flags, ranks, total_out,
+//                        hashes, g0, leaders, group_hashes)
 //       the flags above and their exclusive scan (ranks) in one launch, a block per tile of
 //       SCAN_TILE rows chained by the look-back of scan.cuh; the last tile writes the
-//       count of leaders at *total_out
+//       count of leaders at *total_out; with leaders (not null) also agg_resolve's
+//       leaders[rank] = row and group_hashes[g0 + rank] = that row's hash
 //   agg_resolve         (refs, first, ranks, flags, hashes, n, g0, gids, leaders, group_hashes,
 //                        slots, capacity)
 //       gids[i]: committed id, or g0 + rank of the group's first row; leaders[rank] = row,
-//       group_hashes[g0 + rank] = that row's hash; and in the same launch each slot's
-//       pending id becomes its committed id (g0 + rank of the group's first row)
+//       group_hashes[g0 + rank] = that row's hash (neither where leaders is null); and in
+//       the same launch each slot's pending id becomes its committed id (g0 + rank of the
+//       group's first row)
 //   agg_rollback        (slots, capacity, g0)   every slot with id >= g0 (pending or this
 //                                               batch's) becomes EMPTY_SLOT. Removing the
 //                                               newest entries never breaks an older one's
@@ -52,9 +55,13 @@
 //                                               keep..to at their identity; the locks zero,
 //                                               and (when slots is not null) a new table's
 //                                               nslots slots EMPTY_SLOT (below)
-//   agg_update          (accs, nacc, gids, n, groups, shared_groups)
+//   agg_update          (accs, nacc, gids, n, groups, shared_groups, refs, first, ranks,
+//                        flags, hashes, g0, leaders, group_hashes, slots, capacity)
 //       the accumulators (see AggAcc) of every row's group; gids == null means group 0 for
-//       every row; a row whose gid is SKIP is left out. shared_groups != 0: each block first accumulates into per-block tables in
+//       every row; a row whose gid is SKIP is left out. With refs (not null), agg_resolve's
+//       arguments after it: each row's group is resolved where it is read, not read from
+//       gids, and the leaders, their hashes and the slots are written as agg_resolve
+//       writes them, in the same launch. shared_groups != 0: each block first accumulates into per-block tables in
 //       dynamic shared memory (the host checks the size) and merges them into global memory
 //       once, so that a few groups do not serialise every row on a handful of addresses.
 //   agg_exact_normalize (state, groups)        carries every group's exact float sum (below)
@@ -135,7 +142,8 @@ FULMEN_KERNEL agg_leader_flags(const uint32_t* refs, const uint32_t* first, uint
 
 FULMEN_KERNEL agg_leader_ranks(const uint32_t* refs, const uint32_t* first, uint64_t n, unsigned long long* state,
                                uint64_t capacity, uint64_t epoch, uint64_t* flags, uint64_t* ranks,
-                               uint64_t* total_out) {
+                               uint64_t* total_out, const uint64_t* hashes, uint64_t g0, uint32_t* leaders,
+                               uint64_t* group_hashes) {
     uint64_t tiles = (n + SCAN_TILE - 1) / SCAN_TILE;
     uint64_t tile = blockIdx.x;
     if (tile >= tiles) return;
@@ -151,30 +159,57 @@ FULMEN_KERNEL agg_leader_ranks(const uint32_t* refs, const uint32_t* first, uint
         if (at + k < n) {
             flags[at + k] = items[k];
             ranks[at + k] = rank;
+            if (leaders && items[k]) {
+                leaders[rank] = (uint32_t)(at + k);
+                group_hashes[g0 + rank] = hashes[at + k];
+            }
         }
         rank += items[k];
     }
 }
 
+// What agg_resolve does, for agg_update to do it in the same launch (`refs` not null).
+struct AggResolve {
+    const uint32_t* refs;
+    const uint32_t* first;
+    const uint64_t* ranks;
+    const uint64_t* flags;
+    const uint64_t* hashes;
+    uint64_t g0;
+    uint32_t* leaders;
+    uint64_t* group_hashes;
+    unsigned long long* slots;
+    uint64_t capacity;
+};
+
+// Row i's group id (committed, or g0 + the rank of its group's first row; SKIP stays
+// SKIP); a leader row also writes itself to leaders and its hash to its group's, unless
+// leaders is null (agg_leader_ranks wrote them).
+__device__ __forceinline__ uint32_t agg_resolve_row(const AggResolve& r, uint64_t i) {
+    uint32_t ref = r.refs[i];
+    if (r.leaders && r.flags[i]) {
+        r.leaders[r.ranks[i]] = (uint32_t)i;
+        r.group_hashes[r.g0 + r.ranks[i]] = r.hashes[i];
+    }
+    return agg_is_pending(ref) ? (uint32_t)(r.g0 + r.ranks[r.first[ref & ~AGG_PENDING]]) : ref;
+}
+
+// Slot s's pending id made the committed one.
+__device__ __forceinline__ void agg_resolve_slot(const AggResolve& r, uint64_t s) {
+    unsigned long long v = r.slots[s];
+    uint32_t id = (uint32_t)v;
+    if (v != AGG_EMPTY && (id & AGG_PENDING))
+        r.slots[s] = (v & 0xFFFFFFFF00000000ull) | (uint32_t)(r.g0 + r.ranks[r.first[id & ~AGG_PENDING]]);
+}
+
 FULMEN_KERNEL agg_resolve(const uint32_t* refs, const uint32_t* first, const uint64_t* ranks, const uint64_t* flags,
                           const uint64_t* hashes, uint64_t n, uint64_t g0, uint32_t* gids, uint32_t* leaders,
                           uint64_t* group_hashes, unsigned long long* slots, uint64_t capacity) {
+    const AggResolve r{refs, first, ranks, flags, hashes, g0, leaders, group_hashes, slots, capacity};
     const uint64_t items = n > capacity ? n : capacity;
     for (uint64_t i = GRID_START; i < items; i += GRID_STRIDE) {
-        if (i < n) {
-            uint32_t r = refs[i];
-            gids[i] = agg_is_pending(r) ? (uint32_t)(g0 + ranks[first[r & ~AGG_PENDING]]) : r;
-            if (flags[i]) {
-                leaders[ranks[i]] = (uint32_t)i;
-                group_hashes[g0 + ranks[i]] = hashes[i];
-            }
-        }
-        if (i < capacity) {
-            unsigned long long v = slots[i];
-            uint32_t id = (uint32_t)v;
-            if (v != AGG_EMPTY && (id & AGG_PENDING))
-                slots[i] = (v & 0xFFFFFFFF00000000ull) | (uint32_t)(g0 + ranks[first[id & ~AGG_PENDING]]);
-        }
+        if (i < n) gids[i] = agg_resolve_row(r, i);
+        if (i < capacity) agg_resolve_slot(r, i);
     }
 }
 
@@ -246,7 +281,15 @@ FULMEN_KERNEL agg_init_state(uint64_t to, uint64_t keep, uint32_t* locks, unsign
 }
 
 FULMEN_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids, uint64_t n, uint32_t* locks,
-                         uint64_t groups, uint32_t shared_groups) {
+                         uint64_t groups, uint32_t shared_groups, const uint32_t* refs, const uint32_t* first,
+                         const uint64_t* ranks, const uint64_t* flags, const uint64_t* hashes, uint64_t g0,
+                         uint32_t* leaders, uint64_t* group_hashes, unsigned long long* slots, uint64_t capacity) {
+    // With refs: agg_resolve's work in this launch, each row's group resolved where it is
+    // read (gids unused).
+    const AggResolve r{refs, first, ranks, flags, hashes, g0, leaders, group_hashes, slots, capacity};
+    if (refs)
+        for (uint64_t s = GRID_START; s < capacity; s += GRID_STRIDE) agg_resolve_slot(r, s);
+    auto group_of = [&](uint64_t i) -> uint64_t { return refs ? agg_resolve_row(r, i) : gids ? gids[i] : 0; };
     if (shared_groups) {
         // Per-block tables: for each accumulator, counts[groups] then state[groups × words].
         FULMEN_DYNAMIC_SHARED(unsigned long long, tables);
@@ -255,7 +298,7 @@ FULMEN_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids
         __syncthreads();
         uint64_t start = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
         for (uint64_t i = start; i < n; i += GRID_STRIDE) {
-            uint64_t g = gids ? gids[i] : 0;
+            uint64_t g = group_of(i);
             if (g == AGG_SKIP) continue;
             uint64_t base = 0;
             for (uint32_t k = 0; k < nacc; ++k) {
@@ -283,7 +326,7 @@ FULMEN_KERNEL agg_update(const AggAcc* accs, uint32_t nacc, const uint32_t* gids
         return;
     }
     for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
-        uint64_t g = gids ? gids[i] : 0;
+        uint64_t g = group_of(i);
         if (g == AGG_SKIP) continue;
         for (uint32_t k = 0; k < nacc; ++k) {
             const AggAcc& a = accs[k];

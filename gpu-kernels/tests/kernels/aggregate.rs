@@ -1107,9 +1107,10 @@ fn a_batch_of_new_groups_waits_once_unless_a_key_is_a_string() {
                 waits,
                 "{case} keys, batch {batch}: waits"
             );
-            // Integer keys rank their leaders in one launch, flags and scan together;
-            // string keys flag them, and rank them in the launch that measures and scans
-            // the new strings.
+            // Integer keys rank their leaders in one launch, flags and scan together, which
+            // writes the leaders too, and the update resolves each row's group itself;
+            // string keys flag them, rank them in the launch that measures and scans the
+            // new strings, and resolve the groups in a launch of their own.
             let launched = |kernel: Kernel| -> u64 {
                 let of = |counts: &[fulmen_kernels::KernelCounts]| -> u64 {
                     counts
@@ -1124,14 +1125,16 @@ fn a_batch_of_new_groups_waits_once_unless_a_key_is_a_string() {
                 launched(Kernel::agg_leader_ranks),
                 launched(Kernel::agg_leader_flags),
                 launched(Kernel::scan_lookback),
+                launched(Kernel::agg_resolve),
+                launched(Kernel::agg_update),
             ];
             let want = match key_type {
-                DataType::Utf8 => [0, 1, 0],
-                _ => [1, 0, 0],
+                DataType::Utf8 => [0, 1, 0, 1, 1],
+                _ => [1, 0, 0, 0, 1],
             };
             assert_eq!(
                 ranked, want,
-                "{case} keys, batch {batch}: ranks, flags, scans"
+                "{case} keys, batch {batch}: ranks, flags, scans, resolves, updates"
             );
             assert_eq!(table.groups(), groups, "{case} keys, batch {batch}: groups");
         }

@@ -265,9 +265,14 @@ async fn replicated_tables_build_on_each_device_from_its_own_copy() {
         return;
     }
     text(&gpu, "SET fulmen.gpu.on_error = 'fallback'").await;
+    // Lost early in Q5, among its scans, builds and probes: from about its 30th launch on
+    // (fewer since probes and selections took one launch each) the loss can fall in a
+    // partial aggregation over an input that cannot be read again, which fails the query
+    // by design (a rerun finds the device quarantined). 5 to 20 pass, here and with the
+    // other cache tests running beside it.
     devices[1]
         .inject_faults(fulmen_kernels::FaultPlan {
-            lose_device_at_launch: Some(30),
+            lose_device_at_launch: Some(12),
             ..Default::default()
         })
         .unwrap();

@@ -4,6 +4,10 @@
 use super::*;
 use std::sync::Arc;
 
+/// `agg_resolve`'s arguments but its row count and group ids: what `agg_update` takes to
+/// resolve each row's group itself.
+const RESOLVE_ARGS: usize = 10;
+
 impl GroupTable {
     /// Adds a batch of `n` rows: its key columns (in the table's key types) and each
     /// accumulator's input, in the order of the table's accumulators.
@@ -112,8 +116,15 @@ impl GroupTable {
             self.carry_exact_sums(n)?;
             let descriptors = self.accumulator_descriptors(&self.accs, inputs)?;
             let reached = reached_by(&self.accs, inputs);
-            let shared =
-                self.launch_update(&descriptors, &reached, None, n, 1, self.locks.as_ref())?;
+            let shared = self.launch_update(
+                &descriptors,
+                &reached,
+                None,
+                None,
+                n,
+                1,
+                self.locks.as_ref(),
+            )?;
             self.count_update(shared);
             return Ok(true);
         }
@@ -291,6 +302,7 @@ impl GroupTable {
                 &descriptors,
                 &reached,
                 Some(&refs),
+                None,
                 n,
                 g0,
                 self.locks.as_ref(),
@@ -354,19 +366,40 @@ impl GroupTable {
         // n > 0 here (a batch adds groups), so every scan writes its total: no zeroing.
         let totals = device.alloc(8 * (1 + strings.len()))?;
         let mut starts: Vec<Option<gather::QueuedStarts>> = (0..keys.len()).map(|_| None).collect();
-        let (flags, ranks) = if strings.is_empty() {
+        let new = inserted as usize;
+        if new > n {
+            return Err(KernelError::InvalidData(format!(
+                "{new} new groups in a batch of {n} rows"
+            )));
+        }
+        let total = g0 + new;
+        let grown = if total > self.group_capacity {
+            Some(self.grown(total.max(self.group_capacity * 2), None)?)
+        } else {
+            None
+        };
+        let group_hashes = grown
+            .as_ref()
+            .map_or(self.group_hashes.as_ref(), |g| g.group_hashes.as_ref())
+            .ok_or_else(|| KernelError::InvalidData("a keyed table without hashes".into()))?;
+        let leaders = device.alloc(new.max(1) * 4)?;
+        // Whether the ranks' launch wrote the leaders and their hashes too.
+        let (flags, ranks, leaders_written) = if strings.is_empty() {
             let flags = device.alloc(n * 8)?;
             let ranks = device.alloc(n * 8)?;
             let count = Word::of(&totals, 0)?;
-            // The flags and their scan in one launch where the look-back state holds the
-            // tiles (up to 16 Mi rows).
+            // The flags, their scan and the leaders in one launch where the look-back
+            // state holds the tiles (up to 16 Mi rows).
             let one_pass = scan::one_pass(
                 &device,
                 (n as u64).div_ceil(scan::TILE),
                 |cfg, state, epoch| {
                     // SAFETY: as `leader_flags`; `flags` and `ranks` hold n u64, `count` one;
                     // the look-back state and epoch are `one_pass`'s, a block of SCAN_THREADS
-                    // per tile of the n rows; the arguments follow agg.cu's signature.
+                    // per tile of the n rows; the leaders' ranks are below `new` (one
+                    // leader per new group), which `leaders` holds, and g0 + rank < total
+                    // <= the group hashes' capacity; `hashes` holds n u64; the arguments
+                    // follow agg.cu's signature.
                     unsafe {
                         device.launch(
                             Kernel::agg_leader_ranks,
@@ -381,18 +414,22 @@ impl GroupTable {
                                 Arg::buf(&flags),
                                 Arg::buf(&ranks),
                                 count.arg(),
+                                Arg::buf(hashes),
+                                Arg::U64(g0 as u64),
+                                Arg::buf(&leaders),
+                                Arg::buf(group_hashes),
                             ],
                         )
                     }
                 },
             )?;
             if one_pass {
-                (flags, Arc::new(ranks))
+                (flags, Arc::new(ranks), true)
             } else {
                 drop(ranks);
                 leader_flags(Arg::buf(&flags))?;
                 let ranks = scan::exclusive_scan_queued(&device, &flags, n, count)?;
-                (flags, Arc::new(ranks))
+                (flags, Arc::new(ranks), false)
             }
         } else {
             let string_keys: Vec<&DeviceColumn> = strings.iter().map(|&k| keys[k]).collect();
@@ -404,7 +441,7 @@ impl GroupTable {
             for (&k, started) in strings.iter().zip(queued) {
                 starts[k] = Some(started);
             }
-            (flags, ranks)
+            (flags, ranks, false)
         };
         let mut byte_totals = vec![0u64; keys.len()];
         if !strings.is_empty() {
@@ -428,72 +465,82 @@ impl GroupTable {
                 byte_totals[k] = words[1 + w];
             }
         }
-        let new = inserted as usize;
-        if new > n {
-            return Err(KernelError::InvalidData(format!(
-                "{new} new groups in a batch of {n} rows"
-            )));
-        }
-        let total = g0 + new;
-        let grown = if total > self.group_capacity {
-            Some(self.grown(total.max(self.group_capacity * 2), None)?)
-        } else {
-            None
-        };
-        let group_hashes = grown
-            .as_ref()
-            .map_or(self.group_hashes.as_ref(), |g| g.group_hashes.as_ref())
-            .ok_or_else(|| KernelError::InvalidData("a keyed table without hashes".into()))?;
-        let gids = device.alloc(n * 4)?;
-        let leaders = device.alloc(new.max(1) * 4)?;
         let slots = self
             .slots
             .as_ref()
             .ok_or_else(|| KernelError::InvalidData("a keyed table without slots".into()))?;
-        // The rows' group ids, the new groups' leaders and hashes, and the slots' pending
-        // ids made committed ones (the table's first change, undone by a rollback), in one
-        // launch over the rows and the slots.
-        // SAFETY: ranks are the exclusive scan of the 0/1 flags, so leader ranks are
-        // below `new`, and g0 + rank < total <= the hashes' capacity; every pending id's
-        // `first` row is a leader (it set its own flag); `slots` holds `capacity` u64,
-        // whose pending ids index `first` (n rows).
-        unsafe {
-            device.launch(
-                Kernel::agg_resolve,
-                LaunchConfig::for_items(&device, (n as u64).max(self.capacity), BLOCK),
-                &[
-                    Arg::buf(refs),
-                    Arg::buf(first),
-                    Arg::part(&ranks, 0, 8 * n),
-                    Arg::part(&flags, 0, 8 * n),
-                    Arg::buf(hashes),
-                    Arg::U64(n as u64),
-                    Arg::U64(g0 as u64),
-                    Arg::buf(&gids),
-                    Arg::buf(&leaders),
-                    Arg::buf(group_hashes),
-                    Arg::buf(slots),
-                    Arg::U64(self.capacity),
-                ],
-            )?;
-        }
+        // agg_resolve's arguments but `n` and the group ids: the rows' group ids, the new
+        // groups' leaders and hashes (unless the ranks' launch wrote them: null leaders),
+        // and the slots' pending ids made committed ones (the table's first change, undone
+        // by a rollback).
+        let resolve = [
+            Arg::buf(refs),
+            Arg::buf(first),
+            Arg::part(&ranks, 0, 8 * n),
+            Arg::part(&flags, 0, 8 * n),
+            Arg::buf(hashes),
+            Arg::U64(g0 as u64),
+            match leaders_written {
+                true => Arg::Ptr(0),
+                false => Arg::buf(&leaders),
+            },
+            Arg::buf(group_hashes),
+            Arg::buf(slots),
+            Arg::U64(self.capacity),
+        ];
+        let accs = grown.as_ref().map_or(&self.accs, |g| &g.accs);
+        let descriptors = inputs
+            .map(|inputs| self.accumulator_descriptors(accs, inputs))
+            .transpose()?;
+        // With the leaders written, the update resolves each row's group where it reads it
+        // and fixes the slots in its own launch, where agg_resolve took one of its own; it
+        // comes last, after the keys' gather, which may fail, as the update must not have
+        // run then.
+        let merged = leaders_written && descriptors.is_some();
+        let gids = match merged {
+            true => None,
+            false => {
+                let gids = device.alloc(n * 4)?;
+                let mut args = resolve[..5].to_vec();
+                args.extend([Arg::U64(n as u64), Arg::U64(g0 as u64), Arg::buf(&gids)]);
+                args.extend_from_slice(&resolve[6..]);
+                // SAFETY: ranks are the exclusive scan of the 0/1 flags, so leader ranks
+                // are below `new`, and g0 + rank < total <= the hashes' capacity; every
+                // pending id's `first` row is a leader (it set its own flag); `slots`
+                // holds `capacity` u64, whose pending ids index `first` (n rows); `gids`
+                // holds n u32.
+                unsafe {
+                    device.launch(
+                        Kernel::agg_resolve,
+                        LaunchConfig::for_items(&device, (n as u64).max(self.capacity), BLOCK),
+                        &args,
+                    )?;
+                }
+                Some(gids)
+            }
+        };
         let leaders = RowIndices::new(leaders, new, n, false);
         // Strings from their queued starts; the other keys together (six to a launch).
         let started = starts.into_iter().zip(byte_totals);
         let started = started.map(|(s, total)| s.map(|s| (s, total))).collect();
         let chunk = gather::gather_columns_started(keys, &leaders, started)?;
-        let accs = grown.as_ref().map_or(&self.accs, |g| &g.accs);
-        let descriptors = inputs
-            .map(|inputs| self.accumulator_descriptors(accs, inputs))
-            .transpose()?;
         // The accumulators in one launch (which either runs or not; grown accumulators are
-        // copies until installed), after the slots' fix (undone by a rollback).
+        // copies until installed), after the slots' fix or with it (undone by a rollback).
         if let (Some(descriptors), Some(inputs)) = (&descriptors, inputs) {
             let locks = grown
                 .as_ref()
                 .map_or(self.locks.as_ref(), |g| g.locks.as_ref());
-            let reached = reached_by(grown.as_ref().map_or(&self.accs, |g| &g.accs), inputs);
-            let shared = self.launch_update(descriptors, &reached, Some(&gids), n, total, locks)?;
+            let reached = reached_by(accs, inputs);
+            let resolve = merged.then_some(resolve);
+            let shared = self.launch_update(
+                descriptors,
+                &reached,
+                gids.as_ref(),
+                resolve,
+                n,
+                total,
+                locks,
+            )?;
             self.count_update(shared);
         }
         if let Some(grown) = grown {
@@ -559,11 +606,17 @@ impl GroupTable {
     }
 
     /// Runs `agg_update`; says whether it used per-block shared-memory tables.
+    /// Updates the accumulators over `n` rows, each row's group read from `gids` (none: group
+    /// 0) or, with `resolve` (`agg_resolve`'s arguments but `n` and `gids`, checked by the
+    /// caller as for it), resolved in the same launch, which then does `agg_resolve`'s work
+    /// too. Returns whether the launch took per-block tables in shared memory.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_update(
         &self,
         descriptors: &DeviceBuffer,
         reached: &[&DeviceBuffer],
         gids: Option<&DeviceBuffer>,
+        resolve: Option<[Arg; RESOLVE_ARGS]>,
         n: usize,
         groups: usize,
         locks: Option<&DeviceBuffer>,
@@ -573,30 +626,35 @@ impl GroupTable {
         let shared = groups * per_group;
         let use_shared =
             !self.accs.iter().any(|a| a.op.locked()) && shared <= SHARED_BYTES && groups <= 4096;
-        let mut cfg = LaunchConfig::for_items(device, n as u64, BLOCK);
+        // A resolve's last argument is the slots' capacity, which its launch also covers.
+        let items = match resolve {
+            Some(args) => match args[RESOLVE_ARGS - 1] {
+                Arg::U64(capacity) => capacity.max(n as u64),
+                _ => n as u64,
+            },
+            None => n as u64,
+        };
+        let mut cfg = LaunchConfig::for_items(device, items, BLOCK);
         if use_shared {
             cfg.shared_bytes = shared.max(8) as u32;
         }
         // SAFETY: every descriptor's input columns hold n rows of its input kind (checked
         // by the caller) and its state and counts hold at least `groups` groups; every gid
         // is below `groups` or SKIP (a row the kernel leaves out); `locks` holds a u32 per
-        // group when a locked op is present; the shared tables of `shared` bytes fit the launch's dynamic shared memory.
-        unsafe {
-            device.launch_reaching(
-                Kernel::agg_update,
-                cfg,
-                &[
-                    Arg::buf(descriptors),
-                    Arg::U32(self.accs.len() as u32),
-                    Arg::opt(gids),
-                    Arg::U64(n as u64),
-                    Arg::opt(locks),
-                    Arg::U64(groups as u64),
-                    Arg::U32(u32::from(use_shared)),
-                ],
-                reached,
-            )?;
-        }
+        // group when a locked op is present; the shared tables of `shared` bytes fit the
+        // launch's dynamic shared memory; a resolve's arguments (or nulls: no resolve)
+        // follow agg_resolve's contract, its groups below `groups`.
+        let mut args = vec![
+            Arg::buf(descriptors),
+            Arg::U32(self.accs.len() as u32),
+            Arg::opt(gids),
+            Arg::U64(n as u64),
+            Arg::opt(locks),
+            Arg::U64(groups as u64),
+            Arg::U32(u32::from(use_shared)),
+        ];
+        args.extend(resolve.unwrap_or([Arg::Ptr(0); RESOLVE_ARGS]));
+        unsafe { device.launch_reaching(Kernel::agg_update, cfg, &args, reached)? };
         Ok(use_shared)
     }
 
