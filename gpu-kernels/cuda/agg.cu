@@ -37,7 +37,8 @@
 //   agg_resolve         (refs, first, ranks, flags, hashes, n, g0, gids, leaders, group_hashes,
 //                        slots, capacity)
 //       gids[i]: committed id, or g0 + rank of the group's first row; leaders[rank] = row,
-//       group_hashes[g0 + rank] = that row's hash (neither where leaders is null); and in
+//       group_hashes[g0 + rank] = that row's hash (neither where leaders is null, and then
+//       flags, hashes and group_hashes are not read and may be null); and in
 //       the same launch each slot's pending id becomes its committed id (g0 + rank of the
 //       group's first row)
 //   agg_rollback        (slots, capacity, g0)   every slot with id >= g0 (pending or this

@@ -477,14 +477,24 @@ impl GroupTable {
             Arg::buf(refs),
             Arg::buf(first),
             Arg::part(&ranks, 0, 8 * n),
-            Arg::part(&flags, 0, 8 * n),
-            Arg::buf(hashes),
+            // The flags, the hashes and the groups' hashes serve only to write the leaders.
+            match leaders_written {
+                true => Arg::Ptr(0),
+                false => Arg::part(&flags, 0, 8 * n),
+            },
+            match leaders_written {
+                true => Arg::Ptr(0),
+                false => Arg::buf(hashes),
+            },
             Arg::U64(g0 as u64),
             match leaders_written {
                 true => Arg::Ptr(0),
                 false => Arg::buf(&leaders),
             },
-            Arg::buf(group_hashes),
+            match leaders_written {
+                true => Arg::Ptr(0),
+                false => Arg::buf(group_hashes),
+            },
             Arg::buf(slots),
             Arg::U64(self.capacity),
         ];
