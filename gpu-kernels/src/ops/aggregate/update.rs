@@ -373,6 +373,42 @@ impl GroupTable {
             )));
         }
         let total = g0 + new;
+        // With a string key: the flags, their ranks and the new strings' starts queued
+        // together, and the byte totals read (the one wait), before anything is allocated
+        // for the new groups, as the wait leaves the pool's blocks free of queued work.
+        let mut string_ranks = None;
+        let mut byte_totals = vec![0u64; keys.len()];
+        if !strings.is_empty() {
+            let string_keys: Vec<&DeviceColumn> = strings.iter().map(|&k| keys[k]).collect();
+            let (flags, ranks, queued) = gather::queue_flags_and_strings_starts(
+                &string_keys,
+                leader_flags,
+                Word::of(&totals, 0)?,
+            )?;
+            for (&k, started) in strings.iter().zip(queued) {
+                starts[k] = Some(started);
+            }
+            string_ranks = Some((flags, ranks));
+            let words: Vec<u64> = totals
+                .to_host()?
+                .chunks_exact(8)
+                .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+                .collect();
+            if words.len() != 1 + strings.len() {
+                return Err(KernelError::InvalidData(
+                    "a short read of new groups".into(),
+                ));
+            }
+            if words[0] != inserted {
+                return Err(KernelError::InvalidData(format!(
+                    "{} leader rows for {inserted} new groups",
+                    words[0]
+                )));
+            }
+            for (w, &k) in strings.iter().enumerate() {
+                byte_totals[k] = words[1 + w];
+            }
+        }
         let grown = if total > self.group_capacity {
             Some(self.grown(total.max(self.group_capacity * 2), None)?)
         } else {
@@ -384,7 +420,9 @@ impl GroupTable {
             .ok_or_else(|| KernelError::InvalidData("a keyed table without hashes".into()))?;
         let leaders = device.alloc(new.max(1) * 4)?;
         // Whether the ranks' launch wrote the leaders and their hashes too.
-        let (flags, ranks, leaders_written) = if strings.is_empty() {
+        let (flags, ranks, leaders_written) = if let Some((flags, ranks)) = string_ranks {
+            (flags, ranks, false)
+        } else {
             let flags = device.alloc(n * 8)?;
             let ranks = device.alloc(n * 8)?;
             let count = Word::of(&totals, 0)?;
@@ -431,40 +469,7 @@ impl GroupTable {
                 let ranks = scan::exclusive_scan_queued(&device, &flags, n, count)?;
                 (flags, Arc::new(ranks), false)
             }
-        } else {
-            let string_keys: Vec<&DeviceColumn> = strings.iter().map(|&k| keys[k]).collect();
-            let (flags, ranks, queued) = gather::queue_flags_and_strings_starts(
-                &string_keys,
-                leader_flags,
-                Word::of(&totals, 0)?,
-            )?;
-            for (&k, started) in strings.iter().zip(queued) {
-                starts[k] = Some(started);
-            }
-            (flags, ranks, false)
         };
-        let mut byte_totals = vec![0u64; keys.len()];
-        if !strings.is_empty() {
-            let words: Vec<u64> = totals
-                .to_host()?
-                .chunks_exact(8)
-                .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
-                .collect();
-            if words.len() != 1 + strings.len() {
-                return Err(KernelError::InvalidData(
-                    "a short read of new groups".into(),
-                ));
-            }
-            if words[0] != inserted {
-                return Err(KernelError::InvalidData(format!(
-                    "{} leader rows for {inserted} new groups",
-                    words[0]
-                )));
-            }
-            for (w, &k) in strings.iter().enumerate() {
-                byte_totals[k] = words[1 + w];
-            }
-        }
         let slots = self
             .slots
             .as_ref()
