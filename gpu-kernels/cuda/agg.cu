@@ -34,8 +34,8 @@
 //       SCAN_TILE rows chained by the look-back of scan.cuh; the last tile writes the
 //       count of leaders at *total_out; with leaders (not null) also agg_resolve's
 //       leaders[rank] = row and group_hashes[g0 + rank] = that row's hash
-//   agg_resolve         (refs, first, ranks, flags, hashes, n, g0, gids, leaders, group_hashes,
-//                        slots, capacity)
+//   agg_resolve         (refs, first, ranks, flags, hashes, g0, leaders, group_hashes, slots,
+//                        capacity, n, gids)
 //       gids[i]: committed id, or g0 + rank of the group's first row; leaders[rank] = row,
 //       group_hashes[g0 + rank] = that row's hash (neither where leaders is null, and then
 //       flags, hashes and group_hashes are not read and may be null); and in
@@ -60,7 +60,7 @@
 //                        flags, hashes, g0, leaders, group_hashes, slots, capacity)
 //       the accumulators (see AggAcc) of every row's group; gids == null means group 0 for
 //       every row; a row whose gid is SKIP is left out. With refs (not null), agg_resolve's
-//       arguments after it: each row's group is resolved where it is read, not read from
+//       arguments but its last two after it: each row's group is resolved where it is read, not read from
 //       gids, and the leaders, their hashes and the slots are written as agg_resolve
 //       writes them, in the same launch. shared_groups != 0: each block first accumulates into per-block tables in
 //       dynamic shared memory (the host checks the size) and merges them into global memory
@@ -204,8 +204,8 @@ __device__ __forceinline__ void agg_resolve_slot(const AggResolve& r, uint64_t s
 }
 
 FULMEN_KERNEL agg_resolve(const uint32_t* refs, const uint32_t* first, const uint64_t* ranks, const uint64_t* flags,
-                          const uint64_t* hashes, uint64_t n, uint64_t g0, uint32_t* gids, uint32_t* leaders,
-                          uint64_t* group_hashes, unsigned long long* slots, uint64_t capacity) {
+                          const uint64_t* hashes, uint64_t g0, uint32_t* leaders, uint64_t* group_hashes,
+                          unsigned long long* slots, uint64_t capacity, uint64_t n, uint32_t* gids) {
     const AggResolve r{refs, first, ranks, flags, hashes, g0, leaders, group_hashes, slots, capacity};
     const uint64_t items = n > capacity ? n : capacity;
     for (uint64_t i = GRID_START; i < items; i += GRID_STRIDE) {

@@ -4,8 +4,8 @@
 use super::*;
 use std::sync::Arc;
 
-/// `agg_resolve`'s arguments but its row count and group ids: what `agg_update` takes to
-/// resolve each row's group itself.
+/// `agg_resolve`'s arguments but its last two (the row count and the group ids): what
+/// `agg_update` takes to resolve each row's group itself.
 const RESOLVE_ARGS: usize = 10;
 
 impl GroupTable {
@@ -478,28 +478,17 @@ impl GroupTable {
         // groups' leaders and hashes (unless the ranks' launch wrote them: null leaders),
         // and the slots' pending ids made committed ones (the table's first change, undone
         // by a rollback).
+        // The flags, the hashes and the groups' hashes serve only to write the leaders.
+        let for_leaders = |arg: Arg| if leaders_written { Arg::Ptr(0) } else { arg };
         let resolve = [
             Arg::buf(refs),
             Arg::buf(first),
             Arg::part(&ranks, 0, 8 * n),
-            // The flags, the hashes and the groups' hashes serve only to write the leaders.
-            match leaders_written {
-                true => Arg::Ptr(0),
-                false => Arg::part(&flags, 0, 8 * n),
-            },
-            match leaders_written {
-                true => Arg::Ptr(0),
-                false => Arg::buf(hashes),
-            },
+            for_leaders(Arg::part(&flags, 0, 8 * n)),
+            for_leaders(Arg::buf(hashes)),
             Arg::U64(g0 as u64),
-            match leaders_written {
-                true => Arg::Ptr(0),
-                false => Arg::buf(&leaders),
-            },
-            match leaders_written {
-                true => Arg::Ptr(0),
-                false => Arg::buf(group_hashes),
-            },
+            for_leaders(Arg::buf(&leaders)),
+            for_leaders(Arg::buf(group_hashes)),
             Arg::buf(slots),
             Arg::U64(self.capacity),
         ];
@@ -516,9 +505,8 @@ impl GroupTable {
             true => None,
             false => {
                 let gids = device.alloc(n * 4)?;
-                let mut args = resolve[..5].to_vec();
-                args.extend([Arg::U64(n as u64), Arg::U64(g0 as u64), Arg::buf(&gids)]);
-                args.extend_from_slice(&resolve[6..]);
+                let mut args = resolve.to_vec();
+                args.extend([Arg::U64(n as u64), Arg::buf(&gids)]);
                 // SAFETY: ranks are the exclusive scan of the 0/1 flags, so leader ranks
                 // are below `new`, and g0 + rank < total <= the hashes' capacity; every
                 // pending id's `first` row is a leader (it set its own flag); `slots`
@@ -620,7 +608,6 @@ impl GroupTable {
         upload_words(&self.device, &words)
     }
 
-    /// Runs `agg_update`; says whether it used per-block shared-memory tables.
     /// Updates the accumulators over `n` rows, each row's group read from `gids` (none: group
     /// 0) or, with `resolve` (`agg_resolve`'s arguments but `n` and `gids`, checked by the
     /// caller as for it), resolved in the same launch, which then does `agg_resolve`'s work
@@ -641,14 +628,8 @@ impl GroupTable {
         let shared = groups * per_group;
         let use_shared =
             !self.accs.iter().any(|a| a.op.locked()) && shared <= SHARED_BYTES && groups <= 4096;
-        // A resolve's last argument is the slots' capacity, which its launch also covers.
-        let items = match resolve {
-            Some(args) => match args[RESOLVE_ARGS - 1] {
-                Arg::U64(capacity) => capacity.max(n as u64),
-                _ => n as u64,
-            },
-            None => n as u64,
-        };
+        // A resolve also covers the table's slots.
+        let items = resolve.map_or(n as u64, |_| self.capacity.max(n as u64));
         let mut cfg = LaunchConfig::for_items(device, items, BLOCK);
         if use_shared {
             cfg.shared_bytes = shared.max(8) as u32;
