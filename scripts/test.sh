@@ -43,26 +43,27 @@ through_standin cargo test --workspace --locked -q --test kernels
 FULMEN_STANDIN_COUNTS="$standin/engine-counts.json" through_standin \
   cargo test --workspace --locked --lib -- gpu::tests
 echo "stand-in driver calls during the engine's GPU tests: $(cat "$standin/engine-counts.json")"
-# TPC-H Q1 forced on cuda:0 with its 20th launch faulting when it runs: the answer is
-# DataFusion's, the fault is found by the wait that ran it (launches queued before that
-# wait were accepted, as a GPU accepts them), and the device is quarantined after it.
+# TPC-H Q1 forced on cuda:0 (10 launches, its aggregation in one stage) with its 6th launch
+# faulting when it runs: the answer is DataFusion's, the fault is found by the wait that ran
+# it (launches queued before that wait were accepted, as a GPU accepts them), and the device
+# is quarantined after it.
 q1="$(cat engine/src/tpch_queries/q01.sql)"
 fulmen=("$bin/fulmen" --demo 0.01 -q --format csv)
 want="$("${fulmen[@]}" --devices none -c "$q1")"
-got="$(FULMEN_STANDIN_STICKY_LAUNCH=20 FULMEN_STANDIN_COUNTS="$standin/sticky-counts.json" \
+got="$(FULMEN_STANDIN_STICKY_LAUNCH=6 FULMEN_STANDIN_COUNTS="$standin/sticky-counts.json" \
   through_standin "${fulmen[@]}" --devices cuda:0 -c "SET fulmen.gpu.mode = 'force'" -c "$q1" \
   2>"$standin/sticky.log")" || { cat "$standin/sticky.log"; exit 1; }
 if [ "$got" != "$want" ]; then
   printf 'sticky fault: wrong answer\n--- want\n%s\n--- got\n%s\n' "$want" "$got"
   exit 1
 fi
-if ! python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); sys.exit(not (c["launches"] >= 20 and c["sticky_errors"] == 1))' \
-  "$standin/sticky-counts.json" || ! grep -q 'context poisoned (CUDA_ERROR_ILLEGAL_ADDRESS): launch 20 ' "$standin/sticky.log"; then
-  echo "sticky fault: expected launch 20 to poison the context, once"
+if ! python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); sys.exit(not (c["launches"] >= 6 and c["sticky_errors"] == 1))' \
+  "$standin/sticky-counts.json" || ! grep -q 'context poisoned (CUDA_ERROR_ILLEGAL_ADDRESS): launch 6 ' "$standin/sticky.log"; then
+  echo "sticky fault: expected launch 6 to poison the context, once"
   cat "$standin/sticky-counts.json" "$standin/sticky.log"
   exit 1
 fi
-echo "sticky fault at launch 20 of TPC-H Q1: DataFusion's answer, found by the next wait ($(cat "$standin/sticky-counts.json"))"
+echo "sticky fault at launch 6 of TPC-H Q1: DataFusion's answer, found by the next wait ($(cat "$standin/sticky-counts.json"))"
 # No NVRTC at run time (only the stand-in on the library path, an empty kernel cache): a
 # compute 9.0 GPU loads the sm_90 cubins built ahead, a compute 8.6 one the sm_80 cubins,
 # and a compute 12.0 one (no cubin built for it) the PTX, which its driver compiles. Each

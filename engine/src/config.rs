@@ -112,6 +112,9 @@ pub struct FulmenConfig {
     pub gpu_aggregate: bool,
     /// Whether hash joins may match rows on a GPU.
     pub gpu_join: bool,
+    /// `fulmen.gpu.single_stage_aggregation`: whether an aggregation whose partial stage
+    /// would run on one device for every partition runs as one stage there (`gpu::one_stage`).
+    pub gpu_single_stage_aggregation: bool,
     /// `fulmen.gpu.memory_limit`: bytes of device memory one query may hold on each device
     /// (`None`: the whole device, or 2 GiB per emulated device).
     pub gpu_memory_limit: Option<usize>,
@@ -145,6 +148,7 @@ impl Default for FulmenConfig {
             gpu_filter: true,
             gpu_projection: true,
             gpu_aggregate: true,
+            gpu_single_stage_aggregation: true,
             gpu_join: true,
             gpu_memory_limit: None,
             gpu_on_error: OnError::Fallback,
@@ -210,6 +214,13 @@ const SETTINGS: &[Setting] = &[
     Setting {
         key: "gpu.join",
         description: "Whether hash joins may match rows on a GPU: true or false.",
+    },
+    Setting {
+        key: "gpu.single_stage_aggregation",
+        description: "Whether an aggregation that one device would run for every partition \
+                      runs there as one stage over all of them (one group table, no partial \
+                      states brought down, shuffled on the CPU and sent up again), instead of \
+                      DataFusion's partial and final stages: true or false.",
     },
     Setting {
         key: "gpu.memory_limit",
@@ -287,6 +298,7 @@ impl FulmenConfig {
             "gpu.projection" => self.gpu_projection.to_string(),
             "gpu.aggregate" => self.gpu_aggregate.to_string(),
             "gpu.join" => self.gpu_join.to_string(),
+            "gpu.single_stage_aggregation" => self.gpu_single_stage_aggregation.to_string(),
             "gpu.memory_limit" => self.gpu_memory_limit.unwrap_or(0).to_string(),
             "gpu.on_error" => self.gpu_on_error.to_string(),
             "stream.incremental" => self.stream_incremental.to_string(),
@@ -361,6 +373,10 @@ impl ExtensionOptions for FulmenConfig {
             "gpu.projection" => self.gpu_projection = parse_flag("gpu.projection", value)?,
             "gpu.aggregate" => self.gpu_aggregate = parse_flag("gpu.aggregate", value)?,
             "gpu.join" => self.gpu_join = parse_flag("gpu.join", value)?,
+            "gpu.single_stage_aggregation" => {
+                self.gpu_single_stage_aggregation =
+                    parse_flag("gpu.single_stage_aggregation", value)?
+            }
             "gpu.memory_limit" => {
                 self.gpu_memory_limit =
                     Some(parse_bytes("gpu.memory_limit", value, MEMORY_LIMIT)?).filter(|&b| b > 0)
@@ -477,6 +493,8 @@ mod tests {
         c.set("gpu.projection", "off").unwrap();
         c.set("gpu.aggregate", "false").unwrap();
         c.set("gpu.join", "false").unwrap();
+        c.set("gpu.single_stage_aggregation", "false").unwrap();
+        assert!(c.set("gpu.single_stage_aggregation", "sometimes").is_err());
         c.set("gpu.memory_limit", "1G").unwrap();
         c.set("gpu.on_error", "Fail").unwrap();
         c.set("stream.incremental", "false").unwrap();
@@ -515,6 +533,10 @@ mod tests {
                 ("fulmen.gpu.projection".to_string(), "false".to_string()),
                 ("fulmen.gpu.aggregate".to_string(), "false".to_string()),
                 ("fulmen.gpu.join".to_string(), "false".to_string()),
+                (
+                    "fulmen.gpu.single_stage_aggregation".to_string(),
+                    "false".to_string()
+                ),
                 (
                     "fulmen.gpu.memory_limit".to_string(),
                     "1073741824".to_string()

@@ -23,6 +23,9 @@
 //! it). A fused stage (`GpuHashJoinExec: …, fused_filter=P` over the filter's input) is
 //! read as the operator over its `FilterExec: P` as the last child, where the plans
 //! differ only by that (indent format; see [`unfused`]), and nothing else is normalised.
+//! Aggregations keep DataFusion's two stages here (`fulmen.gpu.single_stage_aggregation =
+//! false`), whose plans the files expect; one-stage aggregation is checked by the engine's
+//! GPU tests and Fulmen's own `.slt` files.
 //!
 //! `cargo test -p fulmen-tests --test datafusion_slt -- NAME` runs the files whose path
 //! contains NAME. `FULMEN_DF_SLT_LIMIT=N` runs only the first N files (a smoke run);
@@ -314,7 +317,13 @@ async fn run_file(
         let mut state = state_ref.write();
         let mut builder = SessionStateBuilder::new_from_existing(state.clone());
         if mode == Mode::Forced {
-            let fulmen = fulmen_tests::forced_gpu_config("df-slt");
+            // DataFusion's expected plans print its two aggregation stages, which
+            // `fulmen.gpu.single_stage_aggregation` makes one on one device: the suite
+            // keeps them (the one-stage plans are checked by Fulmen's own tests).
+            let fulmen = fulmen_engine::FulmenConfig {
+                gpu_single_stage_aggregation: false,
+                ..fulmen_tests::forced_gpu_config("df-slt")
+            };
             builder = builder.with_physical_optimizer_rule(Arc::new(GpuOverrides::new()));
             if let Some(config) = builder.config() {
                 config.options_mut().extensions.insert(fulmen);

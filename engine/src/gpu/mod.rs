@@ -5,6 +5,7 @@ pub mod compile;
 pub mod devices;
 pub mod fuse;
 pub mod listing;
+mod one_stage;
 pub mod overrides;
 
 pub use overrides::{GpuOverrides, SupportLevel, placement_report, stage_placement_report};

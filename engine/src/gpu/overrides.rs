@@ -60,6 +60,7 @@ impl PhysicalOptimizerRule for GpuOverrides {
         }
         // One set of handles per plan: `fulmen.gpu.memory_limit` is each query's quota.
         let available = query_devices(&fulmen.devices, fulmen.gpu_memory_limit);
+        let plan = super::one_stage::one_stage_aggregations(plan, fulmen, &available)?;
         plan.transform_up(|node| {
             Ok(match decide(&node, fulmen, &available) {
                 Decision::Gpu(gpu) => Transformed::yes(gpu),
@@ -185,7 +186,7 @@ pub fn decide(
 }
 
 /// The devices not quarantined (the same list when none is), or `None` when every one is.
-fn in_service(devices: &Arc<Vec<Device>>) -> Option<Arc<Vec<Device>>> {
+pub(super) fn in_service(devices: &Arc<Vec<Device>>) -> Option<Arc<Vec<Device>>> {
     if devices.iter().all(|d| d.quarantined().is_none()) {
         return Some(Arc::clone(devices));
     }

@@ -295,11 +295,67 @@ pub fn input_chunks(
     if let Some(resident) = super::resident_on(child, devices) {
         return resident.execute_chunks(partition, context);
     }
+    // Every partition of GPU operators on these devices, coalesced (a one-stage
+    // aggregation's input, `gpu::one_stage`): their chunks where they lie.
+    use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+    if let Some(coalesce) = child.downcast_ref::<CoalescePartitionsExec>()
+        && coalesce.fetch().is_none()
+        && partition == 0
+        && let Some(resident) = super::resident_on(coalesce.input(), devices)
+    {
+        use datafusion::physical_plan::ExecutionPlanProperties;
+        let partitions = coalesce.input().output_partitioning().partition_count();
+        let streams = (0..partitions)
+            .map(|p| resident.execute_chunks(p, Arc::clone(&context)))
+            .collect::<Result<Vec<_>>>()?;
+        return Ok(merged(streams));
+    }
     Ok(Box::pin(
         child
             .execute(partition, context)?
             .map(|b| b.map(Chunk::Host)),
     ))
+}
+
+/// The chunks of `streams` as they come, each stream read by a task of its own (so that
+/// the CPU work under each goes on in parallel, as under DataFusion's
+/// `CoalescePartitionsExec`); a task that panics ends the stream with an error, not early.
+fn merged(streams: Vec<ChunkStream>) -> ChunkStream {
+    use datafusion::common::runtime::SpawnedTask;
+    let (tx, rx) = tokio::sync::mpsc::channel(2 * streams.len().max(1));
+    let tasks: Vec<SpawnedTask<()>> = streams
+        .into_iter()
+        .map(|mut stream| {
+            let tx = tx.clone();
+            SpawnedTask::spawn(async move {
+                while let Some(item) = stream.next().await {
+                    let failed = item.is_err();
+                    if tx.send(item).await.is_err() || failed {
+                        break;
+                    }
+                }
+            })
+        })
+        .collect();
+    drop(tx);
+    Box::pin(
+        futures::stream::unfold((rx, Some(tasks)), |(mut rx, tasks)| async move {
+            if let Some(item) = rx.recv().await {
+                return Some((item, (rx, tasks)));
+            }
+            // Every sender is gone: each task ended, by its stream's end or a panic.
+            for task in tasks? {
+                if let Err(e) = task.join().await {
+                    let e =
+                        DataFusionError::Execution(format!("a coalesced partition failed: {e}"));
+                    return Some((Err(e), (rx, None)));
+                }
+            }
+            None
+        })
+        // Read again after its end by consumers that poll once more: still the end.
+        .fuse(),
+    )
 }
 
 /// One operator's work on a batch, on the device and on the CPU.

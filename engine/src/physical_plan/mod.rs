@@ -168,7 +168,8 @@ pub fn resident_on<'a>(
 
 /// Whether executing a partition of `plan` a second time reads the same rows again, so a
 /// partition whose device state was lost can be computed again from its input: scans of
-/// files and memory (cached or not) under filters and projections (CPU or GPU). Not repartitions (each of
+/// files and memory (cached or not) under filters, projections (CPU or GPU) and coalesced
+/// partitions. Not repartitions (each of
 /// their output partitions can be taken once), joins (outer joins count their finished
 /// partitions) or live tables (a second read sees other rows).
 pub(crate) fn re_executable(plan: &Arc<dyn ExecutionPlan>) -> bool {
@@ -177,6 +178,7 @@ pub(crate) fn re_executable(plan: &Arc<dyn ExecutionPlan>) -> bool {
     use datafusion::physical_plan::projection::ProjectionExec;
     let passes = plan.is::<DataSourceExec>()
         || plan.is::<datafusion::physical_plan::coop::CooperativeExec>()
+        || plan.is::<datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec>()
         || plan.is::<FilterExec>()
         || plan.is::<ProjectionExec>()
         || plan.is::<GpuFilterExec>()

@@ -1,6 +1,7 @@
 //! Aggregations: random GROUP BY queries over random data with NULLs and skew (a hot key,
-//! all keys distinct, no rows), in one partition (Single mode) and in three (Partial, then
-//! FinalPartitioned or Final), with and without count(DISTINCT …): the GPU's answer equals
+//! all keys distinct, no rows), in one partition (Single mode) and in three (one stage over
+//! all three, or Partial then FinalPartitioned or Final), with and without count(DISTINCT
+//! …): the GPU's answer equals
 //! DataFusion's and the device did the batches; every device fault in turn; memory
 //! pressure.
 
@@ -100,18 +101,30 @@ fn batch(rows: &[Row]) -> RecordBatch {
     .unwrap()
 }
 
-fn context(gpu: bool, partitions: usize) -> FulmenContext {
-    let config = if gpu {
-        gpu_config("emulated:1/aggregates")
-    } else {
-        cpu_config()
-    };
-    session(config, partitions)
+/// DataFusion's side of a comparison.
+fn cpu_context(partitions: usize) -> FulmenContext {
+    session(cpu_config(), partitions)
 }
 
-fn check(rows: &[Row], sql: &str, partitions: usize) -> Result<(), TestCaseError> {
+/// The partitions of a check's input, and whether the device takes them in one stage
+/// (`gpu::one_stage`) or in DataFusion's two (a partial stage, then a final one).
+type Shape = (usize, bool);
+
+/// One partition (one stage anyway), three in one stage, three in two.
+fn shapes() -> impl Strategy<Value = Shape> {
+    prop_oneof![Just((1usize, true)), Just((3, true)), Just((3, false))]
+}
+
+fn check(rows: &[Row], sql: &str, (partitions, one_stage): Shape) -> Result<(), TestCaseError> {
     super::block_on(async {
-        let (gpu, cpu) = (context(true, partitions), context(false, partitions));
+        let gpu = session(
+            FulmenConfig {
+                gpu_single_stage_aggregation: one_stage,
+                ..gpu_config("emulated:1/aggregates")
+            },
+            partitions,
+        );
+        let cpu = cpu_context(partitions);
         for ctx in [&gpu, &cpu] {
             register(ctx, rows, partitions);
         }
@@ -184,10 +197,10 @@ proptest! {
     fn gpu_aggregations_equal_datafusion(
         rows in rows(),
         keys in keys(),
-        partitions in prop_oneof![Just(1usize), Just(3)],
+        shape in shapes(),
     ) {
         // Sums of v wrap on overflow in both engines (i64::MAX and MIN are in the data).
-        check(&rows, &grouped(keys, AGGREGATES), partitions)?;
+        check(&rows, &grouped(keys, AGGREGATES), shape)?;
     }
 
     /// count(DISTINCT …) accumulators (two distinct arguments and a count keep
@@ -196,9 +209,9 @@ proptest! {
     fn gpu_distinct_counts_equal_datafusion(
         rows in rows(),
         keys in keys(),
-        partitions in prop_oneof![Just(1usize), Just(3)],
+        shape in shapes(),
     ) {
-        check(&rows, &grouped(keys, DISTINCT), partitions)?;
+        check(&rows, &grouped(keys, DISTINCT), shape)?;
     }
 }
 
@@ -259,8 +272,14 @@ async fn distinct_counts_survive_every_device_fault() {
     let selection = "emulated:1/distinct-faults";
     let device = devices_of(selection)[0].clone();
     let partitions = 2;
-    let gpu = session(gpu_config(selection), partitions);
-    let cpu = context(false, partitions);
+    let gpu = session(
+        FulmenConfig {
+            gpu_single_stage_aggregation: false,
+            ..gpu_config(selection)
+        },
+        partitions,
+    );
+    let cpu = cpu_context(partitions);
     register(&gpu, rows, partitions);
     register(&cpu, rows, partitions);
     let (want, _, _) = answer(&cpu, DISTINCT_QUERY).await;
@@ -296,7 +315,7 @@ async fn distinct_counts_are_right_under_device_memory_pressure() {
         },
         1,
     );
-    let cpu = context(false, 1);
+    let cpu = cpu_context(1);
     register(&gpu, &rows, 1);
     register(&cpu, &rows, 1);
     let (want, _, _) = answer(&cpu, DISTINCT_QUERY).await;

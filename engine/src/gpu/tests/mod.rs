@@ -8,6 +8,7 @@
 //! mod.rs               sessions, running a query, metrics of the executed plan, faults
 //! filter_projection.rs random expressions (filters, projections), faults, four devices
 //! aggregate.rs         random GROUP BY queries, count(DISTINCT), faults, memory pressure
+//! one_stage.rs         one device: an aggregation over every partition in one stage
 //! join.rs              random joins of every type, the probe side's dynamic filter
 //! tpch.rs              the 22 TPC-H queries on one and four devices, memory, faults
 //! residency.rs         device-resident chains: only inputs go up, only groups come down
@@ -34,6 +35,7 @@ mod filter_projection;
 mod fused;
 mod fused_join;
 mod join;
+mod one_stage;
 mod residency;
 mod tpch;
 

@@ -79,11 +79,14 @@ async fn check_tpch_on(devices: &str, partitions: usize) {
     // which leaves no trace in the placement, Q1's filter and projection, and the filters
     // under three more grouped aggregates; 14 filters fewer since joins take in those on
     // their probe sides. A filter taken into a grouped aggregate or a join counts as
-    // `fused`, so a filter gone back to the CPU shows as a drop in the sum.)
+    // `fused`, so a filter gone back to the CPU shows as a drop in the sum. On one device
+    // each aggregation is one operator, where it was a partial and a final one
+    // (`gpu::one_stage`), and Q22's keyless subquery, in one stage, takes its filter in as
+    // Q6's does: one filter fewer.)
     assert!(
-        placement.filters + placement.fused >= 44
+        placement.filters + placement.fused >= 43
             && placement.projections >= 10
-            && placement.aggregates >= 60
+            && placement.aggregates >= 35
             && placement.joins >= 62,
         "{placement:?}"
     );
@@ -228,11 +231,11 @@ async fn with_the_gpu_off_tpch_plans_are_datafusions() {
 /// A device lost mid-query (as after a sticky CUDA error, which leaves its context
 /// unusable) is quarantined: the query still gives DataFusion's answer, the device is not
 /// tried again (no launch after the one that lost it; later queries plan on the CPU and
-/// EXPLAIN says why), and the error is counted for the device. Q1 and Q6 (filter →
-/// projection → partial aggregate → final aggregate) lose the device at launches spread
-/// over the whole query: in the filter, in a partial aggregation (its groups are computed
-/// again from its input), in the final one (the partial states it was given are merged
-/// again on the CPU).
+/// EXPLAIN says why), and the error is counted for the device. Q1 (filter → projection →
+/// partial aggregate → final aggregate) and Q6 (the same in one stage) lose the device at
+/// launches spread over the whole query: in the filter, in a partial or one-stage
+/// aggregation (its groups are computed again from its input), in the final one (the
+/// partial states it was given are merged again on the CPU).
 #[tokio::test]
 async fn a_device_lost_mid_query_is_quarantined_and_the_answer_stays_right() {
     use fulmen_kernels::FaultPlan;
@@ -244,10 +247,13 @@ async fn a_device_lost_mid_query_is_quarantined_and_the_answer_stays_right() {
     cpu.register_tpch(0.01).unwrap();
     // A device error redoes the work on the CPU here (production's default): the loss is
     // what is tested.
-    let lossy = |set: &str| {
+    // Q1 in DataFusion's two stages (which `gpu::one_stage` makes one on one device), so
+    // that a loss in the final stage merges its partial states again; Q6 in one.
+    let lossy = |set: &str, q: usize| {
         let ctx = session(
             crate::FulmenConfig {
                 gpu_on_error: crate::config::OnError::Fallback,
+                gpu_single_stage_aggregation: q != 1,
                 ..super::gpu_config(set)
             },
             2,
@@ -261,15 +267,18 @@ async fn a_device_lost_mid_query_is_quarantined_and_the_answer_stays_right() {
         let launches = {
             let device = devices_of(&clean_set)[0].clone();
             let before = device.counters().1;
-            let (got, _) = tpch_run(&lossy(&clean_set), q).await;
+            let (got, _) = tpch_run(&lossy(&clean_set, q), q).await;
             assert_eq!(got, want, "Q{q}");
             device.counters().1 - before
         };
-        assert!(launches > 4, "Q{q}: {launches} launches");
-        for k in [1, launches / 3, 2 * launches / 3, launches] {
+        assert!(launches >= 4, "Q{q}: {launches} launches");
+        let mut losses = vec![1, launches / 3, 2 * launches / 3, launches];
+        // (Each on a device set of its own: a quarantined device stays so.)
+        losses.dedup();
+        for k in losses {
             let set = format!("emulated:1/lost-q{q}-at-{k}");
             let device = devices_of(&set)[0].clone();
-            let gpu = lossy(&set);
+            let gpu = lossy(&set, q);
             device
                 .inject_faults(FaultPlan {
                     lose_device_at_launch: Some(k),
