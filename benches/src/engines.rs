@@ -128,6 +128,8 @@ pub struct Placement<'a> {
     pub resident: Option<&'a [(String, String)]>,
     /// `--cluster N`: the local cluster fulmen-cluster runs on.
     pub cluster: Option<&'a crate::cluster::LocalCluster>,
+    /// `--set KEY=VALUE`: settings of the Fulmen engines' sessions (`SET KEY = 'VALUE'`).
+    pub settings: &'a [(String, String)],
 }
 
 /// Runs `queries` (name, SQL) on the DataFusion-based `engines`, interleaved so that no
@@ -144,12 +146,22 @@ pub async fn run_datafusion(
     iterations: usize,
     placement: Placement<'_>,
 ) -> Result<Vec<EngineRun>> {
-    let Placement { resident, cluster } = placement;
+    let Placement {
+        resident,
+        cluster,
+        settings,
+    } = placement;
     let mut sessions = Vec::with_capacity(engines.len());
     let mut cached = None;
     for &engine in engines {
         let scheduler = cluster.map(|c| c.scheduler.as_str());
         let (ctx, fulmen) = datafusion_session(engine, gpu, scheduler).await?;
+        for (key, value) in settings.iter().filter(|_| fulmen.is_some()) {
+            let value = value.replace('\'', "''");
+            ctx.sql(&format!("SET {key} = '{value}'"))
+                .await
+                .with_context(|| format!("--set {key}={value}"))?;
+        }
         for table in tables {
             let path = data.join(format!("{table}.parquet"));
             ctx.register_parquet(

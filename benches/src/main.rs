@@ -151,6 +151,10 @@ struct Options {
     /// devices FULMEN_DEVICES names, beside the single-process engines.
     #[arg(long, value_name = "N")]
     cluster: Option<usize>,
+    /// A setting of the Fulmen engines' sessions, as `fulmen.gpu.single_stage_aggregation=false`
+    /// (`SET` before the first query; repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    settings: Vec<String>,
 }
 
 fn machine() -> String {
@@ -286,6 +290,13 @@ async fn run(benchmark: &str, options: Options) -> Result<bool> {
         }
         shard_keys.push((table.to_string(), key.to_string()));
     }
+    let mut settings = Vec::new();
+    for pair in &options.settings {
+        let Some((key, value)) = pair.split_once('=') else {
+            anyhow::bail!("--set {pair}: expected key=value");
+        };
+        settings.push((key.trim().to_string(), value.trim().to_string()));
+    }
     let mut runs = engines::run_datafusion(
         &datafusion_like,
         options.gpu_mode,
@@ -296,6 +307,7 @@ async fn run(benchmark: &str, options: Options) -> Result<bool> {
         engines::Placement {
             resident: options.resident.then_some(shard_keys.as_slice()),
             cluster: cluster.as_ref(),
+            settings: &settings,
         },
     )
     .await?;
