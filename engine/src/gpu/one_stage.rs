@@ -28,6 +28,7 @@ use std::sync::Arc;
 
 use datafusion::error::Result;
 use datafusion::physical_expr::Distribution;
+use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
@@ -86,7 +87,9 @@ fn rewritten(
         false => Arc::clone(node),
     };
     Ok(match one_stage(&node, fulmen, available)? {
-        Some((single, partitioning)) if keyed => {
+        // (A final stage of one partition met its parent's need as it is, and so does one
+        // stage, whose output is one partition.)
+        Some((single, partitioning @ Partitioning::Hash(_, 2..))) if keyed => {
             Arc::new(RepartitionExec::try_new(single, partitioning)?)
         }
         Some((single, _)) => single,
@@ -120,13 +123,15 @@ fn one_stage(
     else {
         return Ok(None);
     };
+    // A final stage whose output is ordered (over ordered partial states) may have let the
+    // plan above go without a sort, which one stage over coalesced rows would not keep.
     if *first.mode() != AggregateMode::Partial
         || first.aggr_expr().len() != last.aggr_expr().len()
-        || first.input().output_partitioning().partition_count() < 2
+        || last.properties().output_ordering().is_some()
     {
         return Ok(None);
     }
-    let input = coalesced_under_rows(first.input())?;
+    let input = coalesced_under_rows(first.input(), fulmen, available)?;
     let single = AggregateExec::try_new(
         AggregateMode::Single,
         first.group_expr().clone(),
@@ -152,16 +157,25 @@ fn recompute() -> ReplaceChildrenOptions {
 }
 
 /// `plan`'s partitions coalesced into one, under the filters (without a fetch) and
-/// projections at its top, which work row by row (and in place of a round-robin
-/// repartition there).
-fn coalesced_under_rows(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+/// projections at its top that work row by row on the device, or only select columns (and
+/// in place of a round-robin repartition there); a filter or projection left to the CPU
+/// keeps its partitions, each on a core of its own.
+fn coalesced_under_rows(
+    plan: &Arc<dyn ExecutionPlan>,
+    fulmen: &FulmenConfig,
+    available: &Result<Arc<Vec<Device>>, String>,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let selects_columns = plan
+        .downcast_ref::<ProjectionExec>()
+        .is_some_and(|p| p.expr().iter().all(|e| e.expr.is::<Column>()));
     let row_by_row = plan.is::<ProjectionExec>()
         || plan
             .downcast_ref::<FilterExec>()
             .is_some_and(|f| f.fetch().is_none());
+    let on_device = || matches!(decide(plan, fulmen, available), Decision::Gpu(_));
     match plan.children().first() {
-        Some(&child) if row_by_row => {
-            let child = coalesced_under_rows(child)?;
+        Some(&child) if row_by_row && (selects_columns || on_device()) => {
+            let child = coalesced_under_rows(child, fulmen, available)?;
             Arc::clone(plan).replace_children(vec![child], recompute())
         }
         _ => {

@@ -295,12 +295,13 @@ pub fn input_chunks(
     if let Some(resident) = super::resident_on(child, devices) {
         return resident.execute_chunks(partition, context);
     }
-    // Every partition of GPU operators on these devices, coalesced (a one-stage
+    // Every partition of GPU operators on this one device, coalesced (a one-stage
     // aggregation's input, `gpu::one_stage`): their chunks where they lie.
     use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
     if let Some(coalesce) = child.downcast_ref::<CoalescePartitionsExec>()
         && coalesce.fetch().is_none()
         && partition == 0
+        && devices.len() == 1
         && let Some(resident) = super::resident_on(coalesce.input(), devices)
     {
         use datafusion::physical_plan::ExecutionPlanProperties;
@@ -322,7 +323,9 @@ pub fn input_chunks(
 /// `CoalescePartitionsExec`); a task that panics ends the stream with an error, not early.
 fn merged(streams: Vec<ChunkStream>) -> ChunkStream {
     use datafusion::common::runtime::SpawnedTask;
-    let (tx, rx) = tokio::sync::mpsc::channel(2 * streams.len().max(1));
+    // Two chunks waiting, besides the one each task holds until there is room: device
+    // memory for a few batches, not for every partition's run ahead of the consumer.
+    let (tx, rx) = tokio::sync::mpsc::channel(2);
     let tasks: Vec<SpawnedTask<()>> = streams
         .into_iter()
         .map(|mut stream| {

@@ -27,7 +27,7 @@ fn modes(plan: &Arc<dyn ExecutionPlan>) -> (Vec<String>, bool) {
     (gpu, cpu)
 }
 
-const QUERIES: [&str; 4] = [
+const QUERIES: [&str; 6] = [
     // Q1's shape: a filter the aggregation takes in, two string keys, four groups.
     "SELECT l_returnflag, l_linestatus, sum(l_quantity), avg(l_extendedprice), count(*) \
      FROM lineitem WHERE l_shipdate <= DATE '1998-09-01' GROUP BY 1, 2 ORDER BY 1, 2",
@@ -41,6 +41,11 @@ const QUERIES: [&str; 4] = [
     // A group per order, most of them new in every batch, and a HAVING above.
     "SELECT l_orderkey, sum(l_quantity) FROM lineitem GROUP BY 1 \
      HAVING sum(l_quantity) > 250 ORDER BY 1",
+    // count(DISTINCT) planned as a GROUP BY under a GROUP BY: one stage at each level.
+    "SELECT l_returnflag, count(DISTINCT l_suppkey) FROM lineitem GROUP BY 1 ORDER BY 1",
+    // A window over a keyless aggregate: its one partition meets the window's need for
+    // partitions by key as it is (a repartition of it would not run).
+    "SELECT sum(l_quantity) AS s, count(*) OVER (PARTITION BY sum(l_quantity)) FROM lineitem",
 ];
 
 #[tokio::test]

@@ -80,13 +80,13 @@ async fn check_tpch_on(devices: &str, partitions: usize) {
     // under three more grouped aggregates; 14 filters fewer since joins take in those on
     // their probe sides. A filter taken into a grouped aggregate or a join counts as
     // `fused`, so a filter gone back to the CPU shows as a drop in the sum. On one device
-    // each aggregation is one operator, where it was a partial and a final one
-    // (`gpu::one_stage`), and Q22's keyless subquery, in one stage, takes its filter in as
+    // each aggregation is one operator, where it was a partial and a final one, nested
+    // ones and those over one partition included (`gpu::one_stage`: 30), and Q22's keyless subquery, in one stage, takes its filter in as
     // Q6's does: one filter fewer.)
     assert!(
         placement.filters + placement.fused >= 43
             && placement.projections >= 10
-            && placement.aggregates >= 35
+            && placement.aggregates >= 30
             && placement.joins >= 62,
         "{placement:?}"
     );
