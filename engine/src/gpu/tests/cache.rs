@@ -148,6 +148,17 @@ fn repartitioned_below(plan: &Arc<dyn ExecutionPlan>, operator: &str) -> Vec<boo
 }
 
 /// The plan as EXPLAIN shows it.
+/// Makes `ctx` plan every hash join partitioned on both sides: no side is small enough to
+/// collect.
+pub(super) async fn partition_every_join(ctx: &FulmenContext) {
+    for setting in [
+        "hash_join_single_partition_threshold",
+        "hash_join_single_partition_threshold_rows",
+    ] {
+        text(ctx, &format!("SET datafusion.optimizer.{setting} = 0")).await;
+    }
+}
+
 pub(super) fn shown(plan: &Arc<dyn ExecutionPlan>) -> String {
     datafusion::physical_plan::displayable(plan.as_ref())
         .indent(true)
@@ -231,16 +242,7 @@ async fn tpch_over_sharded_tables_joins_part_by_part() {
     // Joins partitioned on both sides (no side small enough to collect): co-sharded
     // tables meet part by part, with no repartition under the join.
     for ctx in [&gpu, &cpu] {
-        text(
-            ctx,
-            "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
-        )
-        .await;
-        text(
-            ctx,
-            "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
-        )
-        .await;
+        partition_every_join(ctx).await;
     }
     let join = "SELECT o_orderpriority, count(*), sum(l_quantity) FROM orders JOIN lineitem \
                 ON l_orderkey = o_orderkey WHERE l_shipdate > DATE '1995-01-01' \

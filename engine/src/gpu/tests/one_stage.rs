@@ -10,7 +10,7 @@ use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::physical_plan::ExecutionPlan;
 
 use super::build_sides::metric;
-use super::cache::{shown, text};
+use super::cache::{partition_every_join, shown, text};
 use super::{Work, metric_sum, plan_of, rows_of, run, tpch_contexts};
 use crate::physical_plan::GpuAggregateExec;
 
@@ -101,16 +101,7 @@ async fn a_one_stage_aggregation_under_a_partitioned_join_is_repartitioned() {
                JOIN (SELECT o_orderkey AS k, count(*) AS n FROM orders \
                      WHERE o_totalprice > 1000 GROUP BY 1) b ON a.k = b.k";
     for ctx in [&gpu, &cpu] {
-        text(
-            ctx,
-            "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
-        )
-        .await;
-        text(
-            ctx,
-            "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
-        )
-        .await;
+        partition_every_join(ctx).await;
     }
     let plan = plan_of(&gpu, sql).await;
     assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1);
