@@ -149,4 +149,9 @@ async fn two_devices_keep_both_stages() {
         Ok(TreeNodeRecursion::Continue)
     });
     assert!(partial_down > 0, "{shown}");
+    let work = Work::of(&plan);
+    assert!(
+        work.gpu_batches > 0 && work.nothing_fell_back(),
+        "{work:?}\n{shown}"
+    );
 }
