@@ -23,9 +23,11 @@
 //! it). A fused stage (`GpuHashJoinExec: …, fused_filter=P` over the filter's input) is
 //! read as the operator over its `FilterExec: P` as the last child, where the plans
 //! differ only by that (indent format; see [`unfused`]), and nothing else is normalised.
-//! Aggregations keep DataFusion's two stages here (`fulmen.gpu.single_stage_aggregation =
-//! false`), whose plans the files expect; one-stage aggregation is checked by the engine's
-//! GPU tests and Fulmen's own `.slt` files.
+//! Queries run as a user's do, with `fulmen.gpu.single_stage_aggregation` on: on one device
+//! an aggregation runs in one stage, so the suite's answers check it. `EXPLAIN` statements
+//! are planned with it off ([`TwoStageExplains`]), because the files expect DataFusion's two
+//! aggregation stages in their plans; one-stage plans are checked by the engine's GPU
+//! tests and Fulmen's own `.slt` files.
 //!
 //! `cargo test -p fulmen-tests --test datafusion_slt -- NAME` runs the files whose path
 //! contains NAME. `FULMEN_DF_SLT_LIMIT=N` runs only the first N files (a smoke run);
@@ -317,13 +319,8 @@ async fn run_file(
         let mut state = state_ref.write();
         let mut builder = SessionStateBuilder::new_from_existing(state.clone());
         if mode == Mode::Forced {
-            // DataFusion's expected plans print its two aggregation stages, which
-            // `fulmen.gpu.single_stage_aggregation` makes one on one device: the suite
-            // keeps them (the one-stage plans are checked by Fulmen's own tests).
-            let fulmen = fulmen_engine::FulmenConfig {
-                gpu_single_stage_aggregation: false,
-                ..fulmen_tests::forced_gpu_config("df-slt")
-            };
+            let fulmen = fulmen_tests::forced_gpu_config("df-slt");
+            assert!(fulmen.gpu_single_stage_aggregation);
             builder = builder.with_physical_optimizer_rule(Arc::new(GpuOverrides::new()));
             if let Some(config) = builder.config() {
                 config.options_mut().extensions.insert(fulmen);
@@ -336,7 +333,13 @@ async fn run_file(
     let mut runner = sqllogictest::Runner::new(|| {
         let ctx = ctx.clone();
         let relative = relative.clone();
-        async move { Ok(DataFusion::new(ctx, relative, ProgressBar::hidden())) }
+        async move {
+            let explains = TwoStageExplains {
+                ctx: ctx.clone(),
+                inner: DataFusion::new(ctx, relative, ProgressBar::hidden()),
+            };
+            Ok(explains)
+        }
     });
     runner.add_label("Datafusion");
     runner.with_column_validator(strict_column_validator);
@@ -357,6 +360,62 @@ async fn run_file(
     }
     runner.shutdown_async().await;
     Ok(failures)
+}
+
+/// DataFusion's driver, planning `EXPLAIN` statements with
+/// `fulmen.gpu.single_stage_aggregation` off: the files' expected plans print DataFusion's
+/// two aggregation stages. Every other statement runs with the session's settings, so
+/// queries run as a user's do (in one stage on one device, when the GPU is forced).
+struct TwoStageExplains {
+    ctx: datafusion::prelude::SessionContext,
+    inner: DataFusion,
+}
+
+impl TwoStageExplains {
+    /// Sets `fulmen.gpu.single_stage_aggregation` where the session has Fulmen's settings
+    /// (the forced runs); returns what it was.
+    fn single_stage(&self, on: bool) -> Option<bool> {
+        let state_ref = self.ctx.state_ref();
+        let mut state = state_ref.write();
+        let fulmen = (state.config_mut().options_mut().extensions)
+            .get_mut::<fulmen_engine::FulmenConfig>()?;
+        Some(std::mem::replace(
+            &mut fulmen.gpu_single_stage_aggregation,
+            on,
+        ))
+    }
+}
+
+#[async_trait::async_trait]
+impl sqllogictest::AsyncDB for TwoStageExplains {
+    type Error = <DataFusion as sqllogictest::AsyncDB>::Error;
+    type ColumnType = <DataFusion as sqllogictest::AsyncDB>::ColumnType;
+
+    async fn run(
+        &mut self,
+        sql: &str,
+    ) -> Result<sqllogictest::DBOutput<Self::ColumnType>, Self::Error> {
+        let explain =
+            (sql.trim_start().get(..7)).is_some_and(|word| word.eq_ignore_ascii_case("EXPLAIN"));
+        let was = explain.then(|| self.single_stage(false)).flatten();
+        let output = self.inner.run(sql).await;
+        if let Some(was) = was {
+            self.single_stage(was);
+        }
+        output
+    }
+
+    async fn shutdown(&mut self) {
+        self.inner.shutdown().await
+    }
+
+    fn engine_name(&self) -> &str {
+        self.inner.engine_name()
+    }
+
+    async fn sleep(dur: std::time::Duration) {
+        tokio::time::sleep(dur).await
+    }
 }
 
 /// The records of a file that fails with the GPU off that fail forced while passing with

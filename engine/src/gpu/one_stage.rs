@@ -35,6 +35,7 @@ use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceC
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::union::InterleaveExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
 use fulmen_kernels::Device;
 
@@ -73,7 +74,10 @@ fn rewritten(
     let mut changed = false;
     let mut children = Vec::new();
     for (i, child) in node.children().into_iter().enumerate() {
+        // An interleave reads its children's partitions side by side, which it can only
+        // do where they are partitioned alike by the same keys.
         let child_keyed = match required.child_distribution(i) {
+            _ if node.is::<InterleaveExec>() => true,
             None | Some(Distribution::UnspecifiedDistribution) => passes_on,
             Some(Distribution::SinglePartition) => false,
             Some(_) => true,
@@ -82,8 +86,11 @@ fn rewritten(
         changed |= !Arc::ptr_eq(&new, child);
         children.push(new);
     }
+    // A node that cannot take its rewritten children (one that needs something of their
+    // partitioning beyond its distribution requirements) keeps the children it had.
     let node = match changed {
-        true => Arc::clone(node).replace_children(children, recompute())?,
+        true => (Arc::clone(node).replace_children(children, recompute()))
+            .unwrap_or_else(|_| Arc::clone(node)),
         false => Arc::clone(node),
     };
     Ok(match one_stage(&node, fulmen, available)? {

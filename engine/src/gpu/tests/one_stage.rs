@@ -124,6 +124,56 @@ async fn a_one_stage_aggregation_under_a_partitioned_join_is_repartitioned() {
     assert!(Work::of(&plan).nothing_fell_back(), "{shown}");
 }
 
+/// An interleave of aggregations (a UNION ALL of GROUP BYs by the same keys, which
+/// DataFusion reads side by side, partition by partition) needs its children partitioned
+/// alike by those keys: each one-stage aggregation under it is repartitioned by them.
+#[tokio::test]
+async fn one_stage_aggregations_under_an_interleave_are_repartitioned() {
+    let set = "emulated:1/one-stage-interleave";
+    let (gpu, cpu) = tpch_contexts(set, 3, None);
+    let queries = [
+        "SELECT * FROM (SELECT 0 AS m, l_returnflag AS k FROM lineitem GROUP BY 1, 2) \
+         UNION ALL SELECT * FROM (SELECT 1 AS m, l_linestatus AS k FROM lineitem GROUP BY 1, 2) \
+         ORDER BY 1, 2",
+        "SELECT c, k, sum(t) FROM ( \
+           SELECT 'o' AS c, l_returnflag AS k, sum(l_quantity) AS t FROM lineitem \
+           WHERE l_linestatus = 'O' GROUP BY l_returnflag \
+           UNION ALL \
+           SELECT 'f' AS c, l_returnflag AS k, sum(l_quantity) AS t FROM lineitem \
+           WHERE l_linestatus = 'F' GROUP BY l_returnflag) \
+         GROUP BY ROLLUP(c, k) ORDER BY c NULLS FIRST, k NULLS FIRST",
+    ];
+    for sql in queries {
+        let plan = plan_of(&gpu, sql).await;
+        assert_eq!(rows_of(&gpu, &plan).await, run(&cpu, sql).await.1, "{sql}");
+        let shown = shown(&plan);
+        let mut interleaved = 0;
+        let _ = plan.apply(|node| {
+            if node.name() == "InterleaveExec" {
+                for child in node.children() {
+                    let mut singles = 0;
+                    let _ = child.apply(|n| {
+                        if n.name() == "RepartitionExec"
+                            && let Some(agg) = n.children()[0].downcast_ref::<GpuAggregateExec>()
+                        {
+                            assert_eq!(format!("{:?}", agg.mode()), "Single", "{shown}");
+                            singles += 1;
+                            return Ok(TreeNodeRecursion::Jump);
+                        }
+                        Ok(TreeNodeRecursion::Continue)
+                    });
+                    assert_eq!(singles, 1, "{sql}\n{shown}");
+                    interleaved += 1;
+                }
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
+        assert_eq!(interleaved, 2, "{sql}\n{shown}");
+        let work = Work::of(&plan);
+        assert!(work.gpu_batches > 0, "{work:?}\n{shown}");
+    }
+}
+
 /// Across devices the partial states meet through the host: the two stages stay, and the
 /// partial stage on each device brings its states down.
 #[tokio::test]
