@@ -169,18 +169,23 @@ impl GpuMetrics {
         let device: Vec<&DeviceColumn> = columns.iter().map(|(c, _)| *c).collect();
         let (lists, arrays) = fulmen_kernels::ops::RowIndices::all_to_host_with(lists, &device)?;
         self.d2h_time.add_duration(start.elapsed());
-        let arrays = arrays
-            .into_iter()
-            .zip(columns)
-            .map(|(array, (_, data_type))| {
-                if array.data_type() == *data_type {
-                    Ok(array)
-                } else {
-                    cast(&array, data_type).map_err(|e| KernelError::Unsupported(e.to_string()))
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok((lists, arrays))
+        Ok((lists, host_typed(arrays, columns)?))
+    }
+
+    /// [`Self::download`] with the two words of a status buffer a program wrote (see
+    /// `fulmen_kernels::ops::download_checked`), all in one host wait: `None` when the
+    /// program left the batch to the CPU.
+    pub fn download_checked(
+        &self,
+        device: &Device,
+        columns: &[(&DeviceColumn, &datafusion::arrow::datatypes::DataType)],
+        status: &fulmen_kernels::DeviceBuffer,
+    ) -> Result<Option<Vec<ArrayRef>>, KernelError> {
+        let start = Instant::now();
+        let device_columns: Vec<&DeviceColumn> = columns.iter().map(|(c, _)| *c).collect();
+        let arrays = fulmen_kernels::ops::download_checked(device, &device_columns, status)?;
+        self.d2h_time.add_duration(start.elapsed());
+        arrays.map(|a| host_typed(a, columns)).transpose()
     }
 
     /// Counts an output chunk as DataFusion's operators count a batch: its rows, one
@@ -424,4 +429,22 @@ impl<S: Stream + Unpin> Stream for Metered<S> {
         this.work.add(&counts);
         item
     }
+}
+
+/// Downloaded arrays cast to the host types the plan expects (strings come back as Utf8
+/// where it wants Utf8View).
+fn host_typed(
+    arrays: Vec<ArrayRef>,
+    columns: &[(&DeviceColumn, &datafusion::arrow::datatypes::DataType)],
+) -> Result<Vec<ArrayRef>, KernelError> {
+    (arrays.into_iter().zip(columns))
+        .map(
+            |(array, (_, data_type))| match array.data_type() == *data_type {
+                true => Ok(array),
+                false => {
+                    cast(&array, data_type).map_err(|e| KernelError::Unsupported(e.to_string()))
+                }
+            },
+        )
+        .collect()
 }

@@ -1,6 +1,8 @@
 //! `GpuProjectionExec`: DataFusion's `ProjectionExec` on a GPU. Every computed column of
 //! the projection is an output of one expression program, evaluated in one pass; plain
 //! column references and constants are filled in on the host without visiting the device.
+//! For a parent on the host, the program's error word comes up with its outputs: one host
+//! wait per batch.
 
 use std::sync::Arc;
 
@@ -12,7 +14,7 @@ use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::expressions::{Column, Literal};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::projection::ProjectionExec;
-use fulmen_kernels::ops::expr;
+use fulmen_kernels::ops::{STATUS_BYTES, expr};
 use fulmen_kernels::{Device, DeviceColumn, KernelError};
 
 use super::gpu_batch_exec::GpuBatchExec;
@@ -38,6 +40,27 @@ enum Source {
     Input(usize),
     Constant(ScalarValue),
     Computed(usize),
+}
+
+impl ProjectionWork {
+    /// The program bound to `input`'s per-batch constants and its input columns on
+    /// `device`; `None` when a per-batch constant (a scalar subquery's value) is one the
+    /// program cannot hold, which leaves the batch to the CPU, by rule.
+    #[allow(clippy::type_complexity)]
+    fn bound(
+        &self,
+        device: &Device,
+        input: &Chunk,
+        metrics: &GpuMetrics,
+    ) -> Result<Option<(std::borrow::Cow<'_, expr::Program>, Vec<DeviceColumn>)>, KernelError> {
+        let Ok(program) = self.program.bind(&input.host_view()) else {
+            return Ok(None);
+        };
+        let inputs = (self.program.inputs.iter())
+            .map(|&c| input.device_column(c, device, metrics))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Some((program, inputs)))
+    }
 }
 
 impl BatchWork for ProjectionWork {
@@ -87,17 +110,9 @@ impl BatchWork for ProjectionWork {
         metrics: &GpuMetrics,
     ) -> Result<Option<Output>, KernelError> {
         let n = input.num_rows();
-        // A per-batch constant (a scalar subquery's value) the program cannot hold leaves
-        // the batch to the CPU, by rule.
-        let Ok(program) = self.program.bind(&input.host_view()) else {
+        let Some((program, inputs)) = self.bound(device, input, metrics)? else {
             return Ok(None);
         };
-        let inputs = self
-            .program
-            .inputs
-            .iter()
-            .map(|&c| input.device_column(c, device, metrics))
-            .collect::<Result<Vec<_>, _>>()?;
         let inputs: Vec<&DeviceColumn> = inputs.iter().collect();
         let Some(computed) = metrics.kernel(|| expr::evaluate(device, &program, &inputs, n))?
         else {
@@ -120,6 +135,58 @@ impl BatchWork for ProjectionWork {
             })
             .collect::<Result<Vec<Col>, _>>()?;
         Ok(Some(Output { columns, rows: n }))
+    }
+
+    /// For a parent on the host the program is queued unchecked and its error word comes
+    /// up with its outputs (and any column passed through from a device input): one host
+    /// wait per batch, where [`Self::gpu`] and a download took two.
+    fn gpu_to_host(
+        &self,
+        device: &Device,
+        input: &Chunk,
+        metrics: &GpuMetrics,
+        schema: &SchemaRef,
+    ) -> Result<Option<RecordBatch>, KernelError> {
+        let n = input.num_rows();
+        let Some((program, inputs)) = self.bound(device, input, metrics)? else {
+            return Ok(None);
+        };
+        let inputs: Vec<&DeviceColumn> = inputs.iter().collect();
+        let computed = metrics.kernel(|| {
+            let status = device.upload(&[0; STATUS_BYTES])?;
+            let outputs = expr::evaluate_unchecked(device, &program, &inputs, n, &status)?;
+            Ok::<_, KernelError>((outputs, status))
+        })?;
+        let (outputs, status) = computed;
+        // What comes down, in schema order: computed columns and device columns passed
+        // through.
+        let mut down: Vec<(&DeviceColumn, &DataType)> = Vec::new();
+        for (source, field) in self.sources.iter().zip(schema.fields()) {
+            match (source, input) {
+                (Source::Computed(k), _) => down.push((&outputs[*k], field.data_type())),
+                (Source::Input(i), Chunk::Device(batch, ..)) => {
+                    down.push((&batch.columns()[*i], field.data_type()))
+                }
+                _ => {}
+            }
+        }
+        let Some(arrays) = metrics.download_checked(device, &down, &status)? else {
+            return Ok(None);
+        };
+        let mut arrays = arrays.into_iter();
+        let columns = (self.sources.iter())
+            .map(|source| match (source, input) {
+                (Source::Input(i), Chunk::Host(batch)) => Ok(Arc::clone(batch.column(*i))),
+                (Source::Constant(v), _) => v
+                    .to_array_of_size(n)
+                    .map_err(|e| KernelError::InvalidData(e.to_string())),
+                _ => (arrays.next())
+                    .ok_or_else(|| KernelError::InvalidData("a column did not come down".into())),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        make_batch(schema, columns, n)
+            .map(Some)
+            .map_err(|e| KernelError::InvalidData(e.to_string()))
     }
 
     fn cpu(&self, batch: &RecordBatch) -> Result<RecordBatch> {

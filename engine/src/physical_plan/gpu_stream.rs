@@ -380,6 +380,21 @@ pub trait BatchWork: fmt::Debug + Send + Sync + Sized + 'static {
         metrics: &GpuMetrics,
     ) -> Result<Option<Output>, KernelError>;
 
+    /// [`Self::gpu`] for a parent on the host: the output brought down (`schema`'s types).
+    /// A work whose device check can come up in the download's own wait does both in one.
+    fn gpu_to_host(
+        &self,
+        device: &Device,
+        input: &Chunk,
+        metrics: &GpuMetrics,
+        schema: &SchemaRef,
+    ) -> Result<Option<RecordBatch>, KernelError> {
+        match self.gpu(device, input, metrics)? {
+            Some(out) => out.to_host(schema, metrics).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// The same work on the CPU, with DataFusion's own kernels: the fallback, and the
     /// source of DataFusion's exact errors.
     fn cpu(&self, batch: &RecordBatch) -> Result<RecordBatch>;
@@ -462,18 +477,17 @@ impl<W: BatchWork> GpuStream<W> {
     /// The work's output for one chunk, on the device when `resident`, else on the host
     /// (`None`: the work left the chunk to the CPU by rule).
     fn on_device(&self, chunk: &Chunk) -> Result<Option<Chunk>, KernelError> {
-        let Some(out) = self.work.gpu(&self.device, chunk, &self.metrics)? else {
+        let (work, device, metrics) = (&self.work, &self.device, &self.metrics);
+        if !self.resident {
+            let out = work.gpu_to_host(device, chunk, metrics, &self.schema)?;
+            return Ok(out.map(Chunk::Host));
+        }
+        let Some(out) = work.gpu(device, chunk, metrics)? else {
             return Ok(None);
         };
-        if self.resident {
-            let (work, input) = (Arc::clone(&self.work), chunk.lineage());
-            let redo = Redo::new(move || work.cpu(&input.run()?));
-            return out
-                .to_device(&self.schema, &self.device, &self.metrics, redo)
-                .map(Some);
-        }
-        out.to_host(&self.schema, &self.metrics)
-            .map(|b| Some(Chunk::Host(b)))
+        let (work, input) = (Arc::clone(work), chunk.lineage());
+        let redo = Redo::new(move || work.cpu(&input.run()?));
+        out.to_device(&self.schema, device, metrics, redo).map(Some)
     }
 
     /// Adds an input chunk, and runs the device batches it completes: host batches are

@@ -50,6 +50,24 @@ pub fn read_status(status: &DeviceBuffer) -> Result<Option<u64>> {
     Ok(read_status_words(status, 0)?.map(|(count, _)| count))
 }
 
+/// `columns` of `device` brought to the host with `status`'s two words, all in one host
+/// wait: `None` when word 1 is set (the program before left the batch to the CPU, and the
+/// values it wrote are not its answer: they are dropped). For a stage whose output goes to
+/// the host, the program's check then costs no wait of its own.
+pub fn download_checked(
+    device: &Device,
+    columns: &[&DeviceColumn],
+    status: &DeviceBuffer,
+) -> Result<Option<Vec<ArrayRef>>> {
+    let mut words = [0u8; STATUS_BYTES];
+    let arrays =
+        crate::column::download_columns_with(device, columns, &mut [(status, &mut words[..])])?;
+    match words[8..16].iter().all(|&b| b == 0) {
+        true => Ok(Some(arrays)),
+        false => Ok(None),
+    }
+}
+
 /// As [`read_status`], with the `extra` words after the first two (see [`status_bytes`]),
 /// all in one host wait: `Some((word 0, words 2..2 + extra))` when word 1 is clear.
 pub fn read_status_words(status: &DeviceBuffer, extra: usize) -> Result<Option<(u64, Vec<u64>)>> {

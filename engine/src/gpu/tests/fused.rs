@@ -264,6 +264,33 @@ async fn a_filter_waits_once_for_its_count_and_once_for_its_output() {
     );
 }
 
+/// A projection whose output goes to the host waits once per device batch: its program is
+/// queued unchecked and its error word comes up with its outputs, in their download's wait
+/// (two waits until 2026-12-07: the error word, then the outputs). One launch: the program.
+#[tokio::test]
+async fn a_projection_to_the_host_waits_once_for_its_outputs_and_error_word() {
+    let sql = "SELECT l_orderkey, l_linenumber, l_extendedprice * (1 - l_discount) AS r, \
+               l_quantity + 1 AS q FROM lineitem ORDER BY l_orderkey, l_linenumber";
+    let (launches, syncs) = work_per_batch_of(
+        "a projection",
+        sql,
+        [
+            "emulated:1/projection-waits-cpu",
+            "emulated:1/projection-waits-a",
+            "emulated:1/projection-waits-b",
+        ],
+        |text, plan| {
+            assert!(plan_has(plan, "GpuProjectionExec"), "{text}");
+            assert!(!plan_has(plan, "GpuFilterExec"), "{text}");
+        },
+    )
+    .await;
+    assert!(
+        launches <= 1.0 && syncs <= 1.0,
+        "{launches} launches, {syncs} syncs"
+    );
+}
+
 /// A filter that outputs string columns waits no more: the lengths of the strings it
 /// gathers are queued over its selection before the count is known, and their byte totals
 /// come up with the count and the program's error word, in the same one wait (before,
