@@ -174,6 +174,63 @@ async fn one_stage_aggregations_under_an_interleave_are_repartitioned() {
     }
 }
 
+/// A final stage whose output is ordered (partial stages over sorted partitions, their
+/// states repartitioned preserving that order) lets the plan above merge its partitions
+/// without sorting again: one stage over coalesced rows would not keep that order, so the
+/// two stages stay, and the answer comes in DataFusion's order.
+#[tokio::test]
+async fn an_ordered_final_stage_keeps_both_stages() {
+    let set = "emulated:1/one-stage-ordered";
+    let (gpu, cpu) = tpch_contexts(set, 3, None);
+    let sorted = "SELECT l_orderkey, l_quantity FROM lineitem ORDER BY l_orderkey";
+    let batches = cpu.sql(sorted).await.unwrap().collect().await.unwrap();
+    let batch = datafusion::arrow::compute::concat_batches(&batches[0].schema(), &batches).unwrap();
+    // Three partitions, each a sorted run of the keys.
+    let third = batch.num_rows().div_ceil(3);
+    let partitions: Vec<_> = (0..3)
+        .map(|k| {
+            let at = (k * third).min(batch.num_rows());
+            vec![batch.slice(at, third.min(batch.num_rows() - at))]
+        })
+        .collect();
+    let order = vec![vec![
+        datafusion::logical_expr::col("l_orderkey").sort(true, false),
+    ]];
+    for ctx in [&gpu, &cpu] {
+        let table = datafusion::datasource::MemTable::try_new(batch.schema(), partitions.clone())
+            .unwrap()
+            .with_sort_order(order.clone());
+        ctx.session_context()
+            .register_table("sorted_lineitem", Arc::new(table))
+            .unwrap();
+        text(ctx, "SET datafusion.optimizer.prefer_existing_sort = true").await;
+    }
+    let sql = "SELECT l_orderkey, sum(l_quantity) FROM sorted_lineitem GROUP BY l_orderkey \
+               ORDER BY l_orderkey";
+    let plan = plan_of(&gpu, sql).await;
+    let shown = shown(&plan);
+    assert_eq!(
+        rows_of(&gpu, &plan).await,
+        run(&cpu, sql).await.1,
+        "{shown}"
+    );
+    // The final stage's order is what the plan's merge relies on: no sort above it.
+    let (modes, _) = modes(&plan);
+    assert!(
+        !modes.iter().any(|m| m == "Single") && !shown.contains("SortExec"),
+        "{modes:?}\n{shown}"
+    );
+    let mut ordered_final = false;
+    let _ = plan.apply(|node| {
+        ordered_final |= node
+            .downcast_ref::<GpuAggregateExec>()
+            .is_some_and(|agg| format!("{:?}", agg.mode()) == "FinalPartitioned")
+            && node.properties().output_ordering().is_some();
+        Ok(TreeNodeRecursion::Continue)
+    });
+    assert!(ordered_final, "{shown}");
+}
+
 /// Across devices the partial states meet through the host: the two stages stay, and the
 /// partial stage on each device brings its states down.
 #[tokio::test]
