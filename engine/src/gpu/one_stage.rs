@@ -35,7 +35,7 @@ use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceC
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
-use datafusion::physical_plan::union::InterleaveExec;
+use datafusion::physical_plan::union::{InterleaveExec, can_interleave};
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
 use fulmen_kernels::Device;
 
@@ -86,11 +86,12 @@ fn rewritten(
         changed |= !Arc::ptr_eq(&new, child);
         children.push(new);
     }
-    // A node that cannot take its rewritten children (one that needs something of their
-    // partitioning beyond its distribution requirements) keeps the children it had.
+    // An interleave whose rewritten children are not partitioned alike by hash over more
+    // than one partition (a final stage of one, which gets no repartition) keeps the
+    // children it had, in two stages; any other node must take its rewritten children.
     let node = match changed {
-        true => (Arc::clone(node).replace_children(children, recompute()))
-            .unwrap_or_else(|_| Arc::clone(node)),
+        true if node.is::<InterleaveExec>() && !can_interleave(children.iter()) => Arc::clone(node),
+        true => Arc::clone(node).replace_children(children, recompute())?,
         false => Arc::clone(node),
     };
     Ok(match one_stage(&node, fulmen, available)? {

@@ -174,7 +174,8 @@ impl GpuMetrics {
 
     /// [`Self::download`] with the two words of a status buffer a program wrote (see
     /// `fulmen_kernels::ops::download_checked`), all in one host wait: `None` when the
-    /// program left the batch to the CPU.
+    /// program left the batch to the CPU. The wait, in which the queued program runs out,
+    /// counts as `d2h_time` and as the device's work time (not as `kernel_time`).
     pub fn download_checked(
         &self,
         device: &Device,
@@ -185,6 +186,7 @@ impl GpuMetrics {
         let device_columns: Vec<&DeviceColumn> = columns.iter().map(|(c, _)| *c).collect();
         let arrays = fulmen_kernels::ops::download_checked(device, &device_columns, status)?;
         self.d2h_time.add_duration(start.elapsed());
+        self.device.add_work_time(start.elapsed());
         arrays.map(|a| host_typed(a, columns)).transpose()
     }
 

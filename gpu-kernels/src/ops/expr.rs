@@ -497,8 +497,9 @@ pub fn evaluate(
 /// word 1 of `status` (a [`STATUS_BYTES`](super::STATUS_BYTES) buffer the
 /// caller zeroed) when some row met a case it leaves to the CPU, and the outputs are then
 /// not to be used. The consumer checks the word in its own host wait
-/// ([`GroupTable::update_with`](super::aggregate::GroupTable::update_with), or
-/// [`read_status`](super::read_status) after a queued selection). Reading the
+/// ([`GroupTable::update_with`](super::aggregate::GroupTable::update_with),
+/// [`read_status`](super::read_status) after a queued selection, or
+/// [`download_checked`](super::download_checked) with the outputs themselves). Reading the
 /// outputs before that is safe, never right: they are fixed-width values and validity
 /// bits, always within their buffers, but a failed program's values are not its answer,
 /// so whatever was made of them must be undone.

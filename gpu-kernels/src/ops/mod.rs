@@ -34,7 +34,8 @@ pub const NULL_INDEX: u32 = u32::MAX;
 /// count the host needs (a table's new groups, a selection's rows), word 1 the error word of
 /// an expression program queued before it ([`expr::evaluate_unchecked`]), non-zero when some
 /// row met a case the program leaves to the CPU. The caller zeroes the buffer (an upload of
-/// [`STATUS_BYTES`] zeros queues no wait) and reads both words with [`read_status`]. A stage
+/// [`STATUS_BYTES`] zeros queues no wait) and reads both words with [`read_status`] (or
+/// with the columns it downloads, [`download_checked`]). A stage
 /// that needs more values from the same wait (the byte totals of string gathers) gives the
 /// buffer more words ([`status_bytes`]) and reads them with [`read_status_words`].
 pub const STATUS_BYTES: usize = 16;

@@ -291,6 +291,37 @@ async fn a_projection_to_the_host_waits_once_for_its_outputs_and_error_word() {
     );
 }
 
+/// A projection over a device filter, to the host: columns passed through from the device
+/// (a string among them), a constant and computed columns come down in schema order with
+/// the program's error word; where the program leaves a row to the CPU (a division by zero
+/// in a CASE branch the row does not take, which DataFusion never evaluates) the word sends
+/// the batch to the CPU, by rule, and the answer is DataFusion's.
+#[tokio::test]
+async fn a_projection_to_the_host_over_device_rows_keeps_its_columns_and_leaves_by_rule() {
+    let (gpu, cpu) = tpch_contexts("emulated:1/projection-mixed", 1, None);
+    let computed = "SELECT l_orderkey, l_linenumber, 7 AS seven, l_quantity * l_extendedprice AS v, \
+               l_shipmode, l_discount + 1 AS d FROM lineitem WHERE l_discount > 0.05 \
+               ORDER BY l_orderkey, l_linenumber";
+    let guarded = "SELECT l_orderkey, l_linenumber, 7 AS seven, l_shipmode, \
+               CASE WHEN l_linenumber = 1 THEN 0 ELSE 100 / (l_linenumber - 1) END AS q \
+               FROM lineitem WHERE l_discount > 0.05 ORDER BY l_orderkey, l_linenumber";
+    for (sql, by_rule) in [(computed, false), (guarded, true)] {
+        let plan = plan_of(&gpu, sql).await;
+        let got = rows_of(&gpu, &plan).await;
+        let text = datafusion::physical_plan::displayable(plan.as_ref())
+            .indent(false)
+            .to_string();
+        assert_eq!(got, run(&cpu, sql).await.1, "{text}");
+        assert!(
+            plan_has(&plan, "GpuProjectionExec") && plan_has(&plan, "GpuFilterExec"),
+            "{text}"
+        );
+        let work = Work::of(&plan);
+        assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
+        assert_eq!(work.cpu_rule_batches > 0, by_rule, "{work:?}\n{text}");
+    }
+}
+
 /// A filter that outputs string columns waits no more: the lengths of the strings it
 /// gathers are queued over its selection before the count is known, and their byte totals
 /// come up with the count and the program's error word, in the same one wait (before,
