@@ -170,7 +170,10 @@ async fn one_stage_aggregations_under_an_interleave_are_repartitioned() {
         });
         assert_eq!(interleaved, 2, "{sql}\n{shown}");
         let work = Work::of(&plan);
-        assert!(work.gpu_batches > 0, "{work:?}\n{shown}");
+        assert!(
+            work.gpu_batches > 0 && work.nothing_fell_back(),
+            "{work:?}\n{shown}"
+        );
     }
 }
 
@@ -229,6 +232,11 @@ async fn an_ordered_final_stage_keeps_both_stages() {
         Ok(TreeNodeRecursion::Continue)
     });
     assert!(ordered_final, "{shown}");
+    let work = Work::of(&plan);
+    assert!(
+        work.gpu_batches > 0 && work.nothing_fell_back(),
+        "{work:?}\n{shown}"
+    );
 }
 
 /// Across devices the partial states meet through the host: the two stages stay, and the
