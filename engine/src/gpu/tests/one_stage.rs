@@ -121,7 +121,11 @@ async fn a_one_stage_aggregation_under_a_partitioned_join_is_repartitioned() {
         Ok(TreeNodeRecursion::Continue)
     });
     assert_eq!(repartitioned, 2, "{shown}");
-    assert!(Work::of(&plan).nothing_fell_back(), "{shown}");
+    let work = Work::of(&plan);
+    assert!(
+        work.gpu_batches > 0 && work.nothing_fell_back(),
+        "{work:?}\n{shown}"
+    );
 }
 
 /// An interleave of aggregations (a UNION ALL of GROUP BYs by the same keys, which
