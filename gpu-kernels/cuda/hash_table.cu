@@ -21,6 +21,11 @@
 //                           out_build, out_probe, cap, total_out, check…, hash_here) the three
 //                           steps above in one launch, a block per SCAN_TILE probe rows
 //                           chained by the look-back of scan.cuh (see the kernel)
+//   hash_table_probe_mark  (keys, rows, mask, valid, n, marks, build_rows, check…) sets bit
+//                           b of `marks` (u32 words) for every build row b that pairs with
+//                           a valid probe row (hashed here from the check's probe keys): a
+//                           left semi or anti join's matches, with no pairs, counts or
+//                           offsets; a build row at or past build_rows is never marked
 // The pairs: with `check` (build_keys, probe_keys, ncols, nulls_match; build_keys not null)
 // the build rows whose hash and keys are equal to the probe row's (keys_equal over either
 // side's ncols key descriptors) and, unless nulls_match, with no NULL key on either side: a
@@ -170,10 +175,28 @@ FULMEN_KERNEL hash_table_probe(const uint64_t* keys, const uint32_t* rows, uint6
     }
 }
 
+// A probe row's pairs marked in a bitmap over the build rows instead of written out, each
+// bit with an atomic OR. The check is required: without keys, hashes would mark candidates.
+FULMEN_KERNEL hash_table_probe_mark(const uint64_t* keys, const uint32_t* rows, uint64_t mask, const uint8_t* valid,
+                                    uint64_t n, uint32_t* marks, uint64_t build_rows, const KeyCol* build_keys,
+                                    const KeyCol* probe_keys, uint32_t ncols, uint32_t nulls_match) {
+    for (uint64_t i = GRID_START; i < n; i += GRID_STRIDE) {
+        if (!bit_is_set(valid, i)) continue;
+        uint64_t key = slot_key(key_row_hash(probe_keys, ncols, i));
+        for (uint64_t slot = key & mask; keys[slot] != EMPTY_SLOT; slot = (slot + 1) & mask) {
+            if (keys[slot] != key) continue;
+            uint32_t b = rows[slot];
+            if (b >= build_rows || !probe_pairs(build_keys, probe_keys, ncols, nulls_match, b, i)) continue;
+            atomicOr(&marks[b >> 5], 1u << (b & 31));
+        }
+    }
+}
+
 #if defined(FULMEN_EMULATOR)
 FULMEN_EMU_EXPORT(hash_table_init)
 FULMEN_EMU_EXPORT(hash_table_insert)
 FULMEN_EMU_EXPORT(hash_table_probe_count)
 FULMEN_EMU_EXPORT(hash_table_probe_emit)
 FULMEN_EMU_EXPORT(hash_table_probe)
+FULMEN_EMU_EXPORT(hash_table_probe_mark)
 #endif

@@ -154,6 +154,7 @@ kernels! {
     hash_table_probe_count => fulmen_emu_launch_hash_table_probe_count, fulmen_emu_params_hash_table_probe_count in "hash_table.cu",
     hash_table_probe_emit => fulmen_emu_launch_hash_table_probe_emit, fulmen_emu_params_hash_table_probe_emit in "hash_table.cu",
     hash_table_probe => fulmen_emu_launch_hash_table_probe, fulmen_emu_params_hash_table_probe in "hash_table.cu",
+    hash_table_probe_mark => fulmen_emu_launch_hash_table_probe_mark, fulmen_emu_params_hash_table_probe_mark in "hash_table.cu",
     scan_tile_sums => fulmen_emu_launch_scan_tile_sums, fulmen_emu_params_scan_tile_sums in "scan.cu",
     scan_tile_offsets => fulmen_emu_launch_scan_tile_offsets, fulmen_emu_params_scan_tile_offsets in "scan.cu",
     scan_tiles => fulmen_emu_launch_scan_tiles, fulmen_emu_params_scan_tiles in "scan.cu",

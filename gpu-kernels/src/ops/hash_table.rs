@@ -272,6 +272,60 @@ impl HashTable {
         Ok((out_build, out_probe))
     }
 
+    /// Sets, in `marks` (u32 words, a bit per build row), the bit of every build row whose
+    /// keys equal one of the `n` probe rows' (those whose bit in `valid` is set; all
+    /// without it), the probe keys hashed in the kernel: no pairs, counts or host wait. One
+    /// launch (`hash_table_probe_mark`).
+    pub fn probe_mark(
+        &self,
+        valid: Option<&DeviceBuffer>,
+        n: usize,
+        marks: &DeviceBuffer,
+        check: &KeyCheck<'_>,
+    ) -> Result<()> {
+        check_rows(n)?;
+        if marks.len() < self.build_rows.div_ceil(32) * 4 {
+            return Err(KernelError::Unsupported(format!(
+                "marks of {} bytes for {} build rows",
+                marks.len(),
+                self.build_rows
+            )));
+        }
+        if valid.is_some_and(|v| v.len() < n.div_ceil(8)) {
+            return Err(KernelError::Unsupported(format!(
+                "a validity bitmap of {} bytes for {n} probe rows",
+                valid.map_or(0, DeviceBuffer::len)
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let device = self.keys.device();
+        let mut args = vec![
+            Arg::buf(&self.keys),
+            Arg::buf(&self.rows),
+            Arg::U64(self.capacity - 1),
+            Arg::opt(valid),
+            Arg::U64(n as u64),
+            Arg::buf(marks),
+            Arg::U64(self.build_rows as u64),
+        ];
+        args.extend(check_args(Some(check)));
+        // SAFETY: the table's buffers hold `capacity` slots with mask capacity - 1, whose
+        // rows are build rows (the kernel marks none at or past `build_rows` all the same);
+        // `marks` holds a bit per build row (checked), `valid` a bit per probe row (checked);
+        // the check's descriptor tables describe `ncols` key columns of the build rows and
+        // of the n probe rows (`KeyCheck`'s contract).
+        unsafe {
+            device.launch_reaching(
+                Kernel::hash_table_probe_mark,
+                LaunchConfig::for_items(device, n as u64, BLOCK),
+                &args,
+                check.reached,
+            )
+        }
+    }
+
     /// The pairs of each probe row counted and scanned into offsets, with their total read
     /// by the host (a wait), or queued to `total_to` instead (`None`).
     fn probe_offsets(

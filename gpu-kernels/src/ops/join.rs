@@ -163,15 +163,7 @@ impl JoinTable {
         extra: usize,
         totals: Option<DeviceBuffer>,
     ) -> Result<Option<QueuedProbe<'a>>> {
-        if keys.len() != self.keys.len()
-            || keys.iter().zip(&self.keys).any(|(p, b)| {
-                p.len() != n || p.value_type() != b.value_type() || p.device() != b.device()
-            })
-        {
-            return Err(KernelError::Unsupported(
-                "probe keys of other types, lengths or devices than the build keys".into(),
-            ));
-        }
+        self.check_probe_keys(keys, n)?;
         if n == 0 || self.rows == 0 {
             return Ok(None);
         }
@@ -219,6 +211,50 @@ impl JoinTable {
         }))
     }
 
+    /// Marks in `marks` the build rows whose keys equal a key of the `n` probe rows whose
+    /// bit in `valid` is set (all without it): a left semi or anti join's matches, queued
+    /// with no pairs written and no host wait, the keys hashed in the kernel. One launch
+    /// (and the probe keys' descriptors going up).
+    pub fn mark(
+        &self,
+        keys: &[&DeviceColumn],
+        valid: Option<&DeviceBuffer>,
+        n: usize,
+        marks: &JoinMarks,
+    ) -> Result<()> {
+        self.check_probe_keys(keys, n)?;
+        if marks.rows != self.rows || marks.bits.device() != self.keys[0].device() {
+            return Err(KernelError::Unsupported(
+                "marks of another build side or device than the table's".into(),
+            ));
+        }
+        if n == 0 || self.rows == 0 {
+            return Ok(());
+        }
+        let device = self.keys[0].device();
+        let probe_descriptors = key_descriptors(device, keys)?;
+        let reached = expr::reached_columns(keys);
+        let check = KeyCheck {
+            reached: &reached,
+            ..self.check(&probe_descriptors)
+        };
+        self.table.probe_mark(valid, n, &marks.bits, &check)
+    }
+
+    /// Fails unless `keys` are `n` probe rows of the build keys' number, types and device.
+    fn check_probe_keys(&self, keys: &[&DeviceColumn], n: usize) -> Result<()> {
+        if keys.len() != self.keys.len()
+            || keys.iter().zip(&self.keys).any(|(p, b)| {
+                p.len() != n || p.value_type() != b.value_type() || p.device() != b.device()
+            })
+        {
+            return Err(KernelError::Unsupported(
+                "probe keys of other types, lengths or devices than the build keys".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// The key comparison of a probe whose key columns `probe_descriptors` describes, as
     /// many as the build keys (their number, types and lengths checked by the caller).
     fn check<'a>(&'a self, probe_descriptors: &'a DeviceBuffer) -> KeyCheck<'a> {
@@ -230,6 +266,63 @@ impl JoinTable {
             hash_probe: false,
             reached: &[],
         }
+    }
+}
+
+/// A bitmap over a join table's build rows on its device, set by probes
+/// ([`JoinTable::mark`]): the rows a left semi or anti join has matched, which the host
+/// reads once for many probes ([`JoinMarks::read`]).
+#[derive(Debug)]
+pub struct JoinMarks {
+    bits: DeviceBuffer,
+    rows: usize,
+}
+
+impl JoinMarks {
+    /// A bitmap for `table`'s build rows, none marked (one launch, no upload).
+    pub fn new(table: &JoinTable) -> Result<Self> {
+        let device = table.keys[0].device();
+        let words = table.rows.div_ceil(64).max(1);
+        let bits = device.alloc(words * 8)?;
+        super::aggregate::fill_u64(device, &bits, words, 0)?;
+        Ok(Self {
+            bits,
+            rows: table.rows,
+        })
+    }
+
+    /// Unmarks every row (one launch, queued).
+    pub fn clear(&self) -> Result<()> {
+        super::aggregate::fill_u64(self.bits.device(), &self.bits, self.bits.len() / 8, 0)
+    }
+
+    /// The marked rows, a flag per build row, and the error words (word 1) of `statuses`
+    /// (status buffers of the programs whose outputs masked the probes, see
+    /// [`status_bytes`](super::status_bytes)), all in one host wait: `None` when one of
+    /// those words is set (a program left a row to the CPU: the marks its mask let in are
+    /// not the join's).
+    pub fn read(&self, statuses: &[&DeviceBuffer]) -> Result<Option<Vec<bool>>> {
+        let mut bits = vec![0u8; self.rows.div_ceil(8)];
+        let mut words = vec![[0u8; super::STATUS_BYTES]; statuses.len()];
+        let mut reads: Vec<(&DeviceBuffer, &mut [u8])> = vec![(&self.bits, &mut bits[..])];
+        for (status, out) in statuses.iter().zip(words.iter_mut()) {
+            if status.len() < super::STATUS_BYTES {
+                return Err(KernelError::Unsupported(format!(
+                    "a status buffer of {} bytes",
+                    status.len()
+                )));
+            }
+            reads.push((status, &mut out[..]));
+        }
+        self.bits.device().read_many(&mut reads)?;
+        if words.iter().any(|w| w[8..16].iter().any(|&b| b != 0)) {
+            return Ok(None);
+        }
+        Ok(Some(
+            (0..self.rows)
+                .map(|b| bits[b / 8] & (1 << (b % 8)) != 0)
+                .collect(),
+        ))
     }
 }
 

@@ -16,6 +16,7 @@ use proptest::prelude::*;
 mod aggregate;
 mod concat;
 mod dictionary;
+mod marks;
 mod queued;
 mod standin;
 mod streams;

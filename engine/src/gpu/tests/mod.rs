@@ -37,6 +37,7 @@ mod fused_join;
 mod join;
 mod one_stage;
 mod residency;
+mod semi_marks;
 mod tpch;
 
 /// Whether this run puts the tests on CUDA devices (`FULMEN_TEST_DEVICE=cuda`: a real GPU,

@@ -209,16 +209,11 @@ impl FusedFilter {
         let Some((kept, status)) = self.select(chunk, device, metrics, 0, &mut columns)? else {
             return Ok(None);
         };
-        let outputs = self.work.outputs();
-        let mut keys = Vec::with_capacity(right_keys.len());
-        for &c in right_keys {
-            let i = *outputs.get(c).ok_or_else(|| {
-                KernelError::InvalidData(format!("probe key {c} past the filter's output"))
-            })?;
+        let keys = self.input_keys(right_keys)?;
+        for &i in &keys {
             if let std::collections::hash_map::Entry::Vacant(slot) = columns.entry(i) {
                 slot.insert(chunk.device_column(i, device, metrics)?);
             }
-            keys.push(i);
         }
         let keys: Vec<&DeviceColumn> = keys.iter().map(|i| &columns[i]).collect();
         // `None` out of the closure: the program left a row to the CPU.
@@ -231,6 +226,18 @@ impl FusedFilter {
                 )),
             }
         })
+    }
+
+    /// The probe keys `right_keys` (columns of the filter's output) as columns of its input.
+    pub(super) fn input_keys(&self, right_keys: &[usize]) -> Result<Vec<usize>, KernelError> {
+        let outputs = self.work.outputs();
+        (right_keys.iter())
+            .map(|&c| {
+                outputs.get(c).copied().ok_or_else(|| {
+                    KernelError::InvalidData(format!("probe key {c} past the filter's output"))
+                })
+            })
+            .collect()
     }
 
     /// A host batch of the filter's input as the join reads it after

@@ -179,7 +179,12 @@ fn upload_words(device: &Device, words: &[u64]) -> Result<DeviceBuffer> {
     device.upload(&bytes)
 }
 
-fn fill_u64(device: &Device, buffer: &DeviceBuffer, words: usize, value: u64) -> Result<()> {
+pub(crate) fn fill_u64(
+    device: &Device,
+    buffer: &DeviceBuffer,
+    words: usize,
+    value: u64,
+) -> Result<()> {
     if buffer.len() < words * 8 {
         return Err(KernelError::Unsupported(format!(
             "filling {words} words of a {} byte buffer",
