@@ -10,21 +10,27 @@ use super::{Work, plan_of, rows_of, run};
 use datafusion::physical_plan::ExecutionPlan;
 use std::sync::Arc;
 
-/// A build side of parts from a GPU filter (its rows stay on the device), probed by
-/// lineitem: semi and anti, plain and under a fused filter.
-fn queries() -> [(&'static str, String); 4] {
-    let exists = |not: &str, filter: &str| {
-        format!(
-            "SELECT count(*), sum(p_retailprice), max(p_size) FROM part WHERE p_size < 30 AND \
-             {not} EXISTS (SELECT 1 FROM lineitem WHERE l_partkey = p_partkey{filter})"
-        )
-    };
-    [
-        ("LeftSemi", exists("", "")),
-        ("LeftAnti", exists("NOT", "")),
-        ("LeftSemi", exists("", " AND l_quantity < 10")),
-        ("LeftAnti", exists("NOT", " AND l_quantity < 10")),
-    ]
+/// Left semi and anti joins of parts probed by lineitem, plain and under a fused filter:
+/// over a build side from a GPU filter (its rows stay on the device, `semi.rs`) and over
+/// one from the host (`Probing`). Each: the join type, whether its build rows are on the
+/// device, the query.
+fn queries() -> Vec<(&'static str, bool, String)> {
+    let mut all = Vec::new();
+    for (on_device, parts) in [(true, " WHERE p_size < 30 AND"), (false, " WHERE")] {
+        for filter in ["", " AND l_quantity < 10"] {
+            for (join_type, not) in [("LeftSemi", ""), ("LeftAnti", "NOT ")] {
+                all.push((
+                    join_type,
+                    on_device,
+                    format!(
+                        "SELECT count(*), sum(p_retailprice), max(p_size) FROM part{parts} \
+                         {not}EXISTS (SELECT 1 FROM lineitem WHERE l_partkey = p_partkey{filter})"
+                    ),
+                ));
+            }
+        }
+    }
+    all
 }
 
 /// The one GPU join of `join_type` in `plan`, which must be there.
@@ -45,11 +51,12 @@ fn the_join(plan: &Arc<dyn ExecutionPlan>, join_type: &str) -> Arc<dyn Execution
 }
 
 /// Each probe batch costs no host wait: at most 1 launch (the mark) and, under a fused
-/// filter, 2 (its program, then the mark); they waited twice a batch before (the probe's
-/// total, then its matched build rows). The answers are DataFusion's.
+/// filter, 2 (its program, then the mark), over build rows on the device and from the
+/// host alike; they waited twice a batch before (the probe's total, then its matched build
+/// rows). The answers are DataFusion's.
 #[tokio::test]
 async fn a_semi_join_over_device_build_rows_marks_each_batch_without_a_wait() {
-    for (k, (join_type, sql)) in queries().into_iter().enumerate() {
+    for (k, (join_type, on_device, sql)) in queries().into_iter().enumerate() {
         let fused = sql.contains("l_quantity");
         let sets = [
             format!("emulated:1/semi-marks-cpu-{k}"),
@@ -62,7 +69,7 @@ async fn a_semi_join_over_device_build_rows_marks_each_batch_without_a_wait() {
             [&sets[0], &sets[1], &sets[2]],
             |text, plan| {
                 let join = the_join(plan, join_type);
-                assert!(metric(&join, "device_builds") > 0, "{text}");
+                assert_eq!(metric(&join, "device_builds") > 0, on_device, "{text}");
                 assert_eq!(text.contains("fused_filter="), fused, "{text}");
             },
         )
@@ -82,7 +89,7 @@ async fn a_semi_join_over_device_build_rows_marks_each_batch_without_a_wait() {
 async fn a_semi_join_reads_its_marks_once_its_kept_probe_rows_grow() {
     let gpu = fused_session("emulated:1/semi-marks-reads", 1 << 20);
     let (_, cpu) = super::tpch_contexts("emulated:1/semi-marks-reads-cpu", 1, None);
-    for (join_type, sql) in queries() {
+    for (join_type, _, sql) in queries() {
         let want = run(&cpu, &sql).await.1;
         let mut seen = Vec::new();
         for bytes in ["64MiB", "16KiB"] {
@@ -108,17 +115,22 @@ async fn a_semi_join_reads_its_marks_once_its_kept_probe_rows_grow() {
 }
 
 /// A fused program that leaves a row to the CPU (a division by zero in a CASE branch the
-/// row does not take, which DataFusion never evaluates) voids the marks of its round: the
-/// round's batches are filtered and matched again on the host, by rule, and the answers
-/// are DataFusion's.
+/// row does not take, which DataFusion never evaluates) voids the marks of its round, over
+/// build rows on the device and from the host: the round's batches are filtered and
+/// matched again on the host, by rule, and the answers are DataFusion's.
 #[tokio::test]
 async fn a_fused_program_left_to_the_cpu_voids_its_rounds_marks() {
     let gpu = fused_session("emulated:1/semi-marks-rule", 4096);
     let (_, cpu) = super::tpch_contexts("emulated:1/semi-marks-rule-cpu", 1, None);
     let guarded = "CASE WHEN l_linenumber = 1 THEN 0 ELSE 100 / (l_linenumber - 1) END > 30";
-    for (join_type, not) in [("LeftSemi", ""), ("LeftAnti", "NOT")] {
+    let cases = [("LeftSemi", ""), ("LeftAnti", "NOT")]
+        .into_iter()
+        .flat_map(|(join_type, not)| {
+            [" WHERE p_size < 30 AND", " WHERE"].map(|parts| (join_type, not, parts))
+        });
+    for (join_type, not, parts) in cases {
         let sql = format!(
-            "SELECT count(*), sum(p_retailprice), max(p_size) FROM part WHERE p_size < 30 AND \
+            "SELECT count(*), sum(p_retailprice), max(p_size) FROM part{parts} \
              {not} EXISTS (SELECT 1 FROM lineitem WHERE l_partkey = p_partkey AND {guarded})"
         );
         let plan = plan_of(&gpu, &sql).await;

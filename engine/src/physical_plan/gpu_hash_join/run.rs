@@ -94,6 +94,9 @@ pub(super) struct Probing {
     /// Probe batches waiting to make up device batches, sized by the columns that go to
     /// the device.
     pub(super) batches: DeviceBatches<PartlyUploaded>,
+    /// A left semi or anti join's matches marked on the device and not read yet (see
+    /// `marks.rs`; other joins bring their pairs down).
+    pub(super) marks: ProbeMarks,
     pub(super) done: bool,
 }
 
@@ -121,6 +124,7 @@ impl JoinRun {
             probe,
             uploaded,
             batches,
+            marks: ProbeMarks::default(),
             done: false,
         };
         Ok(Box::pin(futures::stream::try_unfold(
@@ -376,8 +380,13 @@ impl Probing {
             .run
             .work
             .probe_output(&self.build, &probe, &matches, &mut self.visited);
+        let read = match self.marks.full(&self.run) {
+            true => self.read_marks(),
+            false => Ok(()),
+        };
         timer.done();
         let out = out?;
+        read?;
         if let Some(b) = &out {
             self.run.metrics.record_batch(b);
         }
@@ -437,9 +446,19 @@ impl Probing {
         }
     }
 
+    /// Brings the build rows marked on the device into `visited` (see
+    /// [`ProbeMarks::read`]).
+    fn read_marks(&mut self) -> Result<()> {
+        let build = &self.build;
+        let host_build = || Ok(build.clone());
+        (self.marks).read(&self.run, &host_build, &mut self.host, &mut self.visited)
+    }
+
     /// The build rows the join type emits once this partition (or, for CollectLeft, the
     /// last partition) has probed everything.
     pub(super) fn finish(&mut self) -> Result<Option<RecordBatch>> {
+        self.read_marks()?;
+        self.marks = ProbeMarks::default();
         let work = &self.run.work;
         if !work.emits_build_rows() {
             return Ok(None);
@@ -486,6 +505,18 @@ impl PieceWork for Probing {
         let Some(table) = self.table.clone() else {
             return Ok(OnDevice::GivenUp);
         };
+        // A left semi or anti join without a residual filter marks its matches on the
+        // device, read later: the piece itself emits nothing.
+        if self.run.work.build_rows_on_device() {
+            let schema = Arc::clone(&self.run.work.right_schema);
+            return match self.marks.mark(&self.run, &table, piece)? {
+                true => Ok(OnDevice::Out((
+                    RecordBatch::new_empty(schema),
+                    Matches::default(),
+                ))),
+                false => Ok(OnDevice::ByRule),
+            };
+        }
         // `None`: a fused filter's program left a row to the CPU.
         let Some(matches) = self.device_matches(&table, batch)? else {
             return Ok(OnDevice::ByRule);

@@ -2,45 +2,20 @@
 //! the same devices (`DeviceSemi`): it emits build rows only, so its build side stays
 //! where it lies (its keys are never uploaded again, its rows never come down whole). Each
 //! probe chunk (from the host, or from a GPU child where it lies, under a fused filter's
-//! row mask when the join takes one in) is probed there by a kernel that marks the build
-//! rows it matches in a bitmap on the device (`JoinTable::mark`): no pairs, no counts, no
-//! host wait. The host reads the bitmap, with the fused programs' error words, once per
-//! partition, or sooner once the probe rows it keeps to match again grow past
-//! [`RETAIN_BATCHES`] device batches; once the probe side has ended (for CollectLeft, in the last partition
-//! to finish) the rows the join emits, matched (semi) or never matched (anti), are
-//! gathered on the device, for a GPU parent to read where they lie or brought down.
+//! row mask when the join takes one in) marks the build rows it matches in a bitmap on the
+//! device, with no host wait (`marks.rs`); once the probe side has ended (for CollectLeft,
+//! in the last partition to finish) the rows the join emits, matched (semi) or never
+//! matched (anti), are gathered on the device, for a GPU parent to read where they lie or
+//! brought down.
 //!
 //! ```text
 //!   build child ─▶ chunks where they lie ─▶ JoinTable (keys as they lie)
-//!   probe chunk ─▶ (fused filter's mask) ─▶ mark ─▶ (end, or RETAIN_BATCHES kept) read ─▶ visited
+//!   probe chunk ─▶ (fused filter's mask) ─▶ marks on the device ─▶ (read) visited
 //!   probe ends ─▶ emitted rows up ─▶ gather build columns ─▶ chunk (down for a CPU parent)
 //!   device error ─▶ that batch matched on the host; the end taken from host rows
-//!   lost marks, or a fused program's error word ─▶ the chunks since the last read
-//!                                                   matched again on the host
 //! ```
 
 use super::*;
-use crate::physical_plan::gpu_metrics::count_batch;
-use fulmen_kernels::ops::join::JoinMarks;
-
-/// How many device batches' bytes (`fulmen.gpu.batch_bytes`, so 256 MiB by default) of
-/// probe rows marked on the device a partition keeps on the host (their lineage: the host
-/// batch, or what a device chunk is made again from) before it reads the marks: the price of
-/// reading them once, not once per batch. Device chunks count at their device bytes (the
-/// host data their lineage holds is the producer's, of a size not known here).
-pub(super) const RETAIN_BATCHES: usize = 4;
-
-/// The build rows marked on the device that the host has not read yet, and how to match
-/// again on the host the probe rows that marked them.
-struct Marked {
-    marks: JoinMarks,
-    /// The probe rows of each chunk marked since the last read, on the host.
-    unread: Vec<Redo>,
-    /// The status buffers of the fused programs whose masks those chunks were marked under.
-    statuses: Vec<DeviceBuffer>,
-    /// What `unread` holds (see [`RETAIN_BATCHES`]).
-    unread_bytes: usize,
-}
 
 /// A partition of a left semi or anti join whose build rows stay on the device.
 pub(super) struct DeviceSemi {
@@ -56,9 +31,8 @@ pub(super) struct DeviceSemi {
     batches: DeviceBatches<Chunk>,
     /// The build rows this partition matched, as far as the host has read them.
     visited: Vec<bool>,
-    /// The rows marked on the device, not read yet (`None`: none marked since the device
-    /// marks were last lost, or never).
-    marked: Option<Marked>,
+    /// The rows marked on the device, not read yet.
+    marks: ProbeMarks,
     /// The output goes to the host (the join's parent is a CPU operator).
     to_host: bool,
 }
@@ -79,7 +53,7 @@ impl JoinRun {
             host: None,
             probe,
             visited,
-            marked: None,
+            marks: ProbeMarks::default(),
             to_host,
         };
         let emitted = async move {
@@ -122,133 +96,17 @@ impl DeviceSemi {
                 self.visited[b as usize] = true;
             }
         }
-        if self
-            .marked
-            .as_ref()
-            .is_some_and(|m| m.unread_bytes > RETAIN_BATCHES * self.run.batch.bytes)
-        {
+        if self.marks.full(&self.run) {
             self.read_marks()?;
         }
         Ok(())
     }
 
-    /// Brings the rows marked on the device into `visited`, in one wait with the error
-    /// words of the fused programs that masked the probes. Should the read fail (a lost
-    /// device) or one of those programs have left a row to the CPU, the chunks marked since
-    /// the last read are matched again on the host instead (each counted as a batch that fell
-    /// back, or that went to the CPU by rule; matching one again changes nothing).
+    /// Brings the rows marked on the device into `visited` (see [`ProbeMarks::read`]).
     fn read_marks(&mut self) -> Result<()> {
-        let Some(marked) = self.marked.as_mut() else {
-            return Ok(());
-        };
-        if marked.unread.is_empty() {
-            return Ok(());
-        }
-        let unread = std::mem::take(&mut marked.unread);
-        let statuses = std::mem::take(&mut marked.statuses);
-        marked.unread_bytes = 0;
-        let metrics = &self.run.metrics;
-        let read = {
-            let statuses: Vec<&DeviceBuffer> = statuses.iter().collect();
-            metrics.kernel(|| marked.marks.read(&statuses))
-        };
-        let on = match read {
-            Ok(Some(bits)) if bits.len() == self.visited.len() => {
-                for (v, b) in self.visited.iter_mut().zip(bits) {
-                    *v |= b;
-                }
-                return Ok(());
-            }
-            Ok(Some(bits)) => {
-                return datafusion::common::internal_err!(
-                    "{} join marks for {} build rows",
-                    bits.len(),
-                    self.visited.len()
-                );
-            }
-            // The failed round's marks are void: cleared for the next (or, should that
-            // fail, made again by the next chunk).
-            Ok(None) => {
-                if let Err(e) = marked.marks.clear() {
-                    metrics.recover(&e, "clearing the join's marks")?;
-                    self.marked = None;
-                }
-                BatchOn::Rule
-            }
-            Err(e) => {
-                metrics.recover(&e, "matching the join's marked probe batches on the host")?;
-                self.marked = None;
-                BatchOn::Fallback
-            }
-        };
-        let build = self.build.host(metrics)?;
-        for lineage in unread {
-            let probe = lineage.run()?;
-            for b in host_matches(&mut self.host, &self.run.work, &build, &probe)?.build {
-                self.visited[b as usize] = true;
-            }
-            count_batch(metrics, on);
-        }
-        Ok(())
-    }
-
-    /// Marks on the device the build rows a chunk matches, under a fused filter's row mask
-    /// when the join takes one in: no wait (see [`Self::read_marks`]). The chunk's probe
-    /// rows are kept on the host (its lineage) until the marks are read. `false`: a per-batch
-    /// constant the fused program cannot hold leaves the chunk to the CPU.
-    fn on_device(&mut self, table: &JoinTable, chunk: &Chunk) -> Result<bool, KernelError> {
-        let run = &self.run;
-        let (device, metrics) = (&run.device, &run.metrics);
-        let n = chunk.num_rows();
-        let mut columns = HashMap::new();
-        let (keys, kept, lineage) = match &run.fused {
-            Some(fused) => {
-                let Some((kept, status)) = fused.select(chunk, device, metrics, 0, &mut columns)?
-                else {
-                    return Ok(false);
-                };
-                let keys = fused.input_keys(&run.work.right_keys)?;
-                (keys, Some((kept, status)), fused.lineage(chunk))
-            }
-            None => (run.work.right_keys.clone(), None, chunk.lineage()),
-        };
-        for &c in &keys {
-            if let std::collections::hash_map::Entry::Vacant(slot) = columns.entry(c) {
-                slot.insert(chunk.device_column(c, device, metrics)?);
-            }
-        }
-        let keys: Vec<&DeviceColumn> = keys.iter().map(|c| &columns[c]).collect();
-        if self.marked.is_none() {
-            self.marked = Some(Marked {
-                marks: metrics.kernel(|| JoinMarks::new(table))?,
-                unread: Vec::new(),
-                statuses: Vec::new(),
-                unread_bytes: 0,
-            });
-        }
-        let Some(marked) = self.marked.as_mut() else {
-            return Err(KernelError::InvalidData("join marks not made".into()));
-        };
-        // Kept before the marks are queued: a chunk whose marks are lost with the device
-        // is matched again from it (should this chunk also go to the CPU now, matching it
-        // twice changes nothing).
-        marked.unread.push(lineage);
-        marked.unread_bytes += match chunk {
-            Chunk::Host(batch) => crate::physical_plan::coalesce::host_bytes(batch),
-            Chunk::Device(batch, ..) => batch.columns().iter().map(|c| c.device_bytes()).sum(),
-        };
-        let valid = match kept {
-            Some((kept, status)) => {
-                marked.statuses.push(status);
-                Some(kept)
-            }
-            None => None,
-        };
-        // NULL probe keys need no validity: the mark's key check rejects them (unless
-        // NULLs match).
-        let mask = valid.as_ref().map(DeviceColumn::values);
-        metrics.kernel(|| table.mark(&keys, mask, n, &marked.marks))?;
-        Ok(true)
+        let (run, build) = (&self.run, &self.build);
+        let host_build = || build.host(&run.metrics);
+        (self.marks).read(run, &host_build, &mut self.host, &mut self.visited)
     }
 
     /// The rows the join emits, once this partition (for CollectLeft, the last one) has
@@ -256,7 +114,7 @@ impl DeviceSemi {
     /// are there (brought down for a CPU parent), else taken from its host rows.
     fn finish(&mut self) -> Result<Option<Chunk>> {
         self.read_marks()?;
-        self.marked = None;
+        self.marks = ProbeMarks::default();
         let Some(visited) = self.run.all_visited(&mut self.visited) else {
             return Ok(None);
         };
@@ -338,7 +196,7 @@ impl PieceWork for DeviceSemi {
         let Some(table) = self.table.clone() else {
             return Ok(OnDevice::GivenUp);
         };
-        match self.on_device(&table, piece)? {
+        match self.marks.mark(&self.run, &table, piece)? {
             // Marked on the device: read later.
             true => Ok(OnDevice::Out(Vec::new())),
             // A per-batch constant the fused program cannot hold.

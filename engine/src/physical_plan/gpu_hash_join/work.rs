@@ -98,9 +98,9 @@ impl JoinWork {
     }
 
     /// Whether the join emits only build rows, chosen by the probe (left semi and left
-    /// anti joins without a residual filter): a build side on the device stays there, the
-    /// probe marks the rows it matched, and only the rows emitted are gathered there at the
-    /// end (see `semi.rs`).
+    /// anti joins without a residual filter): the probe marks the rows it matched on the
+    /// device, with no host wait (`marks.rs`), and a build side on the device stays there,
+    /// only the rows emitted gathered there at the end (see `semi.rs`).
     pub(super) fn build_rows_on_device(&self) -> bool {
         matches!(self.join_type, JoinType::LeftSemi | JoinType::LeftAnti) && self.filter.is_none()
     }
