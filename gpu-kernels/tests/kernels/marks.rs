@@ -7,24 +7,32 @@ use fulmen_kernels::ops::join::{JoinMarks, JoinTable};
 
 use super::{Lcg, device, emulated};
 
-/// The build rows whose keys (an integer and a string, both non-NULL) equal those of one of
-/// the probe rows that `mask` lets in (all without it).
+/// The build rows whose keys (an integer and a string) equal those of one of the probe
+/// rows that `mask` lets in (all without it): both non-NULL, or, with `nulls_match` (`IS
+/// NOT DISTINCT FROM`), each NULL on both sides or equal.
 fn nested_loop(
     build: &(Int64Array, StringArray),
     probe: &(Int64Array, StringArray),
     mask: Option<&[bool]>,
+    nulls_match: bool,
 ) -> Vec<bool> {
-    let valid = |(a, b): &(Int64Array, StringArray), i: usize| a.is_valid(i) && b.is_valid(i);
+    let same = |p: usize, b: usize| {
+        let ints = (probe.0.is_valid(p), build.0.is_valid(b));
+        let strings = (probe.1.is_valid(p), build.1.is_valid(b));
+        let ints = match ints {
+            (true, true) => probe.0.value(p) == build.0.value(b),
+            (false, false) => nulls_match,
+            _ => false,
+        };
+        let strings = match strings {
+            (true, true) => probe.1.value(p) == build.1.value(b),
+            (false, false) => nulls_match,
+            _ => false,
+        };
+        ints && strings
+    };
     (0..build.0.len())
-        .map(|b| {
-            valid(build, b)
-                && (0..probe.0.len()).any(|p| {
-                    mask.is_none_or(|m| m[p])
-                        && valid(probe, p)
-                        && probe.0.value(p) == build.0.value(b)
-                        && probe.1.value(p) == build.1.value(b)
-                })
-        })
+        .map(|b| (0..probe.0.len()).any(|p| mask.is_none_or(|m| m[p]) && same(p, b)))
         .collect()
 }
 
@@ -38,20 +46,23 @@ fn bitmap(d: &fulmen_kernels::Device, v: &[bool]) -> fulmen_kernels::DeviceBuffe
     d.upload(&bytes).unwrap()
 }
 
-/// Marks accumulate over probes (with and without a row mask, NULL keys never matching),
-/// equal to a nested loop's matched build rows; cleared, none is marked.
+/// Marks accumulate over probes (with and without a row mask; NULL keys matching nothing,
+/// or, `IS NOT DISTINCT FROM`, each other), equal to a nested loop's matched build rows;
+/// cleared, none is marked.
 #[test]
 fn marks_are_the_build_rows_a_nested_loop_matches() {
     let d = device();
     let mut r = Lcg(29);
-    for (n_build, n_probe, distinct) in [
+    let shapes = [
         (1, 5, 2),
         (31, 40, 5),
         (33, 200, 50),
         (300, 500, 400),
         (2000, 3000, 100_000),
         (1500, 40, 1),
-    ] {
+    ];
+    for (k, (n_build, n_probe, distinct)) in shapes.into_iter().enumerate() {
+        let nulls_match = k % 2 == 1;
         let mut keys = |n: usize| -> (Int64Array, StringArray) {
             (
                 (0..n)
@@ -65,8 +76,14 @@ fn marks_are_the_build_rows_a_nested_loop_matches() {
         let build = keys(n_build);
         let (first, second) = (keys(n_probe), keys(n_probe));
         let up = |a: &dyn Array| DeviceColumn::upload(&d, a).unwrap();
-        let table =
-            JoinTable::build(&d, vec![up(&build.0), up(&build.1)], None, n_build, false).unwrap();
+        let table = JoinTable::build(
+            &d,
+            vec![up(&build.0), up(&build.1)],
+            None,
+            n_build,
+            nulls_match,
+        )
+        .unwrap();
         let marks = JoinMarks::new(&table).unwrap();
         let mask: Vec<bool> = (0..n_probe).map(|_| r.chance(60)).collect();
         let (a1, a2) = (up(&first.0), up(&first.1));
@@ -75,12 +92,15 @@ fn marks_are_the_build_rows_a_nested_loop_matches() {
         table
             .mark(&[&b1, &b2], Some(&bitmap(&d, &mask)), n_probe, &marks)
             .unwrap();
-        let want: Vec<bool> = (nested_loop(&build, &first, None).into_iter())
-            .zip(nested_loop(&build, &second, Some(&mask)))
+        let want: Vec<bool> = (nested_loop(&build, &first, None, nulls_match).into_iter())
+            .zip(nested_loop(&build, &second, Some(&mask), nulls_match))
             .map(|(x, y)| x || y)
             .collect();
         let got = marks.read(&[]).unwrap().unwrap();
-        assert_eq!(got, want, "{n_build} build rows, {n_probe} probe rows");
+        assert_eq!(
+            got, want,
+            "{n_build} build rows, {n_probe} probe rows, NULLs match: {nulls_match}"
+        );
         marks.clear().unwrap();
         let none = marks.read(&[]).unwrap().unwrap();
         assert!(none.iter().all(|&m| !m), "cleared");

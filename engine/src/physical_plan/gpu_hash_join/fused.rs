@@ -12,8 +12,9 @@
 //! each probe batch of the input runs the predicate as one expression program, whose
 //! boolean output (a bitmap, set where the predicate is true: NULL and false alike clear)
 //! is the probe's row mask: a row the filter drops matches nothing. The program's error
-//! word comes up in the probe's one wait, and a batch whose program left a row to the CPU
-//! (or that the device cannot take) is filtered on the host first, by the twin.
+//! word comes up in the probe's one wait (a semi or anti join's, with its marks, below),
+//! and a batch whose program left a row to the CPU (or that the device cannot take) is
+//! filtered on the host first, by the twin.
 //!
 //! - An inner join without a residual filter emits nothing for a row without a match: the
 //!   probe's pairs index the input's rows, and the output columns are gathered from them
@@ -26,6 +27,10 @@
 //!   the filter's dropped rows are never read and need not be taken out
 //!   ([`FusedFilter::matches`]). The filter's compaction and gathers, its output's
 //!   download, its waits and the keys' second upload are gone.
+//! - A left semi or anti join without a residual filter brings down no pairs: the probe
+//!   marks the build rows it matches on the device under the mask, and the program's error
+//!   word comes up with the marks, once for many batches (`marks.rs`); a set word sends the
+//!   batches marked since the last read to the twin.
 //!
 //! Not taken in: a filter under a right, full or right anti join (they emit the probe rows
 //! that match nothing, so a batch against an empty build side would need the filter on its

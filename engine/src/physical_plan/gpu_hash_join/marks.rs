@@ -20,8 +20,9 @@ use fulmen_kernels::ops::join::JoinMarks;
 /// How many device batches' bytes (`fulmen.gpu.batch_bytes`, so 256 MiB by default) of
 /// probe rows marked on the device a partition keeps on the host (their lineage: the host
 /// batch, or what a device chunk is made again from) before it reads the marks: the price of
-/// reading them once, not once per batch. Device chunks count at their device bytes (the
-/// host data their lineage holds is the producer's, of a size not known here).
+/// reading them once, not once per batch. A host chunk counts at its bytes; a device chunk
+/// as a whole device batch, whatever its rows: its lineage holds its producer's input (a
+/// selective filter's whole input batch, say), of a size not known here.
 pub(super) const RETAIN_BATCHES: usize = 4;
 
 /// A partition's build rows marked on the device that the host has not read yet, and how to
@@ -87,7 +88,7 @@ impl ProbeMarks {
         marked.unread.push(lineage);
         marked.unread_bytes += match chunk {
             Chunk::Host(batch) => crate::physical_plan::coalesce::host_bytes(batch),
-            Chunk::Device(batch, ..) => batch.columns().iter().map(|c| c.device_bytes()).sum(),
+            Chunk::Device(..) => run.batch.bytes,
         };
         let valid = match kept {
             Some((kept, status)) => {
@@ -113,8 +114,8 @@ impl ProbeMarks {
     /// words of the fused programs that masked the probes. Should the read fail (a lost
     /// device) or one of those programs have left a row to the CPU, the chunks marked since
     /// the last read are matched again on the host instead, against `build()` (each counted
-    /// as a batch that fell back, or that went to the CPU by rule; matching one again
-    /// changes nothing).
+    /// once more, as a batch that fell back, or that went to the CPU by rule, however it ran
+    /// the first time; matching one again changes nothing).
     pub(super) fn read(
         &mut self,
         run: &JoinRun,
@@ -132,6 +133,7 @@ impl ProbeMarks {
         let statuses = std::mem::take(&mut marked.statuses);
         marked.unread_bytes = 0;
         let metrics = &run.metrics;
+        run.extra.mark_reads.add(1);
         let read = {
             let statuses: Vec<&DeviceBuffer> = statuses.iter().collect();
             metrics.kernel(|| marked.marks.read(&statuses))

@@ -345,6 +345,9 @@ impl GpuHashJoinExec {
             probe_takes: MetricBuilder::new(&self.metrics)
                 .with_label(label())
                 .counter("probe_takes", partition),
+            mark_reads: MetricBuilder::new(&self.metrics)
+                .with_label(label())
+                .counter("mark_reads", partition),
         };
         count_operator(&self.executed, OperatorKind::Join);
         super::gpu_stream::count_partition();

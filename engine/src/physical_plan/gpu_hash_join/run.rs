@@ -30,6 +30,9 @@ pub(super) struct JoinMetrics {
     /// output that stays on the device, instead of their columns uploaded whole (see
     /// `DeviceProbing::take_pays`).
     pub(super) probe_takes: Count,
+    /// Reads of a left semi or anti join's device marks (see `marks.rs`): one a partition,
+    /// more where the probe rows it kept to match again grew past their bound.
+    pub(super) mark_reads: Count,
 }
 
 pub(super) struct JoinRun {
@@ -507,7 +510,7 @@ impl PieceWork for Probing {
         };
         // A left semi or anti join without a residual filter marks its matches on the
         // device, read later: the piece itself emits nothing.
-        if self.run.work.build_rows_on_device() {
+        if self.run.work.marks_matches() {
             let schema = Arc::clone(&self.run.work.right_schema);
             return match self.marks.mark(&self.run, &table, piece)? {
                 true => Ok(OnDevice::Out((

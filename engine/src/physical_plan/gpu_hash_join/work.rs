@@ -98,10 +98,18 @@ impl JoinWork {
     }
 
     /// Whether the join emits only build rows, chosen by the probe (left semi and left
-    /// anti joins without a residual filter): the probe marks the rows it matched on the
-    /// device, with no host wait (`marks.rs`), and a build side on the device stays there,
-    /// only the rows emitted gathered there at the end (see `semi.rs`).
+    /// anti joins without a residual filter): a build side on the device stays there, the
+    /// probe marks the rows it matched, and only the rows emitted are gathered there at the
+    /// end (see `semi.rs`).
     pub(super) fn build_rows_on_device(&self) -> bool {
+        self.marks_matches()
+    }
+
+    /// Whether the probe marks the build rows it matched in a bitmap on the device, with
+    /// no host wait, instead of bringing pairs down (`marks.rs`), wherever the build side
+    /// lies: the joins that emit only build rows, chosen by the probe (left semi and left
+    /// anti joins without a residual filter).
+    pub(super) fn marks_matches(&self) -> bool {
         matches!(self.join_type, JoinType::LeftSemi | JoinType::LeftAnti) && self.filter.is_none()
     }
 
