@@ -417,6 +417,14 @@ impl Device {
         self.read_at(&mut at)
     }
 
+    /// Reads `out.len()` bytes of each buffer from its offset (see [`Self::read_at`]).
+    pub(crate) fn read_ranges(
+        &self,
+        reads: &mut [(&DeviceBuffer, usize, &mut [u8])],
+    ) -> Result<()> {
+        self.read_at(reads)
+    }
+
     /// Reads `out.len()` bytes of each buffer from its offset: the copies are queued back
     /// to back into the staging buffer and the host waits once per [`STAGING_BYTES`] they
     /// fill (a read larger than what is left of a fill goes on into the next), once the

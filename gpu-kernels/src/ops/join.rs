@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::hash_table::{HashTable, KeyCheck};
-use super::{PendingIndices, RowIndices, Word, check_rows, expr, key_descriptors};
+use super::{PendingIndices, RowIndices, Word, check_rows, expr, key_descriptors, u32s_of};
 use crate::column::DeviceColumn;
 use crate::device::Device;
 use crate::memory::DeviceBuffer;
@@ -24,7 +24,14 @@ pub struct JoinTable {
     /// The most matches per probe row seen so far, in 1/1024ths: it sizes the next
     /// probe's outputs, so that the host waits once per probe (see `probe_queued`).
     matches_per_row: AtomicU64,
+    /// The last probe's matches per probe row, in 1/1024ths (`UNSEEN` before the first):
+    /// how many pairs a probe bringing its pairs to the host reads in its one wait (see
+    /// [`QueuedProbe::pairs_to_host`]).
+    last_per_row: AtomicU64,
 }
+
+/// `JoinTable::last_per_row` before any probe finished.
+const UNSEEN: u64 = u64::MAX;
 
 /// Matching row pairs of a probe: in probe order, and within one probe row in build order
 /// (the order DataFusion's hash join gives them in).
@@ -83,6 +90,7 @@ impl JoinTable {
             descriptors,
             rows,
             matches_per_row: AtomicU64::new(1024),
+            last_per_row: AtomicU64::new(UNSEEN),
         })
     }
 
@@ -101,22 +109,17 @@ impl JoinTable {
     }
 
     /// The pairs of build and probe rows whose keys are equal, for `n` probe rows, on the
-    /// host.
+    /// host: one host wait, most often (see [`QueuedProbe::pairs_to_host`]).
     pub fn probe(
         &self,
         keys: &[&DeviceColumn],
         valid: Option<&DeviceBuffer>,
         n: usize,
     ) -> Result<Matches> {
-        let Some((build_rows, probe_rows)) = self.probe_on_device(keys, valid, n)? else {
-            return Ok(Matches::default());
-        };
-        let mut both = RowIndices::all_to_host(&[&build_rows, &probe_rows])?;
-        let (probe, build) = (
-            both.pop().unwrap_or_default(),
-            both.pop().unwrap_or_default(),
-        );
-        Ok(Matches::from_probe(build, probe))
+        match self.probe_queued(keys, valid, n, 0)? {
+            Some(queued) => queued.pairs_to_host(),
+            None => Ok(Matches::default()),
+        }
     }
 
     /// The matching pairs left on the device as row indices (build rows into the build
@@ -407,20 +410,11 @@ impl QueuedProbe<'_> {
 
     fn finish_with(self, stop_on_first_word: bool) -> Result<Option<Probed>> {
         let words = self.totals.prefix_to_host(8 + 8 * self.extra)?;
-        let words: Vec<u64> = words
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
-            .collect();
-        let Some(&total) = words.first() else {
-            return Err(KernelError::InvalidData("a short probe status read".into()));
-        };
-        if stop_on_first_word && words.get(1).is_some_and(|&w| w != 0) {
+        let Some(total) = self.total_of(&words, stop_on_first_word)? else {
             return Ok(None);
-        }
-        let total = total as usize;
+        };
+        let words = words_of(&words);
         let table = self.table;
-        let seen = (total.saturating_mul(1024)).div_ceil(self.n) as u64;
-        table.matches_per_row.fetch_max(seen, Ordering::Relaxed);
         if total <= self.cap {
             let (build, probe) = self.matches;
             return Ok(Some(Probed {
@@ -433,13 +427,107 @@ impl QueuedProbe<'_> {
                 words: Some(words[1..].to_vec()),
             }));
         }
-        drop(self.matches);
-        // The first count pass wrote the hashes, after the keys' work: nothing to wait for.
-        let check = table.check(&self.probe_descriptors);
-        let found = (table.table).probe(&self.hashes, self.valid, self.n, Some(&check))?;
         Ok(Some(Probed {
-            pairs: (!found.build.is_empty()).then_some((found.build, found.probe)),
+            pairs: self.again()?,
             words: None,
         }))
     }
+
+    /// The matches' total out of the status `words` read (`None`: `stop_on_first_word`
+    /// and the first caller word set), noted as the table's rates of matches per row.
+    fn total_of(&self, words: &[u8], stop_on_first_word: bool) -> Result<Option<usize>> {
+        let words = words_of(words);
+        let Some(&total) = words.first() else {
+            return Err(KernelError::InvalidData("a short probe status read".into()));
+        };
+        if stop_on_first_word && words.get(1).is_some_and(|&w| w != 0) {
+            return Ok(None);
+        }
+        let seen = (total.saturating_mul(1024)).div_ceil(self.n as u64);
+        (self.table.matches_per_row).fetch_max(seen, Ordering::Relaxed);
+        (self.table.last_per_row).store(seen, Ordering::Relaxed);
+        Ok(Some(total as usize))
+    }
+
+    /// The probe run again with exact sizes, after its matches overflowed the outputs
+    /// (`None`: nothing matched).
+    fn again(self) -> Result<Option<(RowIndices, RowIndices)>> {
+        drop(self.matches);
+        // The first count pass wrote the hashes, after the keys' work: nothing to wait for.
+        let table = self.table;
+        let check = table.check(&self.probe_descriptors);
+        let found = (table.table).probe(&self.hashes, self.valid, self.n, Some(&check))?;
+        Ok((!found.build.is_empty()).then_some((found.build, found.probe)))
+    }
+
+    /// Waits for the probe and brings its pairs to the host, most often in the one wait
+    /// that reads its total: that read takes as many pairs as the table's last probe
+    /// found per probe row predict, and 1/64 of the probe rows more (copied whether
+    /// written or not; none before the table's first probe finished). A probe that found
+    /// more reads the rest in a second wait; one whose matches overflowed its outputs runs
+    /// again with exact sizes.
+    pub fn pairs_to_host(self) -> Result<Matches> {
+        self.pairs_to_host_with(false)?
+            .ok_or_else(|| KernelError::InvalidData("a probe stopped with no cause".into()))
+    }
+
+    /// [`pairs_to_host`](Self::pairs_to_host) for a probe whose first caller word is the
+    /// error word of work queued before it (see
+    /// [`finish_unless_failed`](Self::finish_unless_failed)): `None` when that word is set.
+    pub fn pairs_to_host_unless_failed(self) -> Result<Option<Matches>> {
+        if self.extra == 0 {
+            return Err(KernelError::Unsupported(
+                "a probe without a caller word cannot carry an error word".into(),
+            ));
+        }
+        self.pairs_to_host_with(true)
+    }
+
+    fn pairs_to_host_with(self, stop_on_first_word: bool) -> Result<Option<Matches>> {
+        let device = self.totals.device();
+        let guess = match self.table.last_per_row.load(Ordering::Relaxed) {
+            UNSEEN => 0,
+            rate => (self.n as u64).saturating_mul(rate) / 1024 + self.n as u64 / 64 + 256,
+        }
+        .min(self.cap as u64) as usize;
+        let mut words = vec![0u8; 8 + 8 * self.extra];
+        let mut build = vec![0u8; guess * 4];
+        let mut probe = vec![0u8; guess * 4];
+        device.read_many(&mut [
+            (&self.totals, &mut words),
+            (&self.matches.0, &mut build),
+            (&self.matches.1, &mut probe),
+        ])?;
+        let Some(total) = self.total_of(&words, stop_on_first_word)? else {
+            return Ok(None);
+        };
+        if total > self.cap {
+            let Some((build, probe)) = self.again()? else {
+                return Ok(Some(Matches::default()));
+            };
+            let mut both = RowIndices::all_to_host(&[&build, &probe])?;
+            let (probe, build) = (
+                both.pop().unwrap_or_default(),
+                both.pop().unwrap_or_default(),
+            );
+            return Ok(Some(Matches::from_probe(build, probe)));
+        }
+        build.resize(total * 4, 0);
+        probe.resize(total * 4, 0);
+        if total > guess {
+            // The pairs past the guess, in a second wait.
+            device.read_ranges(&mut [
+                (&self.matches.0, guess * 4, &mut build[guess * 4..]),
+                (&self.matches.1, guess * 4, &mut probe[guess * 4..]),
+            ])?;
+        }
+        Ok(Some(Matches::from_probe(u32s_of(&build), u32s_of(&probe))))
+    }
+}
+
+/// Little-endian 64-bit words of `bytes`.
+fn words_of(bytes: &[u8]) -> Vec<u64> {
+    (bytes.chunks_exact(8))
+        .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+        .collect()
 }

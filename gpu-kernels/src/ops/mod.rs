@@ -290,16 +290,16 @@ impl RowIndices {
                 false => crate::column::download_columns_with(device, columns, &mut reads)?,
             };
         }
-        let lists = bytes
-            .iter()
-            .map(|b| {
-                b.chunks_exact(4)
-                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect()
-            })
-            .collect();
+        let lists = bytes.iter().map(|b| u32s_of(b)).collect();
         Ok((lists, arrays))
     }
+}
+
+/// Little-endian 32-bit words of `bytes` (a trailing part word left out).
+pub(crate) fn u32s_of(bytes: &[u8]) -> Vec<u32> {
+    (bytes.chunks_exact(4))
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// How the kernels compare a key column (`KeyKind` in fulmen.cuh). Floats compare bit for

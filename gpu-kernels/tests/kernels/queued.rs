@@ -341,6 +341,99 @@ fn a_probe_whose_error_word_is_set_stops_in_its_one_wait() {
     }
 }
 
+/// A probe bringing its pairs to the host (`QueuedProbe::pairs_to_host`, a join whose
+/// output goes to the host) gives a nested loop's pairs, in probe order and within a probe
+/// row in build order, and reads them in the wait that reads its total once the table has
+/// seen a probe at about its rate of matches: a fresh table's first probe, outgrowing its
+/// outputs, runs again; a probe finding more than the last one's rate predicts reads the
+/// rest in a second wait; one finding fewer reads the guess whole. On the test device
+/// (the waits counted on an emulated device of the test's own).
+#[test]
+fn a_probe_brings_its_pairs_to_the_host_in_its_one_wait() {
+    probe_pairs_to_host(&device(), false);
+    probe_pairs_to_host(&emulated(), true);
+}
+
+fn probe_pairs_to_host(d: &Device, count_waits: bool) {
+    // 3000 build rows, each key 30 times (some NULL), against 2000 probe rows.
+    let build: Int64Array = (0..3000)
+        .map(|i| (i % 97 != 5).then_some(i % 100))
+        .collect();
+    let table = JoinTable::build(
+        d,
+        vec![DeviceColumn::upload(d, &build).unwrap()],
+        None,
+        3000,
+        false,
+    )
+    .unwrap();
+    // Probes matching about 2 rows in 3, 2 in 3 again, 1 in 3, 2 in 3, none.
+    let modulus = [150, 150, 300, 150, 1];
+    let offset = [0, 0, 0, 0, 1000];
+    for (round, (&m, &o)) in modulus.iter().zip(&offset).enumerate() {
+        let probe: Int64Array = (0..2000)
+            .map(|i| (i % 61 != 7).then_some(i * 7 % m + o))
+            .collect();
+        let (mut want_build, mut want_probe) = (Vec::new(), Vec::new());
+        for p in 0..2000 {
+            for b in 0..3000 {
+                if probe.is_valid(p) && build.is_valid(b) && probe.value(p) == build.value(b) {
+                    want_build.push(b as u32);
+                    want_probe.push(p as u32);
+                }
+            }
+        }
+        let keys = DeviceColumn::upload(d, &probe).unwrap();
+        let before = d.counts();
+        let matches = table
+            .probe_queued(&[&keys], None, 2000, 0)
+            .unwrap()
+            .map(|q| q.pairs_to_host().unwrap())
+            .unwrap();
+        let after = d.counts();
+        assert_eq!(matches.probe, want_probe, "round {round}");
+        assert_eq!(matches.build, want_build, "round {round}");
+        if !count_waits {
+            continue;
+        }
+        let waits = after.syncs - before.syncs;
+        let read = (after.d2h_bytes - before.d2h_bytes) as usize;
+        match round {
+            0 => assert!(waits > 2, "a fresh table's first probe runs again: {waits}"),
+            1 | 2 | 4 => assert_eq!(waits, 1, "round {round}: the total and the pairs together"),
+            _ => assert_eq!(waits, 2, "more than the last rate predicts: the rest apart"),
+        }
+        assert!(read >= 8 + want_probe.len() * 8, "round {round}: {read}");
+        if round == 2 {
+            // The guess, at the last probe's rate, over-reads what this one found.
+            assert!(read > 8 + want_probe.len() * 8 * 3 / 2, "{read}");
+        }
+    }
+    // A set error word (a fused filter's program leaving a row to the CPU): no pairs, in
+    // the one wait.
+    let probe: Int64Array = (0..2000).map(|i| Some(i * 7 % 150)).collect();
+    let keys = DeviceColumn::upload(d, &probe).unwrap();
+    let mut words = vec![0u8; 16];
+    words[8] = 1;
+    let before = d.counts().syncs;
+    let queued =
+        (table.probe_queued_into(&[&keys], None, 2000, 1, Some(d.upload(&words).unwrap())))
+            .unwrap()
+            .unwrap();
+    assert!(queued.pairs_to_host_unless_failed().unwrap().is_none());
+    if count_waits {
+        assert_eq!(d.counts().syncs - before, 1);
+    }
+    let queued = table
+        .probe_queued(&[&keys], None, 2000, 0)
+        .unwrap()
+        .unwrap();
+    assert!(
+        queued.pairs_to_host_unless_failed().is_err(),
+        "no error word to read"
+    );
+}
+
 /// A join's pairs and the probe columns they index come down in one wait (what a join whose
 /// output goes to the host takes there), equal to reading them apart.
 #[test]

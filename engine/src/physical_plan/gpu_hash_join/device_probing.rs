@@ -126,11 +126,21 @@ impl DeviceProbing {
         // `None` out of the closure: a fused filter's program left a row to the CPU.
         let (kept, totals) = selected.unzip();
         let valid = kept.as_ref().map(DeviceColumn::values);
+        // Output of a host chunk that goes to the host is taken there (`gather_pays`): its
+        // pairs come down in the probe's wait.
+        let pairs_to_host = self.to_host && matches!(chunk, Chunk::Host(_));
         let probed = metrics.kernel(|| -> Result<_, KernelError> {
             let extra = lead + strings.len();
             let Some(queued) = table.probe_queued_into(&keys, valid, n, extra, totals)? else {
-                return Ok(Some(None));
+                return Ok(Some(Found::OnDevice(None)));
             };
+            if pairs_to_host {
+                let matches = match lead {
+                    0 => Some(queued.pairs_to_host()?),
+                    _ => queued.pairs_to_host_unless_failed()?,
+                };
+                return Ok(matches.map(Found::OnHost));
+            }
             // The build side's strings, then the probe side's (`strings` is in that order),
             // each side's queued together.
             let mut starts = Vec::with_capacity(strings.len());
@@ -169,7 +179,7 @@ impl DeviceProbing {
                 },
             };
             // After a probe that ran again with exact sizes the queued starts are void.
-            let started: HashMap<usize, (gather::QueuedStarts, u64)> = match probed.words {
+            let started: Started = match probed.words {
                 Some(totals) => strings
                     .iter()
                     .copied()
@@ -177,11 +187,31 @@ impl DeviceProbing {
                     .collect(),
                 None => HashMap::new(),
             };
-            Ok(Some(probed.pairs.map(|pairs| (pairs, started))))
+            Ok(Some(Found::OnDevice(
+                probed.pairs.map(|pairs| (pairs, started)),
+            )))
         })?;
         drop(keys);
-        let Some(probed) = probed else {
-            return Ok(Probe::ToCpu);
+        let probed = match probed {
+            None => return Ok(Probe::ToCpu),
+            Some(Found::OnDevice(probed)) => probed,
+            Some(Found::OnHost(matches)) => {
+                let Chunk::Host(batch) = chunk else {
+                    return Err(KernelError::InvalidData(
+                        "pairs of a device chunk brought to the host".into(),
+                    ));
+                };
+                if matches.probe.is_empty() {
+                    return Ok(Probe::Out(None));
+                }
+                let probe = (run.work.probe_outputs().iter())
+                    .map(|&c| (c, Arc::clone(batch.column(c))))
+                    .collect();
+                let (build_rows, probe_rows) = (matches.build.into(), matches.probe.into());
+                let out = self.take_on_host(&probe, &build_rows, &probe_rows)?;
+                run.extra.host_takes.add(1);
+                return Ok(Probe::Out(Some(out)));
+            }
         };
         let Some(((build_rows, probe_rows), mut started)) = probed else {
             return Ok(Probe::Out(None));
@@ -281,6 +311,23 @@ impl DeviceProbing {
         Ok(Probe::Out(Some(out)))
     }
 }
+
+/// What a probe found: pairs left on the device (`None`: nothing matched), with the string
+/// gathers queued over them, or pairs brought to the host.
+enum Found {
+    OnDevice(Option<(Pairs, Started)>),
+    OnHost(fulmen_kernels::ops::join::Matches),
+}
+
+/// The string gathers queued over a probe's pending pairs, by output column, with their
+/// byte totals.
+type Started = HashMap<usize, (gather::QueuedStarts, u64)>;
+
+/// A probe's (build, probe) row pairs on the device.
+type Pairs = (
+    fulmen_kernels::ops::RowIndices,
+    fulmen_kernels::ops::RowIndices,
+);
 
 /// What became of a probe batch on the device.
 pub(super) enum Probe {
@@ -411,6 +458,19 @@ impl DeviceProbing {
         let (Some(build_rows), Some(probe_rows)) = (pairs.next(), pairs.next()) else {
             return Err(KernelError::InvalidData("a probe without pairs".into()));
         };
+        self.take_on_host(&probe, &build_rows, &probe_rows)
+    }
+
+    /// The output of the matched pairs `build_rows` and `probe_rows` taken on the host, from
+    /// the probe chunk's output columns `probe` and the build side (brought to the host
+    /// once, if it is not there yet).
+    fn take_on_host(
+        &self,
+        probe: &HashMap<usize, ArrayRef>,
+        build_rows: &UInt32Array,
+        probe_rows: &UInt32Array,
+    ) -> Result<Chunk, KernelError> {
+        let metrics = &self.run.metrics;
         let host = |e: DataFusionError| KernelError::InvalidData(e.to_string());
         let build = self.build.host(metrics).map_err(host)?;
         let column = |from_build: bool, c: usize| match from_build {
@@ -418,7 +478,7 @@ impl DeviceProbing {
             false => probe.get(&c).cloned(),
         };
         let out = (self.run.work)
-            .inner_output(column, &build_rows, &probe_rows)
+            .inner_output(column, build_rows, probe_rows)
             .map_err(host)?;
         Ok(Chunk::Host(out))
     }

@@ -165,11 +165,13 @@ impl FusedFilter {
     }
 
     /// Matches a chunk of the filter's input on the device, for a join that assembles its
-    /// output on the host: [`probe`](Self::probe), then one read of the pairs (none when
-    /// nothing matched). The pairs' probe rows are the input's: a row the filter drops
-    /// matched nothing, and the join types that take a filter in emit no probe row without
-    /// a match, so the join reads the input through [`host_view`](Self::host_view) as it
-    /// would read the filter's output. `None`: the program left a row to the CPU.
+    /// output on the host: the predicate's program and the probe under its row mask, with
+    /// one wait, most often, for the probe's total, the program's error word and the pairs
+    /// together (`QueuedProbe::pairs_to_host`). The pairs' probe rows are the input's: a
+    /// row the filter drops matched nothing, and the join types that take a filter in emit
+    /// no probe row without a match, so the join reads the input through
+    /// [`host_view`](Self::host_view) as it would read the filter's output. `None`: the
+    /// program left a row to the CPU.
     pub(super) fn matches(
         &self,
         table: &JoinTable,
@@ -178,36 +180,10 @@ impl FusedFilter {
         device: &Device,
         metrics: &GpuMetrics,
     ) -> Result<Option<Matches>, KernelError> {
-        let Some(pairs) = self.probe(table, chunk, right_keys, device, metrics)? else {
-            return Ok(None);
-        };
-        let Some((build, probe)) = pairs else {
-            return Ok(Some(Matches::default()));
-        };
-        let mut both = metrics.download_with_indices(&[&build, &probe], &[])?.0;
-        let (probe, build) = (
-            both.pop().unwrap_or_default(),
-            both.pop().unwrap_or_default(),
-        );
-        Ok(Some(Matches::from_probe(build, probe)))
-    }
-
-    /// Probes a chunk of the filter's input on the device: the predicate's program and the
-    /// probe under its row mask, with one wait for the probe's total and the program's
-    /// error word together. The matched (build, probe) rows, left on the device (`None`
-    /// inside: nothing matched); `None`: the program left a row to the CPU.
-    pub(super) fn probe(
-        &self,
-        table: &JoinTable,
-        chunk: &Chunk,
-        right_keys: &[usize],
-        device: &Device,
-        metrics: &GpuMetrics,
-    ) -> Result<Option<Option<(RowIndices, RowIndices)>>, KernelError> {
         let n = chunk.num_rows();
         if n == 0 || table.rows() == 0 {
             // Nothing can match, and no probe row comes out without a match.
-            return Ok(Some(None));
+            return Ok(Some(Matches::default()));
         }
         let mut columns = HashMap::new();
         // Word 0 the probe's matches, word 1 the program's error.
@@ -225,7 +201,7 @@ impl FusedFilter {
         metrics.kernel(|| {
             let valid = Some(kept.values());
             match table.probe_queued_into(&keys, valid, n, 1, Some(status))? {
-                Some(queued) => Ok(queued.finish_unless_failed()?.map(|p| p.pairs)),
+                Some(queued) => queued.pairs_to_host_unless_failed(),
                 None => Err(KernelError::InvalidData(
                     "a probe with rows not queued".into(),
                 )),
