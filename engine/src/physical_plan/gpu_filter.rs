@@ -1,10 +1,13 @@
 //! `GpuFilterExec`: DataFusion's `FilterExec` on a GPU. The predicate runs as one
 //! expression program, the selection is compacted into row indices on the device, and the
-//! kept rows are gathered there; only the filter's output comes back. The host waits once
-//! per batch for the program's error word, the selection's count and the byte totals of
-//! the string columns it gathers together (those gathers' lengths are queued over the
-//! selection before its count is known), and, when its output goes to the host, once for
-//! the download of all its columns.
+//! kept rows are gathered there. The host waits once per batch for the program's error
+//! word, the selection's count and the byte totals of the string columns it gathers
+//! together (those gathers' lengths are queued over the selection before its count is
+//! known), and, when its output goes to the host, once for the download of all its
+//! columns. A batch from the host whose output goes back to the host takes its rows there
+//! instead: only the predicate's inputs go up, and the predicate comes down, a bit a row,
+//! with the program's error word in one wait; the kept rows are never copied to the device
+//! and back.
 //!
 //! The plan node is the shared [`GpuBatchExec`] and the stream the shared
 //! [`GpuStream`](super::gpu_stream::GpuStream); this file holds the filter's work.
@@ -12,7 +15,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use datafusion::arrow::array::RecordBatch;
+use datafusion::arrow::array::{BooleanArray, RecordBatch, RecordBatchOptions};
+use datafusion::arrow::compute::filter_record_batch;
+use datafusion::arrow::datatypes::{DataType, SchemaRef};
 use datafusion::error::Result;
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::ExecutionPlan;
@@ -171,6 +176,59 @@ impl BatchWork for FilterWork {
             }))
         })?;
         Ok(kept)
+    }
+
+    /// A host batch's rows are taken on the host, by the predicate's bits brought down with
+    /// the program's error word in one wait (NULL is not kept, as in DataFusion's filter); a
+    /// device chunk's output is gathered there and comes down (`gpu`).
+    fn gpu_to_host(
+        &self,
+        device: &Device,
+        input: &Chunk,
+        metrics: &GpuMetrics,
+        schema: &SchemaRef,
+    ) -> Result<Option<RecordBatch>, KernelError> {
+        let Chunk::Host(batch) = input else {
+            return match self.gpu(device, input, metrics)? {
+                Some(out) => out.to_host(schema, metrics).map(Some),
+                None => Ok(None),
+            };
+        };
+        let n = batch.num_rows();
+        if n == 0 {
+            return Ok(Some(RecordBatch::new_empty(Arc::clone(schema))));
+        }
+        let Ok(program) = self.program.bind(batch) else {
+            return Ok(None);
+        };
+        let inputs = (self.program.inputs.iter())
+            .map(|&c| input.device_column(c, device, metrics))
+            .collect::<Result<Vec<_>, _>>()?;
+        let inputs: Vec<&DeviceColumn> = inputs.iter().collect();
+        let (predicate, status) = metrics.kernel(|| -> Result<_, KernelError> {
+            let status = device.upload(&vec![0; status_bytes(0)])?;
+            let mut predicate = expr::evaluate_unchecked(device, &program, &inputs, n, &status)?;
+            Ok((predicate.remove(0), status))
+        })?;
+        let down = [(&predicate, &DataType::Boolean)];
+        let Some(mut mask) = metrics.download_checked(device, &down, &status)? else {
+            return Ok(None);
+        };
+        let host =
+            |e: datafusion::arrow::error::ArrowError| KernelError::InvalidData(e.to_string());
+        let mask = mask
+            .pop()
+            .ok_or_else(|| KernelError::InvalidData("no predicate came down".into()))?;
+        let mask = mask
+            .as_any()
+            .downcast_ref::<BooleanArray>()
+            .ok_or_else(|| KernelError::InvalidData("a predicate that is not boolean".into()))?;
+        let kept = filter_record_batch(&batch.project(&self.outputs).map_err(host)?, mask)
+            .map_err(host)?;
+        let rows = RecordBatchOptions::new().with_row_count(Some(kept.num_rows()));
+        RecordBatch::try_new_with_options(Arc::clone(schema), kept.columns().to_vec(), &rows)
+            .map(Some)
+            .map_err(host)
     }
 
     fn cpu(&self, batch: &RecordBatch) -> Result<RecordBatch> {

@@ -234,18 +234,19 @@ async fn a_grouped_aggregate_takes_its_filter_into_one_device_stage() {
     );
 }
 
-/// A filter whose output goes to the host waits twice per device batch: once for its
-/// program's error word and its selection's count together, once for its output columns
-/// (all of them in one download); its launches are the program, the compaction (one pass:
-/// count, look-back scan and scatter; a count, a scan and a scatter until 2026-12-07) and
-/// one gather of all its output columns (`gather_many`). Fewer where nothing passed.
+/// A filter over host batches whose output goes to the host takes its rows there: per
+/// device batch one launch (the predicate's program) and one wait (its bits, with the
+/// error word), with only the predicate's inputs uploaded and two bits a row downloaded.
+/// (Until 2026-12-07 two waits, once for the count and once for the output, and three
+/// launches: the program, the compaction and the gather of every output column, all of
+/// them uploaded and the kept rows downloaded.)
 #[tokio::test]
-async fn a_filter_waits_once_for_its_count_and_once_for_its_output() {
-    let sql = "SELECT l_orderkey, l_linenumber, l_extendedprice, l_shipdate FROM lineitem \
-               WHERE l_shipdate > DATE '1998-09-01' AND l_discount >= 0.05 \
+async fn a_filter_from_the_host_to_the_host_waits_once_for_its_predicate() {
+    let sql = "SELECT l_orderkey, l_linenumber, l_extendedprice, l_comment, l_shipdate \
+               FROM lineitem WHERE l_shipdate > DATE '1998-09-01' AND l_discount >= 0.05 \
                ORDER BY l_orderkey, l_linenumber";
     let (launches, syncs) = work_per_batch_of(
-        "a numeric filter",
+        "a filter to the host",
         sql,
         [
             "emulated:1/filter-waits-cpu",
@@ -255,13 +256,40 @@ async fn a_filter_waits_once_for_its_count_and_once_for_its_output() {
         |text, plan| {
             assert!(plan_has(plan, "GpuFilterExec"), "{text}");
             assert!(!plan_has(plan, "GpuProjectionExec"), "{text}");
+            let filter = the_node(plan, "GpuFilterExec");
+            let (rows, up, down) = (
+                metric_sum(&filter, "input_rows").max(60_000),
+                metric_sum(&filter, "h2d_bytes"),
+                metric_sum(&filter, "d2h_bytes"),
+            );
+            // Two columns up (a date and a decimal held as 8 bytes), not five; two bits a
+            // row and the status words down.
+            assert!(up <= rows * 12 + (1 << 16), "{up} bytes up\n{text}");
+            assert!(down <= rows / 4 + (1 << 12), "{down} bytes down\n{text}");
         },
     )
     .await;
     assert!(
-        launches <= 3.0 && syncs <= 2.0,
+        launches <= 1.0 && syncs <= 1.0,
         "{launches} launches, {syncs} syncs"
     );
+}
+
+/// The one node named `name` in `plan`, which must be there.
+fn the_node(
+    plan: &std::sync::Arc<dyn datafusion::physical_plan::ExecutionPlan>,
+    name: &str,
+) -> std::sync::Arc<dyn datafusion::physical_plan::ExecutionPlan> {
+    use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+    let mut found = Vec::new();
+    let _ = plan.apply(|node| {
+        if node.name() == name {
+            found.push(std::sync::Arc::clone(node));
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    assert_eq!(found.len(), 1, "{name}");
+    found.remove(0)
 }
 
 /// A projection whose output goes to the host waits once per device batch: its program is
@@ -322,35 +350,39 @@ async fn a_projection_to_the_host_over_device_rows_keeps_its_columns_and_leaves_
     }
 }
 
-/// A filter that outputs string columns waits no more: the lengths of the strings it
-/// gathers are queued over its selection before the count is known, and their byte totals
-/// come up with the count and the program's error word, in the same one wait (before,
-/// each string column added a wait of its own: 5 here). Its launches: the program, the
-/// compaction (one pass), the fixed-width columns' gather, the string columns' lengths and
-/// offsets (one launch for all three) and their bytes' copy (one launch): 5 (this bound was
-/// 23 before gathers took several columns a launch and scans went to one pass).
+/// A filter over device rows (a cached table's chunks) whose output, string columns among
+/// it, goes to the host waits twice a device batch: once for its count, the program's error
+/// word and the byte totals of the strings it gathers (their lengths queued over its
+/// selection before the count is known; before, each string column added a wait of its
+/// own), once for the download of its output. Its launches: the program, the compaction
+/// (one pass), the fixed-width columns' gather, the string columns' lengths and offsets (one
+/// launch for all) and their bytes' copy (one launch), and a launch for each dictionary's
+/// codes (the cache holds `l_shipmode` and `l_returnflag` as dictionaries): 8 (23 for the
+/// same output before gathers took several columns a launch and scans went to one pass).
+/// It uploads no column.
 #[tokio::test]
-async fn a_filter_gathering_strings_waits_once_for_its_count_and_their_bytes() {
+async fn a_filter_over_device_rows_waits_once_for_its_count_and_their_bytes() {
     let sql = "SELECT l_orderkey, l_linenumber, l_shipmode, l_comment, l_returnflag FROM lineitem \
                WHERE l_shipdate > DATE '1998-09-01' AND l_discount >= 0.05 \
                ORDER BY l_orderkey, l_linenumber";
-    let (launches, syncs) = work_per_batch_of(
-        "a filter gathering strings",
-        sql,
-        [
-            "emulated:1/filter-strings-cpu",
-            "emulated:1/filter-strings-a",
-            "emulated:1/filter-strings-b",
-        ],
-        |text, plan| {
-            assert!(plan_has(plan, "GpuFilterExec"), "{text}");
-        },
-    )
-    .await;
-    assert!(
-        launches <= 5.0 && syncs <= 2.0,
-        "{launches} launches, {syncs} syncs"
+    let (gpu, cpu) = tpch_contexts("emulated:1/filter-strings", 1, None);
+    gpu.cache_table("lineitem").await.unwrap();
+    let (_, want) = run(&cpu, sql).await;
+    let plan = plan_of(&gpu, sql).await;
+    assert_eq!(rows_of(&gpu, &plan).await, want);
+    let work = Work::of(&plan);
+    assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
+    let filter = the_node(&plan, "GpuFilterExec");
+    let batches = metric_sum(&filter, "gpu_batches");
+    let (launches, syncs) = (
+        metric_sum(&filter, "launches"),
+        metric_sum(&filter, "syncs"),
     );
+    assert!(
+        batches > 0 && launches <= 8 * batches && syncs <= 2 * batches,
+        "{batches} batches: {launches} launches, {syncs} syncs"
+    );
+    assert!(metric_sum(&filter, "h2d_bytes") < 4 * super::cache::CONTROL_BYTES);
 }
 
 /// Rows a fused filter drops make no group, whatever the keys (computed, strings, NULL)
