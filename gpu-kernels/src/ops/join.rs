@@ -211,6 +211,7 @@ impl JoinTable {
             probe_descriptors,
             totals,
             matches,
+            probe_rows_too: false,
         }))
     }
 
@@ -342,6 +343,7 @@ pub struct QueuedProbe<'a> {
     probe_descriptors: DeviceBuffer,
     totals: DeviceBuffer,
     matches: (DeviceBuffer, DeviceBuffer),
+    probe_rows_too: bool,
 }
 
 /// What a queued probe found.
@@ -353,6 +355,9 @@ pub struct Probed {
     /// matches than its outputs had room for and ran again with exact sizes: the work
     /// queued over the pending matches then counts for nothing.
     pub words: Option<Vec<u64>>,
+    /// The matches' probe rows, read in the probe's wait when the caller asked for them
+    /// ([`QueuedProbe::read_probe_rows_too`]) and the guess held them all; else `None`.
+    pub probe_rows: Option<Vec<u32>>,
 }
 
 impl QueuedProbe<'_> {
@@ -408,8 +413,23 @@ impl QueuedProbe<'_> {
         self.finish_with(true)
     }
 
+    /// Asks [`finish`](Self::finish) (or [`finish_unless_failed`](Self::finish_unless_failed))
+    /// to bring the matches' probe rows to the host in its one wait too, as many as
+    /// [`pairs_to_host`](Self::pairs_to_host) would read: for a caller that may take a host
+    /// batch's matched rows there ([`Probed::probe_rows`]).
+    pub fn read_probe_rows_too(&mut self) {
+        self.probe_rows_too = true;
+    }
+
     fn finish_with(self, stop_on_first_word: bool) -> Result<Option<Probed>> {
-        let words = self.totals.prefix_to_host(8 + 8 * self.extra)?;
+        let mut words = vec![0u8; 8 + 8 * self.extra];
+        let guess = if self.probe_rows_too { self.guess() } else { 0 };
+        let mut rows = vec![0u8; guess * 4];
+        match guess {
+            0 => (self.totals.device()).read_many(&mut [(&self.totals, &mut words)])?,
+            _ => (self.totals.device())
+                .read_many(&mut [(&self.totals, &mut words), (&self.matches.1, &mut rows)])?,
+        }
         let Some(total) = self.total_of(&words, stop_on_first_word)? else {
             return Ok(None);
         };
@@ -425,12 +445,25 @@ impl QueuedProbe<'_> {
                     )
                 }),
                 words: Some(words[1..].to_vec()),
+                probe_rows: (guess > 0 && total <= guess).then(|| u32s_of(&rows[..total * 4])),
             }));
         }
         Ok(Some(Probed {
             pairs: self.again()?,
             words: None,
+            probe_rows: None,
         }))
+    }
+
+    /// How many matches a read in the probe's wait takes: as many as the table's last
+    /// probe found per probe row predict, and 1/64 of the probe rows and 256 more (none
+    /// before the table's first probe finished), at most the outputs' room.
+    fn guess(&self) -> usize {
+        match self.table.last_per_row.load(Ordering::Relaxed) {
+            UNSEEN => 0,
+            rate => (self.n as u64).saturating_mul(rate) / 1024 + self.n as u64 / 64 + 256,
+        }
+        .min(self.cap as u64) as usize
     }
 
     /// The matches' total out of the status `words` read (`None`: `stop_on_first_word`
@@ -485,11 +518,7 @@ impl QueuedProbe<'_> {
 
     fn pairs_to_host_with(self, stop_on_first_word: bool) -> Result<Option<Matches>> {
         let device = self.totals.device();
-        let guess = match self.table.last_per_row.load(Ordering::Relaxed) {
-            UNSEEN => 0,
-            rate => (self.n as u64).saturating_mul(rate) / 1024 + self.n as u64 / 64 + 256,
-        }
-        .min(self.cap as u64) as usize;
+        let guess = self.guess();
         let mut words = vec![0u8; 8 + 8 * self.extra];
         let mut build = vec![0u8; guess * 4];
         let mut probe = vec![0u8; guess * 4];

@@ -432,6 +432,38 @@ fn probe_pairs_to_host(d: &Device, count_waits: bool) {
         queued.pairs_to_host_unless_failed().is_err(),
         "no error word to read"
     );
+    // Pairs left on the device, their probe rows read in the probe's wait too (a join
+    // taking a host batch's matched rows there): none past the last probe's rate (no match
+    // at all, above), then, at the rate of a probe like it, the same rows in one wait.
+    let mut queued = table
+        .probe_queued(&[&keys], None, 2000, 0)
+        .unwrap()
+        .unwrap();
+    queued.read_probe_rows_too();
+    assert!(
+        queued.finish().unwrap().probe_rows.is_none(),
+        "past the guess"
+    );
+    let mut queued = table
+        .probe_queued(&[&keys], None, 2000, 0)
+        .unwrap()
+        .unwrap();
+    queued.read_probe_rows_too();
+    let before = d.counts().syncs;
+    let probed = queued.finish().unwrap();
+    if count_waits {
+        assert_eq!(
+            d.counts().syncs - before,
+            1,
+            "the total and the probe rows together"
+        );
+    }
+    let (_, probe_rows) = probed.pairs.unwrap();
+    let read = probed
+        .probe_rows
+        .expect("the probe rows, read with the total");
+    assert_eq!(read, probe_rows.to_host().unwrap());
+    assert!(!read.is_empty());
 }
 
 /// A join's pairs and the probe columns they index come down in one wait (what a join whose

@@ -583,3 +583,63 @@ async fn a_selective_join_survives_every_device_fault() {
     )
     .await;
 }
+
+/// A selective join whose output stays on the device (an aggregate above it), per device
+/// batch of its probe side from the host (64 Ki rows of three 8-byte columns, so that taking
+/// the matched rows on the host pays): the probe rows it takes come down in the probe's one
+/// wait (read with its total, as many as the last batch's rate of matches predicts), where
+/// they were read in a wait of their own (2 waits a batch until 2026-12-07). The answers
+/// are DataFusion's.
+#[tokio::test]
+async fn a_selective_join_reads_the_probe_rows_it_takes_in_the_probes_wait() {
+    use super::build_sides::metric;
+    let tables = [
+        "CREATE TABLE big AS SELECT v AS k, v * 1.5 AS a, v * 2.5 AS b, v * 3.5 AS c \
+         FROM generate_series(1, 400000) AS t(v)",
+        "CREATE TABLE few AS SELECT v * 97 AS k FROM generate_series(1, 4000) AS t(v)",
+    ];
+    let sql = "SELECT sum(a), sum(b), sum(c), count(*) FROM few JOIN big ON few.k = big.k";
+    let (_, cpu) = super::tpch_contexts("emulated:1/probe-takes-waits-cpu", 1, None);
+    for t in tables {
+        run(&cpu, t).await;
+    }
+    let (_, want) = run(&cpu, sql).await;
+    let mut runs = Vec::new();
+    for (set, rows) in [
+        ("emulated:1/probe-takes-waits-a", 1 << 20),
+        ("emulated:1/probe-takes-waits-b", 1 << 16),
+    ] {
+        let gpu = super::fused::fused_session(set, rows);
+        for t in tables {
+            run(&gpu, t).await;
+        }
+        let plan = super::plan_of(&gpu, sql).await;
+        assert_eq!(super::rows_of(&gpu, &plan).await, want, "batches of {rows}");
+        let work = super::Work::of(&plan);
+        assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
+        let mut join = None;
+        let _ = plan.apply(|node| {
+            if node.name() == "GpuHashJoinExec" {
+                join = Some(Arc::clone(node));
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
+        let shown = super::cache::shown(&plan);
+        let join = join.unwrap_or_else(|| panic!("no GPU join\n{shown}"));
+        assert!(shown.contains("GpuAggregateExec"), "{shown}");
+        runs.push((
+            metric(&join, "gpu_batches"),
+            metric(&join, "syncs"),
+            metric(&join, "probe_takes"),
+        ));
+    }
+    let [(b1, s1, t1), (b2, s2, t2)] = runs[..] else {
+        unreachable!()
+    };
+    assert!(
+        b2 >= b1 + 5 && t2 >= t1 + 5,
+        "(batches, syncs, takes) {runs:?}"
+    );
+    let per_batch = (s2 - s1) as f64 / (b2 - b1) as f64;
+    assert!(per_batch <= 1.0, "{per_batch} waits a batch: {runs:?}");
+}

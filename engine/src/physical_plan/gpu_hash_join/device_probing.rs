@@ -129,11 +129,21 @@ impl DeviceProbing {
         // Output of a host chunk that goes to the host is taken there (`gather_pays`): its
         // pairs come down in the probe's wait.
         let pairs_to_host = self.to_host && matches!(chunk, Chunk::Host(_));
+        // Output that stays on the device out of a host chunk may take the matched rows of
+        // probe columns not up yet on the host (`take_pays`): their probe rows come down in
+        // the probe's wait.
+        let may_take = !self.to_host
+            && matches!(chunk, Chunk::Host(_))
+            && (sources.iter())
+                .any(|&(from_build, c)| !from_build && !probe_columns.contains_key(&c));
         let probed = metrics.kernel(|| -> Result<_, KernelError> {
             let extra = lead + strings.len();
-            let Some(queued) = table.probe_queued_into(&keys, valid, n, extra, totals)? else {
+            let Some(mut queued) = table.probe_queued_into(&keys, valid, n, extra, totals)? else {
                 return Ok(Some(Found::OnDevice(None)));
             };
+            if may_take {
+                queued.read_probe_rows_too();
+            }
             if pairs_to_host {
                 let matches = match lead {
                     0 => Some(queued.pairs_to_host()?),
@@ -187,8 +197,9 @@ impl DeviceProbing {
                     .collect(),
                 None => HashMap::new(),
             };
+            let rows = probed.probe_rows;
             Ok(Some(Found::OnDevice(
-                probed.pairs.map(|pairs| (pairs, started)),
+                probed.pairs.map(|pairs| (pairs, started, rows)),
             )))
         })?;
         drop(keys);
@@ -213,7 +224,7 @@ impl DeviceProbing {
                 return Ok(Probe::Out(Some(out)));
             }
         };
-        let Some(((build_rows, probe_rows), mut started)) = probed else {
+        let Some(((build_rows, probe_rows), mut started, probe_rows_read)) = probed else {
             return Ok(Probe::Out(None));
         };
         let rows = build_rows.len();
@@ -236,7 +247,10 @@ impl DeviceProbing {
         if let Chunk::Host(batch) = chunk
             && self.take_pays(batch, &missing, rows)
         {
-            let indices = UInt32Array::from(metrics.kernel(|| probe_rows.to_host())?);
+            let indices = match probe_rows_read {
+                Some(rows) => UInt32Array::from(rows),
+                None => UInt32Array::from(metrics.kernel(|| probe_rows.to_host())?),
+            };
             for &c in &missing {
                 let column = take(batch.column(c).as_ref(), &indices, None)
                     .map_err(|e| KernelError::InvalidData(e.to_string()))?;
@@ -315,7 +329,7 @@ impl DeviceProbing {
 /// What a probe found: pairs left on the device (`None`: nothing matched), with the string
 /// gathers queued over them, or pairs brought to the host.
 enum Found {
-    OnDevice(Option<(Pairs, Started)>),
+    OnDevice(Option<(Pairs, Started, Option<Vec<u32>>)>),
     OnHost(fulmen_kernels::ops::join::Matches),
 }
 
