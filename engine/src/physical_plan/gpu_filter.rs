@@ -189,10 +189,8 @@ impl BatchWork for FilterWork {
         schema: &SchemaRef,
     ) -> Result<Option<RecordBatch>, KernelError> {
         let Chunk::Host(batch) = input else {
-            return match self.gpu(device, input, metrics)? {
-                Some(out) => out.to_host(schema, metrics).map(Some),
-                None => Ok(None),
-            };
+            let out = self.gpu(device, input, metrics)?;
+            return out.map(|out| out.to_host(schema, metrics)).transpose();
         };
         let n = batch.num_rows();
         if n == 0 {

@@ -389,10 +389,8 @@ pub trait BatchWork: fmt::Debug + Send + Sync + Sized + 'static {
         metrics: &GpuMetrics,
         schema: &SchemaRef,
     ) -> Result<Option<RecordBatch>, KernelError> {
-        match self.gpu(device, input, metrics)? {
-            Some(out) => out.to_host(schema, metrics).map(Some),
-            None => Ok(None),
-        }
+        let out = self.gpu(device, input, metrics)?;
+        out.map(|out| out.to_host(schema, metrics)).transpose()
     }
 
     /// The same work on the CPU, with DataFusion's own kernels: the fallback, and the

@@ -405,12 +405,18 @@ impl QueuedProbe<'_> {
     /// mask): `None` when that word is set, read in the same one wait — the matches are not
     /// to be used, and the probe does not run again however many there were.
     pub fn finish_unless_failed(self) -> Result<Option<Probed>> {
-        if self.extra == 0 {
-            return Err(KernelError::Unsupported(
-                "a probe without a caller word cannot carry an error word".into(),
-            ));
-        }
+        self.has_error_word()?;
         self.finish_with(true)
+    }
+
+    /// Fails unless the probe has a caller word to carry an error word in.
+    fn has_error_word(&self) -> Result<()> {
+        match self.extra {
+            0 => Err(KernelError::Unsupported(
+                "a probe without a caller word cannot carry an error word".into(),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Asks [`finish`](Self::finish) (or [`finish_unless_failed`](Self::finish_unless_failed))
@@ -422,18 +428,12 @@ impl QueuedProbe<'_> {
     }
 
     fn finish_with(self, stop_on_first_word: bool) -> Result<Option<Probed>> {
-        let mut words = vec![0u8; 8 + 8 * self.extra];
         let guess = if self.probe_rows_too { self.guess() } else { 0 };
-        let mut rows = vec![0u8; guess * 4];
-        match guess {
-            0 => (self.totals.device()).read_many(&mut [(&self.totals, &mut words)])?,
-            _ => (self.totals.device())
-                .read_many(&mut [(&self.totals, &mut words), (&self.matches.1, &mut rows)])?,
-        }
-        let Some(total) = self.total_of(&words, stop_on_first_word)? else {
+        let read = self.read_total(&[&self.matches.1], guess, stop_on_first_word)?;
+        let Some((total, words, mut rows)) = read else {
             return Ok(None);
         };
-        let words = words_of(&words);
+        let rows = rows.pop().unwrap_or_default();
         let table = self.table;
         if total <= self.cap {
             let (build, probe) = self.matches;
@@ -466,10 +466,30 @@ impl QueuedProbe<'_> {
         .min(self.cap as u64) as usize
     }
 
-    /// The matches' total out of the status `words` read (`None`: `stop_on_first_word`
-    /// and the first caller word set), noted as the table's rates of matches per row.
-    fn total_of(&self, words: &[u8], stop_on_first_word: bool) -> Result<Option<usize>> {
-        let words = words_of(words);
+    /// Waits once for the status words and the first `guess` matches of each of `lists`
+    /// (the matches' build or probe rows, as bytes): the matches' total, noted as the
+    /// table's rates of matches per row, the words and the prefixes read. `None`:
+    /// `stop_on_first_word` and the first caller word set.
+    #[allow(clippy::type_complexity)]
+    fn read_total(
+        &self,
+        lists: &[&DeviceBuffer],
+        guess: usize,
+        stop_on_first_word: bool,
+    ) -> Result<Option<(usize, Vec<u64>, Vec<Vec<u8>>)>> {
+        let mut words = vec![0u8; 8 + 8 * self.extra];
+        let mut prefixes = vec![vec![0u8; guess * 4]; lists.len()];
+        {
+            let mut reads: Vec<(&DeviceBuffer, &mut [u8])> = vec![(&self.totals, &mut words)];
+            reads.extend(
+                lists
+                    .iter()
+                    .copied()
+                    .zip(prefixes.iter_mut().map(Vec::as_mut_slice)),
+            );
+            self.totals.device().read_many(&mut reads)?;
+        }
+        let words = words_of(&words);
         let Some(&total) = words.first() else {
             return Err(KernelError::InvalidData("a short probe status read".into()));
         };
@@ -479,7 +499,7 @@ impl QueuedProbe<'_> {
         let seen = (total.saturating_mul(1024)).div_ceil(self.n as u64);
         (self.table.matches_per_row).fetch_max(seen, Ordering::Relaxed);
         (self.table.last_per_row).store(seen, Ordering::Relaxed);
-        Ok(Some(total as usize))
+        Ok(Some((total as usize, words, prefixes)))
     }
 
     /// The probe run again with exact sizes, after its matches overflowed the outputs
@@ -508,28 +528,20 @@ impl QueuedProbe<'_> {
     /// error word of work queued before it (see
     /// [`finish_unless_failed`](Self::finish_unless_failed)): `None` when that word is set.
     pub fn pairs_to_host_unless_failed(self) -> Result<Option<Matches>> {
-        if self.extra == 0 {
-            return Err(KernelError::Unsupported(
-                "a probe without a caller word cannot carry an error word".into(),
-            ));
-        }
+        self.has_error_word()?;
         self.pairs_to_host_with(true)
     }
 
     fn pairs_to_host_with(self, stop_on_first_word: bool) -> Result<Option<Matches>> {
-        let device = self.totals.device();
         let guess = self.guess();
-        let mut words = vec![0u8; 8 + 8 * self.extra];
-        let mut build = vec![0u8; guess * 4];
-        let mut probe = vec![0u8; guess * 4];
-        device.read_many(&mut [
-            (&self.totals, &mut words),
-            (&self.matches.0, &mut build),
-            (&self.matches.1, &mut probe),
-        ])?;
-        let Some(total) = self.total_of(&words, stop_on_first_word)? else {
+        let lists = [&self.matches.0, &self.matches.1];
+        let Some((total, _, mut read)) = self.read_total(&lists, guess, stop_on_first_word)? else {
             return Ok(None);
         };
+        let (mut probe, mut build) = (
+            read.pop().unwrap_or_default(),
+            read.pop().unwrap_or_default(),
+        );
         if total > self.cap {
             let Some((build, probe)) = self.again()? else {
                 return Ok(Some(Matches::default()));
@@ -545,7 +557,7 @@ impl QueuedProbe<'_> {
         probe.resize(total * 4, 0);
         if total > guess {
             // The pairs past the guess, in a second wait.
-            device.read_ranges(&mut [
+            self.totals.device().read_ranges(&mut [
                 (&self.matches.0, guess * 4, &mut build[guess * 4..]),
                 (&self.matches.1, guess * 4, &mut probe[guess * 4..]),
             ])?;

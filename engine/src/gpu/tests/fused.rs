@@ -276,7 +276,7 @@ async fn a_filter_from_the_host_to_the_host_waits_once_for_its_predicate() {
 }
 
 /// The one node named `name` in `plan`, which must be there.
-fn the_node(
+pub(super) fn the_node(
     plan: &std::sync::Arc<dyn datafusion::physical_plan::ExecutionPlan>,
     name: &str,
 ) -> std::sync::Arc<dyn datafusion::physical_plan::ExecutionPlan> {

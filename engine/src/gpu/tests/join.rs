@@ -617,15 +617,8 @@ async fn a_selective_join_reads_the_probe_rows_it_takes_in_the_probes_wait() {
         assert_eq!(super::rows_of(&gpu, &plan).await, want, "batches of {rows}");
         let work = super::Work::of(&plan);
         assert!(work.gpu_batches > 0 && work.nothing_fell_back(), "{work:?}");
-        let mut join = None;
-        let _ = plan.apply(|node| {
-            if node.name() == "GpuHashJoinExec" {
-                join = Some(Arc::clone(node));
-            }
-            Ok(TreeNodeRecursion::Continue)
-        });
+        let join = super::fused::the_node(&plan, "GpuHashJoinExec");
         let shown = super::cache::shown(&plan);
-        let join = join.unwrap_or_else(|| panic!("no GPU join\n{shown}"));
         assert!(shown.contains("GpuAggregateExec"), "{shown}");
         runs.push((
             metric(&join, "gpu_batches"),

@@ -436,38 +436,32 @@ impl DeviceProbing {
         2.0 * taken < whole
     }
 
-    /// A batch's output taken on the host: the matched pairs and the probe chunk's output
-    /// columns come down (the build side too, once, if it is not on the host yet).
+    /// A device chunk's output taken on the host: the matched pairs and the chunk's output
+    /// columns come down in one wait (the build side too, once, if it is not on the host
+    /// yet). A host chunk's pairs came down in the probe's wait (`Found::OnHost`).
     fn pairs_to_host(
         &self,
         chunk: &Chunk,
         build_rows: &fulmen_kernels::ops::RowIndices,
         probe_rows: &fulmen_kernels::ops::RowIndices,
     ) -> Result<Chunk, KernelError> {
-        let metrics = &self.run.metrics;
-        let lists = [build_rows, probe_rows];
-        let wanted = self.run.work.probe_outputs();
-        // The pairs, and a device chunk's probe columns, come down in one wait.
-        let (pairs, probe): (Vec<Vec<u32>>, HashMap<usize, ArrayRef>) = match chunk {
-            Chunk::Host(batch) => (
-                metrics.kernel(|| fulmen_kernels::ops::RowIndices::all_to_host(&lists))?,
-                (wanted.iter())
-                    .map(|&c| (c, Arc::clone(batch.column(c))))
-                    .collect(),
-            ),
-            Chunk::Device(batch, schema, _) => {
-                let columns = (wanted.iter())
-                    .map(|&c| {
-                        let column = batch.columns().get(c).ok_or_else(|| {
-                            KernelError::InvalidData(format!("probe column {c} is missing"))
-                        })?;
-                        Ok((column, schema.field(c).data_type()))
-                    })
-                    .collect::<Result<Vec<_>, KernelError>>()?;
-                let (pairs, arrays) = metrics.download_with_indices(&lists, &columns)?;
-                (pairs, wanted.iter().copied().zip(arrays).collect())
-            }
+        let Chunk::Device(batch, schema, _) = chunk else {
+            return Err(KernelError::InvalidData(
+                "a host chunk's pairs left on the device".into(),
+            ));
         };
+        let wanted = self.run.work.probe_outputs();
+        let columns = (wanted.iter())
+            .map(|&c| {
+                let column = batch.columns().get(c).ok_or_else(|| {
+                    KernelError::InvalidData(format!("probe column {c} is missing"))
+                })?;
+                Ok((column, schema.field(c).data_type()))
+            })
+            .collect::<Result<Vec<_>, KernelError>>()?;
+        let lists = [build_rows, probe_rows];
+        let (pairs, arrays) = (self.run.metrics).download_with_indices(&lists, &columns)?;
+        let probe: HashMap<usize, ArrayRef> = wanted.iter().copied().zip(arrays).collect();
         let mut pairs = pairs.into_iter().map(UInt32Array::from);
         let (Some(build_rows), Some(probe_rows)) = (pairs.next(), pairs.next()) else {
             return Err(KernelError::InvalidData("a probe without pairs".into()));
