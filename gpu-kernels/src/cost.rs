@@ -46,6 +46,12 @@ impl CostModel {
         self.resident_seconds(work) + work.h2d_bytes as f64 / self.pcie_bytes_per_s
     }
 
+    /// The bytes PCIe copies in the time of one host wait: what a read may speculatively
+    /// add to a wait it is already making before it costs more than a second wait would.
+    pub fn bytes_per_sync(&self) -> u64 {
+        (self.sync_s * self.pcie_bytes_per_s) as u64
+    }
+
     /// The modelled seconds of `work` with its inputs already in device memory (no
     /// host-to-device copies).
     pub fn resident_seconds(&self, work: &DeviceCounts) -> f64 {
@@ -77,6 +83,8 @@ mod tests {
             ..Default::default()
         };
         assert!((H200.seconds(&upload) - 1.0).abs() < 1e-9);
+        // 10 µs of 55 GB/s.
+        assert_eq!(H200.bytes_per_sync(), 550_000);
         assert_eq!(H200.resident_seconds(&upload), 0.0);
         let scan = DeviceCounts {
             device_bytes: 4_320_000_000_000,

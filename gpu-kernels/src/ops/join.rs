@@ -7,8 +7,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::hash_table::{HashTable, KeyCheck};
-use super::{PendingIndices, RowIndices, Word, check_rows, expr, key_descriptors, u32s_of};
+use super::{
+    PendingIndices, RowIndices, Word, check_rows, expr, key_descriptors, u32s_of, words_of,
+};
 use crate::column::DeviceColumn;
+use crate::cost::H200;
 use crate::device::Device;
 use crate::memory::DeviceBuffer;
 use crate::{KernelError, Result};
@@ -421,14 +424,20 @@ impl QueuedProbe<'_> {
 
     /// Asks [`finish`](Self::finish) (or [`finish_unless_failed`](Self::finish_unless_failed))
     /// to bring the matches' probe rows to the host in its one wait too, as many as
-    /// [`pairs_to_host`](Self::pairs_to_host) would read: for a caller that may take a host
-    /// batch's matched rows there ([`Probed::probe_rows`]).
+    /// [`pairs_to_host`](Self::pairs_to_host) would read after the table's first probe
+    /// (none on it: the rows are wanted only when they are few, and a first guess would
+    /// mostly read them for nothing): for a caller that may take a host batch's matched
+    /// rows there ([`Probed::probe_rows`]).
     pub fn read_probe_rows_too(&mut self) {
         self.probe_rows_too = true;
     }
 
     fn finish_with(self, stop_on_first_word: bool) -> Result<Option<Probed>> {
-        let guess = if self.probe_rows_too { self.guess() } else { 0 };
+        let guess = if self.probe_rows_too {
+            self.guess(1)
+        } else {
+            0
+        };
         let read = self.read_total(&[&self.matches.1], guess, stop_on_first_word)?;
         let Some((total, words, mut rows)) = read else {
             return Ok(None);
@@ -456,12 +465,14 @@ impl QueuedProbe<'_> {
     }
 
     /// How many matches a read in the probe's wait takes: as many as the table's last
-    /// probe found per probe row predict, and 1/64 of the probe rows and 256 more (none
-    /// before the table's first probe finished), at most the outputs' room.
-    fn guess(&self) -> usize {
+    /// probe found per probe row predict, and 1/64 of the probe rows and 256 more, at most
+    /// the outputs' room. Before the table's first probe finished, `first_most` (none for
+    /// a read of matches wanted only when they are few, as a join's taken rows).
+    fn guess(&self, first_most: u64) -> usize {
+        let n = self.n as u64;
         match self.table.last_per_row.load(Ordering::Relaxed) {
-            UNSEEN => 0,
-            rate => (self.n as u64).saturating_mul(rate) / 1024 + self.n as u64 / 64 + 256,
+            UNSEEN => (n + n / 64 + 256).min(first_most),
+            rate => n.saturating_mul(rate) / 1024 + n / 64 + 256,
         }
         .min(self.cap as u64) as usize
     }
@@ -516,7 +527,8 @@ impl QueuedProbe<'_> {
     /// Waits for the probe and brings its pairs to the host, most often in the one wait
     /// that reads its total: that read takes as many pairs as the table's last probe
     /// found per probe row predict, and 1/64 of the probe rows more (copied whether
-    /// written or not; none before the table's first probe finished). A probe that found
+    /// written or not; on the table's first probe, one per probe row up to a quarter of a
+    /// wait's worth of copying). A probe that found
     /// more reads the rest in a second wait; one whose matches overflowed its outputs runs
     /// again with exact sizes.
     pub fn pairs_to_host(self) -> Result<Matches> {
@@ -533,7 +545,11 @@ impl QueuedProbe<'_> {
     }
 
     fn pairs_to_host_with(self, stop_on_first_word: bool) -> Result<Option<Matches>> {
-        let guess = self.guess();
+        // A table's first probe guesses one match per probe row (a foreign key joined to a
+        // unique key), but no more pairs (8 bytes each) than the cost model copies in a
+        // quarter of a wait's time (`CostModel::bytes_per_sync`): a probe that matches
+        // little then loses at most a quarter of the wait a right guess saves.
+        let guess = self.guess(H200.bytes_per_sync() / 4 / 8);
         let lists = [&self.matches.0, &self.matches.1];
         let Some((total, _, mut read)) = self.read_total(&lists, guess, stop_on_first_word)? else {
             return Ok(None);
@@ -564,11 +580,4 @@ impl QueuedProbe<'_> {
         }
         Ok(Some(Matches::from_probe(u32s_of(&build), u32s_of(&probe))))
     }
-}
-
-/// Little-endian 64-bit words of `bytes`.
-fn words_of(bytes: &[u8]) -> Vec<u64> {
-    (bytes.chunks_exact(8))
-        .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
-        .collect()
 }

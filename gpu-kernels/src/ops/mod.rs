@@ -302,6 +302,13 @@ pub(crate) fn u32s_of(bytes: &[u8]) -> Vec<u32> {
         .collect()
 }
 
+/// Little-endian 64-bit words of `bytes` (a trailing part word left out).
+pub(crate) fn words_of(bytes: &[u8]) -> Vec<u64> {
+    (bytes.chunks_exact(8))
+        .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+        .collect()
+}
+
 /// How the kernels compare a key column (`KeyKind` in fulmen.cuh). Floats compare bit for
 /// bit after -0.0 becomes 0.0: DataFusion's GROUP BY, joins, INTERSECT and EXCEPT all put
 /// the two zeros together, and a NaN meets a NaN of the same bits.
