@@ -11,7 +11,7 @@
 use arrow::array::{ArrayRef, new_empty_array};
 use arrow::datatypes::DataType;
 
-use super::{BLOCK, RowIndices, Word, check_rows, gather, key_descriptors, scan};
+use super::{BLOCK, RowIndices, Word, check_rows, gather, key_descriptors, scan, words_of};
 
 mod fused;
 mod growth;

@@ -187,11 +187,30 @@ impl GroupTable {
                 &own_status
             }
         };
-        let wait_count = || -> Result<Option<u64>> {
-            if with.status.is_none() {
-                return inserted.read_u64(0).map(Some);
+        // The new groups' string keys, measured over each insert before its wait (see
+        // `NewStrings`) where the last batch brought new groups or there was none: a table
+        // whose batches bring none would queue that for nothing.
+        let strings: Vec<usize> = (0..keys.len())
+            .filter(|&k| keys[k].offsets().is_some())
+            .collect();
+        let strings_early = !strings.is_empty() && self.new_per_row != Some(0);
+        // The count of new groups and, with `measured`, the new strings' totals, in one
+        // wait; `None`: the upstream work failed.
+        let wait_count = |measured: Option<&NewStrings>| -> Result<Option<(u64, Vec<u64>)>> {
+            let mut status = [0u8; STATUS_BYTES];
+            let words = if with.status.is_some() { 2 } else { 1 };
+            let mut totals = vec![0u8; measured.map_or(0, |m| m.totals.len())];
+            let mut reads: Vec<(&DeviceBuffer, &mut [u8])> =
+                vec![(inserted, &mut status[..8 * words])];
+            if let Some(m) = measured {
+                reads.push((&m.totals, &mut totals[..]));
             }
-            super::super::read_status(inserted)
+            device.read_many(&mut reads)?;
+            let status = words_of(&status);
+            if status[1] != 0 {
+                return Ok(None);
+            }
+            Ok(Some((status[0], words_of(&totals))))
         };
         // Room for the groups there are and, with an eighth to spare, as many new ones per
         // row as the last batch brought (the first batch: every row, up to FIRST_GUESS): a
@@ -209,7 +228,7 @@ impl GroupTable {
             }
         };
         let expected = (expected + expected / 8).min(n as u64);
-        let inserted_count = loop {
+        let (inserted_count, early) = loop {
             let wanted = ((g0 as u64 + expected) * 2)
                 .max(MIN_SLOTS)
                 .next_power_of_two();
@@ -267,8 +286,18 @@ impl GroupTable {
             })?;
             // Every taken row's hash is written now (before its row's probe), for a retry.
             hash_here = false;
-            let count = match wait_count() {
-                Ok(Some(count)) => count,
+            let measured = match strings_early {
+                true => match NewStrings::queue(&device, keys, &strings, &refs, &first) {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        let _ = self.rollback(g0);
+                        return Err(e);
+                    }
+                },
+                false => None,
+            };
+            let (count, totals) = match wait_count(measured.as_ref()) {
+                Ok(Some(read)) => read,
                 Ok(None) => {
                     // The upstream work failed: its outputs (these keys) are not to be used.
                     self.rollback(g0)?;
@@ -280,9 +309,10 @@ impl GroupTable {
                 }
             };
             if count <= limit {
-                break count;
+                break (count, measured.map(|m| (m, totals)));
             }
             // Too many new keys for the table: undo, grow for the worst case, retry.
+            drop(measured);
             self.rollback(g0)?;
             let grown = ((g0 + n) as u64 * 2).next_power_of_two();
             let slots = self.rebuilt_slots(grown)?;
@@ -312,7 +342,14 @@ impl GroupTable {
         }
         // From here until the commit the table holds pending slots: any failure rolls
         // them back before returning.
-        let result = self.commit_batch(keys, inputs, n, &hashes, &refs, &first, inserted_count);
+        let result = self.commit_batch(
+            keys,
+            inputs,
+            n,
+            (&hashes, &refs, &first),
+            inserted_count,
+            early,
+        );
         if let Err(e) = result {
             // A failed rollback is the error to report (the table is no longer as it was),
             // unless the device is gone: then the rollback fails only for that, and the
@@ -326,46 +363,22 @@ impl GroupTable {
     }
 
     /// Numbers the `inserted` new groups the insert left pending in `refs` (one slot each,
-    /// so one leader row each), gathers their keys and, with `inputs`, updates the
-    /// accumulators: no host wait unless a key is a string (its new bytes are counted on
-    /// the device first).
-    #[allow(clippy::too_many_arguments)]
+    /// so one leader row each; `found` is the insert's hashes, refs and first rows),
+    /// gathers their keys and, with `inputs`, updates the accumulators: no host wait
+    /// unless a key is a string whose new bytes were not measured in the insert's wait
+    /// (`early`, with the totals read there): they are counted on the device first.
     pub(super) fn commit_batch(
         &mut self,
         keys: &[&DeviceColumn],
         inputs: Option<&[AccInput<'_>]>,
         n: usize,
-        hashes: &DeviceBuffer,
-        refs: &DeviceBuffer,
-        first: &DeviceBuffer,
+        found: (&DeviceBuffer, &DeviceBuffer, &DeviceBuffer),
         inserted: u64,
+        early: Option<(NewStrings, Vec<u64>)>,
     ) -> Result<()> {
+        let (hashes, refs, first) = found;
         let device = self.device.clone();
         let g0 = self.groups;
-        let cfg = LaunchConfig::for_items(&device, n as u64, BLOCK);
-        // Each row's flag: 1 where it is its new group's first row (a leader).
-        let leader_flags = |into: Arg| {
-            // SAFETY: `refs` holds n u32 ids, each committed or PENDING | row < n; `first`
-            // holds n u32, at row r the group's first row wherever PENDING | r is an id
-            // (set by the insert); `into` holds n u64 (the callers' part).
-            unsafe {
-                device.launch(
-                    Kernel::agg_leader_flags,
-                    cfg,
-                    &[Arg::buf(refs), Arg::buf(first), Arg::U64(n as u64), into],
-                )
-            }
-        };
-        // The byte totals of the new groups' string keys come up in one wait, with the
-        // count of leaders (which must be the insert's count): the keys' lengths at the
-        // leader rows are queued over the flags, and scanned with them (the flags' scan
-        // ranks the leaders) in one scan. Without string keys nothing is read.
-        let strings: Vec<usize> = (0..keys.len())
-            .filter(|&k| keys[k].offsets().is_some())
-            .collect();
-        // n > 0 here (a batch adds groups), so every scan writes its total: no zeroing.
-        let totals = device.alloc(8 * (1 + strings.len()))?;
-        let mut starts: Vec<Option<gather::QueuedStarts>> = (0..keys.len()).map(|_| None).collect();
         let new = inserted as usize;
         if new > n {
             return Err(KernelError::InvalidData(format!(
@@ -373,41 +386,41 @@ impl GroupTable {
             )));
         }
         let total = g0 + new;
-        // With a string key: the flags, their ranks and the new strings' starts queued
-        // together, and the byte totals read (the one wait), before anything is allocated
-        // for the new groups, as the wait leaves the pool's blocks free of queued work.
-        let mut string_ranks = None;
-        let mut byte_totals = vec![0u64; keys.len()];
-        if !strings.is_empty() {
-            let string_keys: Vec<&DeviceColumn> = strings.iter().map(|&k| keys[k]).collect();
-            let (flags, ranks, queued) = gather::queue_flags_and_strings_starts(
-                &string_keys,
-                leader_flags,
-                Word::of(&totals, 0)?,
-            )?;
-            for (&k, started) in strings.iter().zip(queued) {
-                starts[k] = Some(started);
+        // With a string key: its new bytes measured (in the insert's wait, or in one of
+        // their own here) before anything is allocated for the new groups, as the wait
+        // leaves the pool's blocks free of queued work.
+        let strings: Vec<usize> = (0..keys.len())
+            .filter(|&k| keys[k].offsets().is_some())
+            .collect();
+        let measured = match early {
+            Some(early) => Some(early),
+            None if !strings.is_empty() => {
+                let measured = NewStrings::queue(&device, keys, &strings, refs, first)?;
+                let totals = words_of(&measured.totals.to_host()?);
+                Some((measured, totals))
             }
-            string_ranks = Some((flags, ranks));
-            let words: Vec<u64> = totals
-                .to_host()?
-                .chunks_exact(8)
-                .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
-                .collect();
-            if words.len() != 1 + strings.len() {
+            None => None,
+        };
+        let mut starts: Vec<Option<gather::QueuedStarts>> = (0..keys.len()).map(|_| None).collect();
+        let mut byte_totals = vec![0u64; keys.len()];
+        let mut string_ranks = None;
+        if let Some((measured, totals)) = measured {
+            if totals.len() != 1 + measured.starts.len() {
                 return Err(KernelError::InvalidData(
                     "a short read of new groups".into(),
                 ));
             }
-            if words[0] != inserted {
+            if totals[0] != inserted {
                 return Err(KernelError::InvalidData(format!(
                     "{} leader rows for {inserted} new groups",
-                    words[0]
+                    totals[0]
                 )));
             }
-            for (w, &k) in strings.iter().enumerate() {
-                byte_totals[k] = words[1 + w];
+            for ((k, started), &bytes) in measured.starts.into_iter().zip(&totals[1..]) {
+                starts[k] = Some(started);
+                byte_totals[k] = bytes;
             }
+            string_ranks = Some((measured.flags, measured.ranks));
         }
         let grown = if total > self.group_capacity {
             Some(self.grown(total.max(self.group_capacity * 2), None)?)
@@ -425,6 +438,8 @@ impl GroupTable {
         } else {
             let flags = device.alloc(n * 8)?;
             let ranks = device.alloc(n * 8)?;
+            // n > 0 here (a batch adds groups), so the scan writes its total: no zeroing.
+            let totals = device.alloc(8)?;
             let count = Word::of(&totals, 0)?;
             // The flags, their scan and the leaders in one launch where the look-back
             // state holds the tiles (up to 16 Mi rows).
@@ -465,7 +480,7 @@ impl GroupTable {
                 (flags, Arc::new(ranks), true)
             } else {
                 drop(ranks);
-                leader_flags(Arg::buf(&flags))?;
+                leader_flags(&device, refs, first, n, Arg::buf(&flags))?;
                 let ranks = scan::exclusive_scan_queued(&device, &flags, n, count)?;
                 (flags, Arc::new(ranks), false)
             }
@@ -709,4 +724,74 @@ fn reached_by<'a>(accs: &'a [Acc], inputs: &'a [AccInput<'a>]) -> Vec<&'a Device
         reached.push(&acc.counts);
     }
     reached
+}
+
+/// The new groups' string keys measured on the device over an insert's `refs` and
+/// `first`: each row's leader flag (1 where it is its new group's first row), their scan
+/// (the leaders' ranks) and each string key's starts at the leader rows, queued in one
+/// scan whose totals (the leaders' count, then each key's new bytes) go to `totals`.
+/// Nothing is read: the totals come up in the insert's wait, or in one of their own.
+pub(super) struct NewStrings {
+    totals: DeviceBuffer,
+    flags: DeviceBuffer,
+    ranks: Arc<DeviceBuffer>,
+    /// Each string key's position among the keys, and its starts.
+    starts: Vec<(usize, gather::QueuedStarts)>,
+}
+
+impl NewStrings {
+    /// Queues the measure of the string keys `strings` (positions in `keys`) of a batch
+    /// whose insert left `refs` and `first` (n u32 each, n the keys' rows). Over an insert
+    /// that overflowed its table the flags are meaningless, but every read stays in the
+    /// batch's rows: the caller discards them.
+    fn queue(
+        device: &Device,
+        keys: &[&DeviceColumn],
+        strings: &[usize],
+        refs: &DeviceBuffer,
+        first: &DeviceBuffer,
+    ) -> Result<Self> {
+        let string_keys: Vec<&DeviceColumn> = strings.iter().map(|&k| keys[k]).collect();
+        let n = string_keys.first().map_or(0, |k| k.len());
+        let totals = device.alloc(8 * (1 + strings.len()))?;
+        let (flags, ranks, queued) = gather::queue_flags_and_strings_starts(
+            &string_keys,
+            |into| leader_flags(device, refs, first, n, into),
+            Word::of(&totals, 0)?,
+        )?;
+        Ok(Self {
+            totals,
+            flags,
+            ranks,
+            starts: strings.iter().copied().zip(queued).collect(),
+        })
+    }
+}
+
+/// Queues each of the `n` rows' leader flag into `into`: 1 where the row is its new
+/// group's first row.
+fn leader_flags(
+    device: &Device,
+    refs: &DeviceBuffer,
+    first: &DeviceBuffer,
+    n: usize,
+    into: Arg,
+) -> Result<()> {
+    if refs.len() < n * 4 || first.len() < n * 4 {
+        return Err(KernelError::Unsupported(format!(
+            "leader flags of {n} rows over {} and {} bytes",
+            refs.len(),
+            first.len()
+        )));
+    }
+    // SAFETY: `refs` and `first` hold n u32 (checked); each ref is committed, SKIP or
+    // PENDING | row < n (the insert writes no other), so `first` is read at rows below n;
+    // `into` holds n u64 (the callers' part).
+    unsafe {
+        device.launch(
+            Kernel::agg_leader_flags,
+            LaunchConfig::for_items(device, n as u64, BLOCK),
+            &[Arg::buf(refs), Arg::buf(first), Arg::U64(n as u64), into],
+        )
+    }
 }
