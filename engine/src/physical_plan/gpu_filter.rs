@@ -7,7 +7,9 @@
 //! columns. A batch from the host whose output goes back to the host takes its rows there
 //! instead: only the predicate's inputs go up, and the predicate comes down, a bit a row,
 //! with the program's error word in one wait; the kept rows are never copied to the device
-//! and back.
+//! and back. So a filter whose output has a column of a type the device cannot hold (a
+//! list, a struct) still runs its predicate there: its output then stays on the host, for
+//! a GPU parent too.
 //!
 //! The plan node is the shared [`GpuBatchExec`] and the stream the shared
 //! [`GpuStream`](super::gpu_stream::GpuStream); this file holds the filter's work.
@@ -40,6 +42,9 @@ pub struct FilterWork {
     /// Input columns the filter outputs.
     outputs: Vec<usize>,
     projection: Option<Vec<usize>>,
+    /// Why the output cannot go to the device (a column of a type it cannot hold): the
+    /// filter then takes its rows on the host whoever reads them.
+    host_only: Option<Reason>,
 }
 
 impl FilterWork {
@@ -57,6 +62,12 @@ impl FilterWork {
     pub(crate) fn outputs(&self) -> &[usize] {
         &self.outputs
     }
+
+    /// Why its output cannot go to the device, if it cannot: a column of a type the
+    /// device cannot hold (what a stage fusing the filter refuses).
+    pub(crate) fn host_only(&self) -> Option<&Reason> {
+        self.host_only.as_ref()
+    }
 }
 
 impl BatchWork for FilterWork {
@@ -73,21 +84,22 @@ impl BatchWork for FilterWork {
         let outputs: Vec<usize> = projection
             .clone()
             .unwrap_or_else(|| (0..input_schema.fields().len()).collect());
-        for &c in &outputs {
-            let field = input_schema.field(c);
-            if fulmen_kernels::column::device_type(field.data_type(), 0).is_err() {
-                return Err(format!(
+        let host_only = (outputs.iter())
+            .map(|&c| input_schema.field(c))
+            .find(|f| fulmen_kernels::column::device_type(f.data_type(), 0).is_err())
+            .map(|f| {
+                format!(
                     "column {} of type {} is not supported on GPU",
-                    field.name(),
-                    field.data_type()
-                ));
-            }
-        }
+                    f.name(),
+                    f.data_type()
+                )
+            });
         Ok(Self {
             predicate: Arc::clone(cpu.predicate()),
             program,
             outputs,
             projection,
+            host_only,
         })
     }
 
@@ -227,6 +239,10 @@ impl BatchWork for FilterWork {
         RecordBatch::try_new_with_options(Arc::clone(schema), kept.columns().to_vec(), &rows)
             .map(Some)
             .map_err(host)
+    }
+
+    fn output_on_host(&self) -> bool {
+        self.host_only.is_some()
     }
 
     fn cpu(&self, batch: &RecordBatch) -> Result<RecordBatch> {

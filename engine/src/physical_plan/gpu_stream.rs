@@ -393,6 +393,12 @@ pub trait BatchWork: fmt::Debug + Send + Sync + Sized + 'static {
         out.map(|out| out.to_host(schema, metrics)).transpose()
     }
 
+    /// Whether its output stays on the host even for a GPU parent (which then uploads
+    /// what it reads of it): a column of it is of a type the device cannot hold.
+    fn output_on_host(&self) -> bool {
+        false
+    }
+
     /// The same work on the CPU, with DataFusion's own kernels: the fallback, and the
     /// source of DataFusion's exact errors.
     fn cpu(&self, batch: &RecordBatch) -> Result<RecordBatch>;
@@ -472,11 +478,12 @@ impl<W: BatchWork> GpuStream<W> {
         Ok(())
     }
 
-    /// The work's output for one chunk, on the device when `resident`, else on the host
-    /// (`None`: the work left the chunk to the CPU by rule).
+    /// The work's output for one chunk, on the device when `resident` (and the work's
+    /// output can be there), else on the host (`None`: the work left the chunk to the CPU
+    /// by rule).
     fn on_device(&self, chunk: &Chunk) -> Result<Option<Chunk>, KernelError> {
         let (work, device, metrics) = (&self.work, &self.device, &self.metrics);
-        if !self.resident {
+        if !self.resident || work.output_on_host() {
             let out = work.gpu_to_host(device, chunk, metrics, &self.schema)?;
             return Ok(out.map(Chunk::Host));
         }

@@ -441,3 +441,56 @@ async fn a_filter_splits_a_batch_the_device_has_no_memory_for() {
         "{work:?}"
     );
 }
+
+/// A filter whose output has columns the device cannot hold (a list, a struct) still runs
+/// its predicate on the device and takes its rows on the host: under a CPU parent, and
+/// under a GPU join whose probe child it is, which reads its output from the host (the
+/// filter is not fused into it, as a fused stage's output would have to be on the device;
+/// with the filter's output left on the device, the join's batches fall back). Both equal
+/// DataFusion's, and the device did the batches.
+#[tokio::test]
+async fn a_filter_whose_output_the_device_cannot_hold_takes_its_rows_on_the_host() {
+    let selection = "emulated:1/filter-host-only";
+    let gpu = session(gpu_config(selection), 2);
+    let cpu = session(cpu_config(), 2);
+    for ctx in [&gpu, &cpu] {
+        for sql in [
+            "CREATE TABLE nested AS SELECT value AS a, make_array(value, value * 2) AS l, \
+             named_struct('x', value % 5, 'y', CAST(value AS VARCHAR)) AS st \
+             FROM range(30000)",
+            "CREATE TABLE other AS SELECT value * 7 AS a, value AS b FROM range(5000)",
+            // The join's probe child is then the filter itself.
+            "SET datafusion.optimizer.enable_join_dynamic_filter_pushdown = false",
+        ] {
+            ctx.sql(sql).await.unwrap().collect().await.unwrap();
+        }
+    }
+    let device = described(selection);
+    for (sql, join) in [
+        (
+            "SELECT a, l, st FROM nested WHERE a % 7 = 3 OR a > 29990 ORDER BY a",
+            false,
+        ),
+        (
+            "SELECT count(*), sum(o.b), sum(array_length(n.l)), max(n.st['y']) \
+             FROM nested n JOIN other o ON n.a = o.a WHERE n.a % 3 = 1",
+            true,
+        ),
+    ] {
+        let (gpu_rows, plan, work) = answer(&gpu, sql).await;
+        assert!(
+            plan.contains(&format!("GpuFilterExec: device={device}")),
+            "{sql}\n{plan}"
+        );
+        if join {
+            assert!(plan.contains("GpuHashJoinExec"), "{sql}\n{plan}");
+            assert!(!plan.contains("fused_filter"), "{sql}\n{plan}");
+        }
+        assert!(
+            work.gpu_batches > 0 && work.nothing_fell_back(),
+            "{sql}: {work:?}\n{plan}"
+        );
+        let (_, cpu_rows) = run(&cpu, sql).await;
+        assert_eq!(gpu_rows, Ok(cpu_rows), "{sql}\n{plan}");
+    }
+}

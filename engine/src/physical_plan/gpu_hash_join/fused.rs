@@ -66,6 +66,11 @@ impl FusedFilter {
             return Err("a fused filter with a row limit".into());
         }
         let work = FilterWork::plan(&filter)?;
+        if let Some(why) = work.host_only() {
+            return Err(format!(
+                "a fused filter whose output cannot be on the GPU: {why}"
+            ));
+        }
         Ok(Self { filter, work })
     }
 
