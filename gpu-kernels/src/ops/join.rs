@@ -432,9 +432,19 @@ impl QueuedProbe<'_> {
         self.probe_rows_too = true;
     }
 
+    /// How many matches the table's last probe predicts at its rate of matches per probe
+    /// row (none before its first): what a caller weighs before asking for
+    /// [`read_probe_rows_too`](Self::read_probe_rows_too).
+    pub fn expected_matches(&self) -> usize {
+        match self.table.last_per_row.load(Ordering::Relaxed) {
+            UNSEEN => 0,
+            rate => ((self.n as u64).saturating_mul(rate) / 1024).min(self.cap as u64) as usize,
+        }
+    }
+
     fn finish_with(self, stop_on_first_word: bool) -> Result<Option<Probed>> {
         let guess = if self.probe_rows_too {
-            self.guess(1)
+            self.guess(0)
         } else {
             0
         };

@@ -477,7 +477,9 @@ async fn a_join_probes_a_batch_the_device_has_no_memory_for_in_halves() {
 /// probe rows from the host: its keys go up whole, and of the other probe columns it
 /// outputs only the matched rows, taken on the host (`probe_takes`), where all of
 /// lineitem's rows of four decimals went up to be gathered on the device. A join that keeps
-/// every probe row uploads those columns whole and gathers them there, as before. The
+/// every probe row uploads those columns whole and gathers them there, as before, and does
+/// not read its matched probe rows in its probes' waits (at the last probe's rate, taking
+/// them would not pay). The
 /// answers are DataFusion's, on one partition and on two.
 #[tokio::test]
 async fn a_selective_join_uploads_only_the_probe_rows_it_matched() {
@@ -499,6 +501,11 @@ async fn a_selective_join_uploads_only_the_probe_rows_it_matched() {
             .expect("lineitem's row count");
         for (sql, takes) in [(selective, true), (keeps_all, false)] {
             let what = format!("{partitions} partitions: {sql}");
+            // The join that keeps every row in batches of 8 Ki rows (lineitem has 60 175):
+            // each probe after the first has the last one's rate to weigh reading its probe
+            // rows by.
+            let rows = if takes { 1 << 22 } else { 8192 };
+            super::cache::text(&gpu, &format!("SET fulmen.gpu.batch_rows = {rows}")).await;
             let want = super::rows_of(&cpu, &super::plan_of(&cpu, sql).await).await;
             let plan = super::plan_of(&gpu, sql).await;
             assert_eq!(super::rows_of(&gpu, &plan).await, want, "{what}");
@@ -517,8 +524,9 @@ async fn a_selective_join_uploads_only_the_probe_rows_it_matched() {
             let shown = super::cache::shown(&plan);
             let join = join.unwrap_or_else(|| panic!("{what}: no GPU join\n{shown}"));
             assert!(shown.contains("GpuAggregateExec"), "{what}\n{shown}");
-            let (up, rows, taken) = (
+            let (up, down, rows, taken) = (
                 metric(&join, "h2d_bytes"),
+                metric(&join, "d2h_bytes"),
                 output_rows(&join),
                 metric(&join, "probe_takes"),
             );
@@ -538,6 +546,8 @@ async fn a_selective_join_uploads_only_the_probe_rows_it_matched() {
                 false => {
                     assert_eq!(taken, 0, "{what}\n{shown}");
                     assert!(up >= lineitem * 24, "{what}: {up} bytes up\n{shown}");
+                    // Status words, not 4 bytes a probe row.
+                    assert!(down < lineitem, "{what}: {down} bytes down\n{shown}");
                 }
             }
         }

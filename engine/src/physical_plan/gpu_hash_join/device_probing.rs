@@ -129,19 +129,28 @@ impl DeviceProbing {
         // Output of a host chunk that goes to the host is taken there (`gather_pays`): its
         // pairs come down in the probe's wait.
         let pairs_to_host = self.to_host && matches!(chunk, Chunk::Host(_));
-        // Output that stays on the device out of a host chunk may take the matched rows of
-        // probe columns not up yet on the host (`take_pays`): their probe rows come down in
-        // the probe's wait.
-        let may_take = !self.to_host
-            && matches!(chunk, Chunk::Host(_))
-            && (sources.iter())
-                .any(|&(from_build, c)| !from_build && !probe_columns.contains_key(&c));
+        // The probe columns the output wants that are not up yet. Out of a host chunk, for
+        // output that stays on the device, the matched rows may be taken on the host and
+        // only they uploaded (`take_pays`): their probe rows come down in the probe's wait
+        // where taking as many as the last probe's rate predicts would pay.
+        let mut missing: Vec<usize> = (sources.iter())
+            .filter(|&&(from_build, c)| !from_build && !probe_columns.contains_key(&c))
+            .map(|&(_, c)| c)
+            .collect();
+        missing.sort_unstable();
+        missing.dedup();
+        let may_take = match chunk {
+            Chunk::Host(batch) if !self.to_host => Some(batch).filter(|_| !missing.is_empty()),
+            _ => None,
+        };
         let probed = metrics.kernel(|| -> Result<_, KernelError> {
             let extra = lead + strings.len();
             let Some(mut queued) = table.probe_queued_into(&keys, valid, n, extra, totals)? else {
                 return Ok(Some(Found::OnDevice(None)));
             };
-            if may_take {
+            if let Some(batch) = may_take
+                && self.take_pays(batch, &missing, queued.expected_matches())
+            {
                 queued.read_probe_rows_too();
             }
             if pairs_to_host {
@@ -233,16 +242,10 @@ impl DeviceProbing {
             run.extra.host_takes.add(1);
             return Ok(Probe::Out(Some(out)));
         }
-        // The probe columns the output wants that are not up yet: out of a host chunk, the
-        // matched rows taken there and only they uploaded, when that costs less than half
-        // as much as uploading the columns whole and gathering them on the device
-        // (`take_pays`), as for a selective join over a wide probe side; else uploaded whole.
-        let mut missing: Vec<usize> = (sources.iter())
-            .filter(|&&(from_build, c)| !from_build && !probe_columns.contains_key(&c))
-            .map(|&(_, c)| c)
-            .collect();
-        missing.sort_unstable();
-        missing.dedup();
+        // The missing probe columns: out of a host chunk, the matched rows taken there and
+        // only they uploaded, when that costs less than half as much as uploading the
+        // columns whole and gathering them on the device (`take_pays`), as for a selective
+        // join over a wide probe side; else uploaded whole.
         let mut taken: HashMap<usize, DeviceColumn> = HashMap::new();
         if let Chunk::Host(batch) = chunk
             && self.take_pays(batch, &missing, rows)
@@ -418,10 +421,11 @@ impl DeviceProbing {
     /// matched probe rows of the columns `missing` on the host and uploading only them
     /// costs less than half as much in the H200 model (one more wait, the probe's row indices
     /// down, the taken rows up) as uploading those columns whole for the device to gather
-    /// (their gather launches, six columns to a launch, saved too). The margin stands for
-    /// what the model leaves out, the host's own pass over the taken rows: a join that keeps
-    /// most of its probe rows (TPC-H Q21's `l1`, 63 %) gathers on the device. A judgement,
-    /// not measured on a GPU.
+    /// (their gather launches, six columns to a launch, saved too). The wait is charged even
+    /// where the probe's own wait brought the indices: with the margin, it stands for what
+    /// the model leaves out, the host's own pass over the taken rows, so that a join that
+    /// keeps most of its probe rows (TPC-H Q21's `l1`, 63 %), or a small batch, gathers on
+    /// the device. A judgement, not measured on a GPU.
     fn take_pays(&self, batch: &RecordBatch, missing: &[usize], rows: usize) -> bool {
         if missing.is_empty() {
             return false;
