@@ -482,7 +482,7 @@ impl QueuedProbe<'_> {
         let n = self.n as u64;
         match self.table.last_per_row.load(Ordering::Relaxed) {
             UNSEEN => (n + n / 64 + 256).min(first_most),
-            rate => n.saturating_mul(rate) / 1024 + n / 64 + 256,
+            _ => self.expected_matches() as u64 + n / 64 + 256,
         }
         .min(self.cap as u64) as usize
     }
