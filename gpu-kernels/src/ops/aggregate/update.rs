@@ -341,15 +341,29 @@ impl GroupTable {
             return Ok(true);
         }
         // From here until the commit the table holds pending slots: any failure rolls
-        // them back before returning.
-        let result = self.commit_batch(
-            keys,
-            inputs,
-            n,
-            (&hashes, &refs, &first),
-            inserted_count,
-            early,
-        );
+        // them back before returning. String keys' new bytes the insert's wait did not
+        // bring are measured in a wait of their own, before anything is allocated for the
+        // new groups (the wait leaves the pool's blocks free of queued work).
+        let measured = match early {
+            Some(early) => Ok(Some(early)),
+            None if !strings.is_empty() => {
+                NewStrings::queue(&device, keys, &strings, &refs, &first).and_then(|m| {
+                    let totals = words_of(&m.totals.to_host()?);
+                    Ok(Some((m, totals)))
+                })
+            }
+            None => Ok(None),
+        };
+        let result = measured.and_then(|measured| {
+            self.commit_batch(
+                keys,
+                inputs,
+                n,
+                (&hashes, &refs, &first),
+                inserted_count,
+                measured,
+            )
+        });
         if let Err(e) = result {
             // A failed rollback is the error to report (the table is no longer as it was),
             // unless the device is gone: then the rollback fails only for that, and the
@@ -364,9 +378,9 @@ impl GroupTable {
 
     /// Numbers the `inserted` new groups the insert left pending in `refs` (one slot each,
     /// so one leader row each; `found` is the insert's hashes, refs and first rows),
-    /// gathers their keys and, with `inputs`, updates the accumulators: no host wait
-    /// unless a key is a string whose new bytes were not measured in the insert's wait
-    /// (`early`, with the totals read there): they are counted on the device first.
+    /// gathers their keys and, with `inputs`, updates the accumulators, with no host wait.
+    /// `measured`: the string keys' new bytes, measured and their totals read (wherever a
+    /// key is a string; a string key left unmeasured is gathered with a wait of its own).
     pub(super) fn commit_batch(
         &mut self,
         keys: &[&DeviceColumn],
@@ -374,7 +388,7 @@ impl GroupTable {
         n: usize,
         found: (&DeviceBuffer, &DeviceBuffer, &DeviceBuffer),
         inserted: u64,
-        early: Option<(NewStrings, Vec<u64>)>,
+        measured: Option<(NewStrings, Vec<u64>)>,
     ) -> Result<()> {
         let (hashes, refs, first) = found;
         let device = self.device.clone();
@@ -386,21 +400,6 @@ impl GroupTable {
             )));
         }
         let total = g0 + new;
-        // With a string key: its new bytes measured (in the insert's wait, or in one of
-        // their own here) before anything is allocated for the new groups, as the wait
-        // leaves the pool's blocks free of queued work.
-        let strings: Vec<usize> = (0..keys.len())
-            .filter(|&k| keys[k].offsets().is_some())
-            .collect();
-        let measured = match early {
-            Some(early) => Some(early),
-            None if !strings.is_empty() => {
-                let measured = NewStrings::queue(&device, keys, &strings, refs, first)?;
-                let totals = words_of(&measured.totals.to_host()?);
-                Some((measured, totals))
-            }
-            None => None,
-        };
         let mut starts: Vec<Option<gather::QueuedStarts>> = (0..keys.len()).map(|_| None).collect();
         let mut byte_totals = vec![0u64; keys.len()];
         let mut string_ranks = None;
